@@ -2,4 +2,47 @@
 
 from __future__ import annotations
 
+from mixprec.analysis.plan import Decision, Precision, PrecisionPlan, plan_precision
+from mixprec.analysis.typeinfo import infer_types
+from mixprec.api import ConversionResult, build_policy, convert
+from mixprec.dtypes import LowPrecision
+from mixprec.errors import (
+    ConversionError,
+    InputError,
+    MixprecError,
+    ModelLoadError,
+    PolicyError,
+    ValidationError,
+)
+from mixprec.io import load_model, save_model
+from mixprec.passes.rewrite import apply_plan
+from mixprec.policy.table import OpClass, Policy, load_policy
+from mixprec.report import Report
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "ConversionError",
+    "ConversionResult",
+    "Decision",
+    "InputError",
+    "LowPrecision",
+    "MixprecError",
+    "ModelLoadError",
+    "OpClass",
+    "Policy",
+    "PolicyError",
+    "Precision",
+    "PrecisionPlan",
+    "Report",
+    "ValidationError",
+    "__version__",
+    "apply_plan",
+    "build_policy",
+    "convert",
+    "infer_types",
+    "load_model",
+    "load_policy",
+    "plan_precision",
+    "save_model",
+]

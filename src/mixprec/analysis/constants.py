@@ -1,0 +1,152 @@
+"""Constant tensors (initializers and Constant nodes): their values and how they fare in 16 bits.
+
+External tensors are read in chunks with plain file reads rather than through a memory map, so
+inspecting a multi-gigabyte model does not grow the resident set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from mixprec.dtypes import LowPrecision
+
+_CHUNK_BYTES = 64 * 1024 * 1024
+_META_RANGE = "mixprec.constant_range"
+# Arrays up to this many bytes are kept in value.meta once read (condition checks reuse them).
+_CACHE_BYTES = 4096
+
+
+def constant_tensor(value: ir.Value) -> ir.TensorProtocol | None:
+    """The tensor behind a value, if it is an initializer or the output of a Constant node."""
+    if value.const_value is not None:
+        return value.const_value
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Constant" and producer.domain in ("", "ai.onnx"):
+        attr = producer.attributes.get("value")
+        if attr is not None and attr.type == ir.AttributeType.TENSOR:
+            return attr.as_tensor()
+    return None
+
+
+def is_constant(value: ir.Value) -> bool:
+    """Whether the value is an initializer (not also a graph input) or a Constant's output."""
+    if value.is_graph_input():
+        return False
+    return constant_tensor(value) is not None
+
+
+def iter_chunks(tensor: ir.TensorProtocol) -> Iterator[np.ndarray]:
+    """Yield the tensor's elements as flat NumPy chunks of bounded size."""
+    if isinstance(tensor, ir.ExternalTensor) and tensor.dtype.itemsize and tensor.dtype.bitwidth % 8 == 0:
+        dtype = tensor.dtype.numpy()
+        total = tensor.size
+        step = max(1, _CHUNK_BYTES // dtype.itemsize)
+        with open(tensor.path, "rb") as f:
+            f.seek(tensor.offset or 0)
+            done = 0
+            while done < total:
+                count = min(step, total - done)
+                chunk = np.fromfile(f, dtype=dtype, count=count)
+                if chunk.size != count:
+                    raise OSError(f"external data file {tensor.path} is shorter than declared")
+                yield chunk
+                done += count
+        return
+    yield np.asarray(tensor.numpy()).reshape(-1)
+
+
+def small_constant_array(value: ir.Value, max_bytes: int = 1 << 20) -> np.ndarray | None:
+    """The constant's values as an array when it is small (used by conditions), else None."""
+    tensor = constant_tensor(value)
+    if tensor is None or tensor.nbytes > max_bytes:
+        return None
+    return np.asarray(tensor.numpy())
+
+
+@dataclass(frozen=True)
+class ConstantRange:
+    """How a float constant fares when stored in a 16-bit type.
+
+    Attributes:
+        absmax: Largest finite magnitude.
+        overflow: Number of finite elements that become infinite.
+        flushed: Number of non-zero elements that become zero.
+        max_flushed: Largest magnitude among the flushed elements.
+        significant_flush: Whether a flushed element matters relative to the tensor's own scale
+            (it is larger than absmax times the 16-bit epsilon), e.g. an epsilon constant.
+    """
+
+    absmax: float
+    overflow: int
+    flushed: int
+    max_flushed: float
+    significant_flush: bool
+
+    @property
+    def representable(self) -> bool:
+        """True if storing the tensor in 16 bits changes no value beyond rounding."""
+        return self.overflow == 0 and not self.significant_flush
+
+    def describe(self, target: LowPrecision) -> str:
+        """Evidence for the report."""
+        parts = []
+        if self.overflow:
+            parts.append(
+                f"{self.overflow} value(s) beyond the {target.short_name} range "
+                f"(absmax {self.absmax:.3g} > {target.limits.max:.6g})"
+            )
+        if self.significant_flush:
+            parts.append(
+                f"{self.flushed} non-zero value(s) flush to zero in {target.short_name} "
+                f"(e.g. {self.max_flushed:.3g})"
+            )
+        return "; ".join(parts) or "representable"
+
+
+def constant_range(value: ir.Value, target: LowPrecision) -> ConstantRange | None:
+    """Range analysis of a float32 constant for `target` (cached on the value)."""
+    cache = value.meta.get(_META_RANGE)
+    if cache is not None and target in cache:
+        return cache[target]
+    tensor = constant_tensor(value)
+    if tensor is None or tensor.dtype != ir.DataType.FLOAT:
+        return None
+    limits = target.limits
+    absmax = 0.0
+    overflow = 0
+    flushed = 0
+    max_flushed = 0.0
+    half_subnormal = limits.smallest_subnormal / 2
+    for chunk in iter_chunks(tensor):
+        if chunk.size == 0:
+            continue
+        magnitude = np.abs(chunk)
+        finite = np.isfinite(magnitude)
+        if not finite.all():
+            magnitude = np.where(finite, magnitude, 0.0)
+        chunk_max = float(magnitude.max())
+        absmax = max(absmax, chunk_max)
+        if chunk_max >= limits.max:
+            cast = chunk[finite].astype(target.numpy_dtype)
+            overflow += int(np.count_nonzero(np.isinf(cast.astype(np.float32))))
+        nonzero = magnitude[magnitude > 0]
+        if nonzero.size and float(nonzero.min()) <= half_subnormal:
+            tiny = nonzero[nonzero <= half_subnormal]
+            tiny_cast = tiny.astype(target.numpy_dtype).astype(np.float32)
+            lost = tiny[tiny_cast == 0]
+            flushed += int(lost.size)
+            if lost.size:
+                max_flushed = max(max_flushed, float(lost.max()))
+    result = ConstantRange(
+        absmax=absmax,
+        overflow=overflow,
+        flushed=flushed,
+        max_flushed=max_flushed,
+        significant_flush=flushed > 0 and max_flushed > absmax * limits.eps,
+    )
+    value.meta[_META_RANGE] = {**(cache or {}), target: result}
+    return result

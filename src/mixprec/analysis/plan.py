@@ -1,0 +1,655 @@
+"""Precision planning: decide, for every node, whether it computes in the 16-bit type.
+
+The planner is pure analysis: it reads a typed model (see :mod:`mixprec.analysis.typeinfo`) and
+returns a :class:`PrecisionPlan`; it never edits the model. Decisions follow a small lattice over
+FP32 values:
+
+* ``LOW``  the value is produced in the 16-bit type;
+* ``HIGH`` the value stays FP32;
+* ``WIDE`` the value stays FP32 and may hold values the 16-bit type cannot represent
+  (out-of-range constants and what data movement makes of them): it is never narrowed;
+* ``FLEX`` the value can be had in either type without extra error (constants, graph inputs,
+  tensors generated from attributes, and follow ops over those): its consumers decide.
+
+A forward pass in topological order (subgraphs before the node that owns them) decides every
+node from the states of its inputs, so decisions do not depend on visit order; a backward pass
+then resolves ``FLEX`` producers from what their consumers need.
+
+Each node's schema binds its inputs and outputs to type variables; converting a node lowers the
+type variables that are FP32 and admit the 16-bit type at the node's opset, except pinned ones.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import onnx_ir as ir
+
+from mixprec.analysis.constants import constant_range, is_constant, small_constant_array
+from mixprec.dtypes import LowPrecision, is_fp32_tensor
+from mixprec.errors import InputError
+from mixprec.policy.conditions import CONDITIONS
+from mixprec.policy.schemas import Signature, signature
+from mixprec.policy.table import OpClass, OpRule, Policy, format_op_name, normalize_domain
+
+FLOAT = ir.DataType.FLOAT
+
+
+class Precision(str, enum.Enum):
+    """Where a node computes."""
+
+    LOW = "low"  # in the 16-bit type
+    FP32 = "fp32"  # at its original FP32 types
+    NONE = "none"  # it has no FP32 float computation (integer, bool, ... or already 16-bit)
+
+
+class Category(str, enum.Enum):
+    """Why a node got its precision (the report groups by this)."""
+
+    POLICY = "policy"
+    FOLLOW = "follows inputs"
+    CONSUMERS = "decided by consumers"
+    EXCLUDED = "excluded by user"
+    CONDITION = "condition"
+    CONSTANT_RANGE = "out-of-range constant"
+    SCHEMA = "schema has no 16-bit type"
+    UNKNOWN_OP = "unknown op"
+    UNKNOWN_TYPE = "type unknown"
+    CONTROL_FLOW = "control flow"
+    NO_FLOAT = "no FP32 compute"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The precision of one node and the reason for it."""
+
+    precision: Precision
+    category: Category
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        """JSON-ready form."""
+        return {
+            "precision": self.precision.value,
+            "category": self.category.value,
+            "reason": self.reason,
+        }
+
+
+class State(enum.Enum):
+    """Lattice state of an FP32 value during planning."""
+
+    LOW = "low"
+    HIGH = "high"
+    WIDE = "wide"
+    FLEX = "flex"
+
+
+class Storage(enum.Enum):
+    """How an FP32 constant is stored after conversion."""
+
+    FP32 = "fp32"
+    LOW = "low"
+    BOTH = "both"  # kept FP32, with a 16-bit copy for the consumers that compute in 16 bits
+
+
+@dataclass
+class NodeFacts:
+    """What the planner knows about one node before deciding it."""
+
+    rule: OpRule | None
+    sig: Signature | None
+    float_vars: frozenset[str] = frozenset()
+    lowerable: set[str] = field(default_factory=set)
+    pinned_evidence: list[str] = field(default_factory=list)
+    flexible: frozenset[int] = frozenset()
+
+
+@dataclass
+class PrecisionPlan:
+    """Per-node precision decisions and what they imply for values and constants.
+
+    Attributes:
+        target: The 16-bit type.
+        keep_io_types: Whether the model's inputs and outputs keep FP32.
+        decisions: Node -> decision.
+        lowered_vars: For LOW nodes, the schema type variables that become 16-bit.
+        facts: Node -> facts used for the decision (schema binding, flexible inputs).
+        storage: FP32 constants (initializers and Constant outputs) -> how they are stored.
+        constant_notes: Constants kept FP32 or saturated because of their values -> evidence.
+        saturated: Constants whose out-of-range values saturate to the 16-bit maximum.
+        order: All nodes, subgraph nodes before their owner, in topological order.
+    """
+
+    target: LowPrecision
+    keep_io_types: bool
+    decisions: dict[ir.Node, Decision]
+    lowered_vars: dict[ir.Node, frozenset[str]]
+    facts: dict[ir.Node, NodeFacts]
+    storage: dict[ir.Value, Storage]
+    constant_notes: dict[ir.Value, str]
+    saturated: set[ir.Value]
+    order: list[ir.Node]
+
+    def input_is_lowered(self, node: ir.Node, index: int) -> bool:
+        """Whether input `index` of `node` is computed in the 16-bit type."""
+        if self.decisions[node].precision is not Precision.LOW:
+            return False
+        facts = self.facts[node]
+        if facts.sig is None or index >= len(facts.sig.input_vars):
+            return False
+        var = facts.sig.input_vars[index]
+        return var is not None and var in self.lowered_vars[node]
+
+    def output_is_lowered(self, node: ir.Node, index: int) -> bool:
+        """Whether output `index` of `node` is produced in the 16-bit type."""
+        if self.decisions[node].precision is not Precision.LOW:
+            return False
+        facts = self.facts[node]
+        if facts.rule is not None and facts.rule.dtype_attribute is not None:
+            return index == 0
+        if facts.sig is None or index >= len(facts.sig.output_vars):
+            return False
+        var = facts.sig.output_vars[index]
+        return var is not None and var in self.lowered_vars[node]
+
+    def count(self, precision: Precision) -> int:
+        """Number of nodes with this precision."""
+        return sum(1 for d in self.decisions.values() if d.precision is precision)
+
+
+class NodeMatcher:
+    """Matches node names against exact names and regular expressions (`re.search`)."""
+
+    def __init__(self, patterns: Iterable[str] = ()) -> None:
+        self.patterns = list(patterns)
+        self._compiled: list[tuple[str, re.Pattern[str]]] = []
+        for pattern in self.patterns:
+            try:
+                self._compiled.append((pattern, re.compile(pattern)))
+            except re.error as e:
+                raise InputError(f"invalid node name pattern {pattern!r}: {e}") from e
+        self.used: set[str] = set()
+
+    def match(self, name: str | None) -> str | None:
+        """The first pattern that matches `name`, or None."""
+        if not name:
+            return None
+        for pattern, compiled in self._compiled:
+            if name == pattern or compiled.search(name):
+                self.used.add(pattern)
+                return pattern
+        return None
+
+    def unused(self) -> list[str]:
+        """Patterns that matched no node so far."""
+        return [p for p in self.patterns if p not in self.used]
+
+
+def _is_std(domain: str) -> bool:
+    return normalize_domain(domain) == ""
+
+
+def walk_nodes(graph: ir.Graph | ir.Function) -> Iterator[ir.Node]:
+    """Nodes of `graph` and its subgraphs; a subgraph's nodes come before the node owning it."""
+    for node in graph:
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH:
+                yield from walk_nodes(attr.as_graph())
+            elif attr.type == ir.AttributeType.GRAPHS:
+                for sub in attr.as_graphs():
+                    yield from walk_nodes(sub)
+        yield node
+
+
+def subgraphs_of(node: ir.Node) -> list[ir.Graph]:
+    """The graph attributes of a node."""
+    graphs: list[ir.Graph] = []
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            graphs.append(attr.as_graph())
+        elif attr.type == ir.AttributeType.GRAPHS:
+            graphs.extend(attr.as_graphs())
+    return graphs
+
+
+class _Planner:
+    def __init__(
+        self,
+        model: ir.Model,
+        policy: Policy,
+        exclude: NodeMatcher,
+        keep_io_types: bool,
+    ) -> None:
+        self.model = model
+        self.policy = policy
+        self.target = policy.target
+        self.target_type = policy.target.type_str
+        self.exclude = exclude
+        self.keep_io_types = keep_io_types
+        self.state: dict[ir.Value, State] = {}
+        self.decisions: dict[ir.Node, Decision] = {}
+        self.lowered: dict[ir.Node, frozenset[str]] = {}
+        self.facts: dict[ir.Node, NodeFacts] = {}
+        self.storage: dict[ir.Value, Storage] = {}
+        self.constant_notes: dict[ir.Value, str] = {}
+        self.saturated: set[ir.Value] = set()
+        self.flex_nodes: list[ir.Node] = []
+        self.main_outputs = frozenset(model.graph.outputs)
+        self.sub_outputs: set[ir.Value] = set()
+        self.order = list(walk_nodes(model.graph))
+        self.opsets = dict(model.opset_imports)
+
+    # -- states ---------------------------------------------------------------------------
+    def _constant_state(self, value: ir.Value) -> State:
+        rng = constant_range(value, self.target)
+        if rng is not None and not rng.representable:
+            return State.WIDE
+        return State.FLEX
+
+    def _init_graph(self, graph: ir.Graph, *, main: bool) -> None:
+        for value in graph.inputs:
+            if is_fp32_tensor(value):
+                if main and not self.keep_io_types:
+                    self.state[value] = State.LOW
+                else:
+                    self.state[value] = State.FLEX
+        for value in graph.initializers.values():
+            if is_fp32_tensor(value) and value not in self.state:
+                self.state[value] = self._constant_state(value)
+        if not main:
+            self.sub_outputs.update(v for v in graph.outputs if v is not None)
+
+    def value_state(self, value: ir.Value) -> State:
+        state = self.state.get(value)
+        if state is not None:
+            return state
+        # Outer-scope values not seen yet, values without a producer, unknown cases.
+        if is_constant(value):
+            state = self._constant_state(value)
+        else:
+            state = State.HIGH
+        self.state[value] = state
+        return state
+
+    # -- facts --------------------------------------------------------------------------
+    def _opset(self, node: ir.Node) -> int | None:
+        if node.version is not None:
+            return node.version
+        graph = node.graph
+        opsets = getattr(graph, "opset_imports", None) or self.opsets
+        domain = normalize_domain(node.domain)
+        version = opsets.get(domain)
+        if version is None and domain == "":
+            version = opsets.get("ai.onnx")
+        if version is None:
+            version = self.opsets.get(domain)
+        return version
+
+    def _facts(self, node: ir.Node) -> NodeFacts:
+        rule = self.policy.rule_for(node.domain, node.op_type)
+        sig = None
+        opset = self._opset(node)
+        if _is_std(node.domain) and opset is not None:
+            sig = signature(node.op_type, node.domain, opset, len(node.inputs), len(node.outputs))
+        facts = NodeFacts(rule=rule, sig=sig)
+        if sig is None:
+            return facts
+        float_vars: set[str] = set()
+        for values, variables in ((node.inputs, sig.input_vars), (node.outputs, sig.output_vars)):
+            for value, var in zip(values, variables):
+                if value is not None and var is not None and is_fp32_tensor(value):
+                    float_vars.add(var)
+        facts.float_vars = frozenset(float_vars)
+        # Type variables bound only to outputs (e.g. LayerNormalization's U, set by stash_type)
+        # are the op's own choice: they keep their types.
+        input_vars = {
+            var for value, var in zip(node.inputs, sig.input_vars) if value is not None and var is not None
+        }
+        facts.lowerable = {
+            v for v in float_vars if v in input_vars and self.target_type in sig.allowed.get(v, ())
+        }
+        if rule is not None:
+            facts.flexible = rule.flexible_inputs
+            for index in rule.fp32_inputs:
+                if index < len(sig.input_vars) and sig.input_vars[index] is not None:
+                    facts.lowerable.discard(sig.input_vars[index])  # type: ignore[arg-type]
+            for index in rule.flexible_inputs:
+                # A flexible input's own type variable is never lowered by the node.
+                if index < len(sig.input_vars):
+                    var = sig.input_vars[index]
+                    if var is not None and var not in {
+                        sig.input_vars[i] for i in range(len(sig.input_vars)) if i != index
+                    } | set(sig.output_vars):
+                        facts.lowerable.discard(var)
+        return facts
+
+    def _touches_fp32(self, node: ir.Node) -> bool:
+        """Whether the node reads or writes FP32 values (inputs it takes as they are aside)."""
+        facts = self.facts.get(node)
+        flexible = facts.flexible if facts is not None else frozenset()
+        if any(v is not None and is_fp32_tensor(v) for v in node.outputs):
+            return True
+        return any(
+            v is not None and is_fp32_tensor(v) and i not in flexible for i, v in enumerate(node.inputs)
+        )
+
+    # -- forward pass -------------------------------------------------------------------
+    def run(self) -> PrecisionPlan:
+        self._init_graph(self.model.graph, main=True)
+        for node in self.order:
+            for sub in subgraphs_of(node):
+                self._init_graph(sub, main=False)
+        seen_graphs: set[int] = set()
+        for node in self.order:
+            graph = node.graph
+            if graph is not None and id(graph) not in seen_graphs:
+                seen_graphs.add(id(graph))
+            self._decide(node)
+        self._resolve_flex()
+        self._decide_storage()
+        return PrecisionPlan(
+            target=self.target,
+            keep_io_types=self.keep_io_types,
+            decisions=self.decisions,
+            lowered_vars=self.lowered,
+            facts=self.facts,
+            storage=self.storage,
+            constant_notes=self.constant_notes,
+            saturated=self.saturated,
+            order=self.order,
+        )
+
+    def _keep(self, node: ir.Node, category: Category, reason: str, out_state: State) -> None:
+        touches = self._touches_fp32(node)
+        precision = Precision.FP32 if touches else Precision.NONE
+        if not touches:
+            category, reason = Category.NO_FLOAT, "no FP32 values"
+        self.decisions[node] = Decision(precision, category, reason)
+        self.lowered[node] = frozenset()
+        for out in node.outputs:
+            if is_fp32_tensor(out):
+                self.state[out] = out_state
+
+    def _lower(self, node: ir.Node, facts: NodeFacts, category: Category, reason: str) -> None:
+        self.decisions[node] = Decision(Precision.LOW, category, reason)
+        self.lowered[node] = frozenset(facts.lowerable)
+        for index, out in enumerate(node.outputs):
+            if not is_fp32_tensor(out):
+                continue
+            var = facts.sig.output_vars[index] if facts.sig and index < len(facts.sig.output_vars) else None
+            lowered = var in facts.lowerable if var is not None else False
+            if facts.rule is not None and facts.rule.dtype_attribute is not None:
+                lowered = index == 0
+            self.state[out] = State.LOW if lowered else State.HIGH
+
+    def _flex(self, node: ir.Node, facts: NodeFacts) -> None:
+        # Provisional: resolved by the backward pass.
+        self.decisions[node] = Decision(Precision.FP32, Category.CONSUMERS, "pending")
+        self.lowered[node] = frozenset(facts.lowerable)
+        self.flex_nodes.append(node)
+        for index, out in enumerate(node.outputs):
+            if is_fp32_tensor(out):
+                self.state[out] = State.FLEX if self._output_var_lowerable(facts, index) else State.HIGH
+
+    @staticmethod
+    def _output_var_lowerable(facts: NodeFacts, index: int) -> bool:
+        if facts.rule is not None and facts.rule.dtype_attribute is not None:
+            return index == 0
+        if facts.sig is None or index >= len(facts.sig.output_vars):
+            return False
+        var = facts.sig.output_vars[index]
+        return var is not None and var in facts.lowerable
+
+    def _decide(self, node: ir.Node) -> None:
+        facts = self._facts(node)
+        self.facts[node] = facts
+        name = node.name or ""
+        if subgraphs_of(node):
+            self._keep(node, Category.CONTROL_FLOW, "boundary keeps its types; subgraphs are converted inside", State.HIGH)
+            return
+        rule = facts.rule
+        op_name = format_op_name(node.domain, node.op_type)
+        if rule is None or facts.sig is None:
+            why = "not in the policy" if facts.sig is not None else "no ONNX schema for this op and opset"
+            self._keep(node, Category.UNKNOWN_OP, f"{op_name}: {why}", State.HIGH)
+            return
+        if not self._touches_fp32(node):
+            self._keep(node, Category.NO_FLOAT, "no FP32 values", State.HIGH)
+            return
+        unknown = [
+            v.name
+            for v, var in zip(node.inputs, facts.sig.input_vars)
+            if v is not None and var is not None and var in facts.lowerable and v.dtype is None
+        ]
+        if unknown:
+            self._keep(node, Category.UNKNOWN_TYPE, f"type of {unknown[0]!r} is unknown", State.HIGH)
+            return
+        pattern = self.exclude.match(name)
+        if pattern is not None:
+            self._keep(node, Category.EXCLUDED, f"node name matches {pattern!r}", State.HIGH)
+            return
+        if rule.dtype_attribute is not None:
+            self._decide_dtype_source(node, facts, rule)
+            return
+        if not facts.lowerable:
+            if facts.float_vars:
+                reason = f"{op_name}-{facts.sig.since_version} has no {self.target.value} type for its FP32 values"
+            else:
+                reason = f"{op_name} fixes its float types in the schema"
+            self._keep(node, Category.SCHEMA, reason, State.HIGH)
+            return
+        op_class = rule.op_class
+        category, reason = Category.POLICY, f"{op_name}: {rule.reason}"
+        if op_class is OpClass.CONDITIONAL:
+            condition = CONDITIONS[rule.condition or ""]
+            result = condition(node, small_constant_array, rule.params)
+            if not result.ok:
+                self._keep(node, Category.CONDITION, f"{op_name}: {result.evidence}", State.HIGH)
+                return
+            op_class, category, reason = OpClass.FOLLOW, Category.CONDITION, f"{op_name}: {result.evidence}"
+        if op_class is OpClass.FP32:
+            self._keep(node, Category.POLICY, reason, State.HIGH)
+            return
+        # Inputs bound to lowerable type variables (flexible inputs are taken as they are).
+        considered: list[tuple[int, ir.Value, str]] = []
+        for index, (value, var) in enumerate(zip(node.inputs, facts.sig.input_vars)):
+            if value is None or var is None or var not in facts.lowerable:
+                continue
+            if index in facts.flexible or not is_fp32_tensor(value):
+                continue
+            considered.append((index, value, var))
+        # Values that must not be narrowed pin their type variable to FP32.
+        wide_inputs = []
+        for index, value, var in considered:
+            if self.value_state(value) is not State.WIDE:
+                continue
+            if index in rule.saturate_inputs and is_constant(value):
+                self.saturated.add(value)
+                continue
+            facts.lowerable.discard(var)
+            wide_inputs.append(value)
+            evidence = self._wide_evidence(value)
+            facts.pinned_evidence.append(f"{value.name}: {evidence}")
+        if wide_inputs and not self._has_lowered_output(node, facts):
+            self._keep(
+                node,
+                Category.CONSTANT_RANGE,
+                "; ".join(facts.pinned_evidence),
+                State.WIDE if op_class is OpClass.FOLLOW else State.HIGH,
+            )
+            return
+        considered = [(i, v, var) for i, v, var in considered if var in facts.lowerable]
+        if op_class is OpClass.LOW:
+            self._lower(node, facts, category, reason)
+            return
+        states = {id(v): self.value_state(v) for _, v, _ in considered}
+        high = [v for _, v, _ in considered if states[id(v)] in (State.HIGH, State.WIDE)]
+        if high:
+            self._keep(node, Category.FOLLOW, f"follows FP32 input {high[0].name!r}", State.HIGH)
+            return
+        if any(states[id(v)] is State.LOW for _, v, _ in considered):
+            follow_reason = reason if category is Category.CONDITION else f"follows 16-bit inputs ({op_name})"
+            self._lower(node, facts, category if category is Category.CONDITION else Category.FOLLOW, follow_reason)
+            return
+        self._flex(node, facts)
+
+    def _has_lowered_output(self, node: ir.Node, facts: NodeFacts) -> bool:
+        sig = facts.sig
+        if sig is None:
+            return False
+        return any(
+            out is not None and is_fp32_tensor(out) and var is not None and var in facts.lowerable
+            for out, var in zip(node.outputs, sig.output_vars)
+        )
+
+    def _wide_evidence(self, value: ir.Value) -> str:
+        note = self.constant_notes.get(value)
+        if note is not None:
+            return note
+        rng = constant_range(value, self.target)
+        if rng is not None:
+            note = rng.describe(self.target)
+        else:
+            producer = value.producer()
+            origin = producer.name or producer.op_type if producer is not None else "?"
+            note = f"may hold values beyond the {self.target.short_name} range (from {origin})"
+        self.constant_notes[value] = note
+        return note
+
+    def _decide_dtype_source(self, node: ir.Node, facts: NodeFacts, rule: OpRule) -> None:
+        """Ops whose output type is an attribute (Cast, Constant, ConstantOfShape, EyeLike, ...)."""
+        if not node.outputs or not is_fp32_tensor(node.outputs[0]):
+            self._keep(node, Category.NO_FLOAT, "no FP32 values", State.HIGH)
+            return
+        out = node.outputs[0]
+        sig = facts.sig
+        out_var = sig.output_vars[0] if sig is not None and sig.output_vars else None
+        if out_var is not None and self.target_type not in sig.allowed.get(out_var, ()):  # type: ignore[union-attr]
+            self._keep(
+                node,
+                Category.SCHEMA,
+                f"{node.op_type}-{sig.since_version} has no {self.target.value} output type",  # type: ignore[union-attr]
+                State.HIGH,
+            )
+            return
+        facts.lowerable = {out_var} if out_var is not None else set()
+        constant = is_constant(out)
+        if constant:
+            rng = constant_range(out, self.target)
+            if rng is not None and not rng.representable:
+                self.constant_notes[out] = rng.describe(self.target)
+                self._keep(node, Category.CONSTANT_RANGE, f"{out.name}: {self.constant_notes[out]}", State.WIDE)
+                return
+        elif rule.dtype_attribute == "value":
+            tensor_attr = node.attributes.get("value")
+            if tensor_attr is not None:
+                array = tensor_attr.as_tensor().numpy().astype("float32")
+                cast = array.astype(self.target.numpy_dtype).astype("float32")
+                if (abs(cast) > self.target.limits.max).any() or ((cast == 0) & (array != 0)).any():
+                    self._keep(node, Category.CONSTANT_RANGE, f"fill value {array.reshape(-1)[:1]} not representable", State.WIDE)
+                    return
+        source = node.inputs[0] if node.inputs else None
+        follows_input = (
+            source is not None
+            and is_fp32_tensor(source)
+            and (rule.dtype_attribute == "to" or node.attributes.get(rule.dtype_attribute) is None)
+        )
+        if follows_input:
+            state = self.value_state(source)  # type: ignore[arg-type]
+            if state is State.LOW:
+                self._lower(node, facts, Category.FOLLOW, f"{node.op_type} of a 16-bit input")
+                return
+            if state in (State.HIGH, State.WIDE):
+                self._keep(node, Category.FOLLOW, f"follows FP32 input {source.name!r}", state)  # type: ignore[union-attr]
+                return
+        self._flex(node, facts)
+
+    # -- backward pass ------------------------------------------------------------------
+    def demands(self, value: ir.Value) -> set[State]:
+        """What the consumers of an FP32 value need: LOW and/or HIGH."""
+        wanted: set[State] = set()
+        for use in value.uses():
+            consumer, index = use.node, use.idx
+            facts = self.facts.get(consumer)
+            if facts is None:
+                wanted.add(State.HIGH)
+                continue
+            if index in facts.flexible:
+                continue
+            decision = self.decisions[consumer]
+            if decision.precision is Precision.LOW:
+                var = facts.sig.input_vars[index] if facts.sig and index < len(facts.sig.input_vars) else None
+                wanted.add(State.LOW if var is not None and var in self.lowered[consumer] else State.HIGH)
+            else:
+                wanted.add(State.HIGH)
+        if value in self.main_outputs:
+            wanted.add(State.HIGH if self.keep_io_types else State.LOW)
+        if value in self.sub_outputs:
+            wanted.add(State.HIGH)
+        return wanted
+
+    def _resolve_flex(self) -> None:
+        for node in reversed(self.flex_nodes):
+            facts = self.facts[node]
+            wanted: set[State] = set()
+            for index, out in enumerate(node.outputs):
+                if is_fp32_tensor(out) and self.state.get(out) is State.FLEX:
+                    wanted |= self.demands(out)
+            op_name = format_op_name(node.domain, node.op_type)
+            if wanted == {State.LOW}:
+                self._lower(node, facts, Category.CONSUMERS, f"{op_name}: all consumers compute in {self.target.short_name}")
+            else:
+                why = "some consumers compute in FP32" if State.HIGH in wanted else "no 16-bit consumer"
+                self._keep(node, Category.CONSUMERS, f"{op_name}: {why}", State.HIGH)
+
+    def _decide_storage(self) -> None:
+        for graph in self.model.graphs():
+            for value in graph.initializers.values():
+                if not is_fp32_tensor(value) or value.is_graph_input():
+                    continue
+                self.storage[value] = self._storage_for(value)
+        for node in self.order:
+            if node.op_type == "Constant" and _is_std(node.domain) and node.outputs:
+                out = node.outputs[0]
+                if is_fp32_tensor(out) and self.decisions[node].precision is not Precision.LOW:
+                    wanted = self.demands(out)
+                    if State.LOW in wanted and self.state.get(out) is not State.WIDE:
+                        self.storage[out] = Storage.BOTH
+
+    def _storage_for(self, value: ir.Value) -> Storage:
+        wanted = self.demands(value)
+        if State.WIDE == self.state.get(value) and value not in self.saturated:
+            note = self._wide_evidence(value)
+            self.constant_notes[value] = note
+            return Storage.FP32
+        if wanted == {State.LOW}:
+            return Storage.LOW
+        if State.LOW in wanted:
+            return Storage.BOTH
+        return Storage.FP32
+
+
+def plan_precision(
+    model: ir.Model,
+    policy: Policy,
+    *,
+    exclude_nodes: Sequence[str] | NodeMatcher = (),
+    keep_io_types: bool = True,
+) -> PrecisionPlan:
+    """Decide the precision of every node of a typed model.
+
+    Args:
+        model: The FP32 model, with types filled in (see `infer_types`). Not modified.
+        policy: The op policy for the target type.
+        exclude_nodes: Node names or regular expressions (`re.search`) of nodes kept FP32.
+        keep_io_types: Keep the model's FP32 inputs and outputs in FP32.
+
+    Returns:
+        The plan.
+    """
+    matcher = exclude_nodes if isinstance(exclude_nodes, NodeMatcher) else NodeMatcher(exclude_nodes)
+    return _Planner(model, policy, matcher, keep_io_types).run()

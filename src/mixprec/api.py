@@ -1,0 +1,337 @@
+"""The public conversion API: orchestration of load, analysis, rewrite, save and validation."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from mixprec.analysis.plan import NodeMatcher, PrecisionPlan, plan_precision, walk_nodes
+from mixprec.analysis.typeinfo import infer_types
+from mixprec.dtypes import LowPrecision, parse_low_precision
+from mixprec.errors import ConversionError, InputError, ValidationError
+from mixprec.io import load_model, save_model, weight_bytes
+from mixprec.passes.rewrite import apply_plan
+from mixprec.policy.schemas import op_exists
+from mixprec.policy.table import Policy, load_policy, parse_op_name
+from mixprec.report import OutputError, Report, Validation, build_report
+from mixprec.validate.checker import check_model_file, checker_error
+
+logger = logging.getLogger(__name__)
+
+# Automatic validation runs the models only below these sizes (session creation and weight
+# loading dominate otherwise); above them it runs the checker only.
+_RUN_MAX_WEIGHT_BYTES = 1 << 30
+_RUN_MAX_NODES = 5000
+
+Batch = Mapping[str, np.ndarray]
+
+
+@dataclass
+class ConversionResult:
+    """The converted model and the report of what was done."""
+
+    model: ir.Model
+    report: Report
+    plan: PrecisionPlan
+    output_path: Path | None
+
+
+def build_policy(
+    target: LowPrecision,
+    *,
+    policy_file: str | os.PathLike | None = None,
+    low_precision_ops: Iterable[str] = (),
+    fp32_ops: Iterable[str] = (),
+    follow_ops: Iterable[str] = (),
+) -> Policy:
+    """Load the op policy for `target` and apply the user's class overrides."""
+    return load_policy(target, policy_file).with_overrides(
+        low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, follow_ops=follow_ops
+    )
+
+
+def _check_user_ops(model: ir.Model, names: Iterable[str]) -> None:
+    in_model = {(n.domain if n.domain != "ai.onnx" else "", n.op_type) for n in walk_nodes(model.graph)}
+    for function in model.functions.values():
+        in_model.update((n.domain, n.op_type) for n in function)
+    for name in names:
+        domain, op_type = parse_op_name(name)
+        if (domain, op_type) not in in_model and not op_exists(op_type, domain):
+            raise InputError(
+                f"unknown op {name!r} in an op list: it is neither an ONNX op nor used in the model"
+            )
+
+
+def _normalize_ir_version(model: ir.Model) -> list[str]:
+    """IR < 4 lists every initializer as a graph input; treat them as constants (IR 4)."""
+    if model.ir_version >= 4:
+        return []
+    initializers = set(model.graph.initializers.values())
+    inputs = [v for v in model.graph.inputs if v not in initializers]
+    removed = len(model.graph.inputs) - len(inputs)
+    model.graph.inputs.clear()
+    model.graph.inputs.extend(inputs)
+    old = model.ir_version
+    model.ir_version = 4
+    return [f"IR version {old} -> 4: {removed} initializer(s) no longer listed as graph inputs"]
+
+
+def _resolve_validation(validate: bool | str, model: ir.Model, weights: int) -> str:
+    if validate is False or validate == "none":
+        return "none"
+    if validate is True or validate == "auto":
+        nodes = sum(1 for _ in walk_nodes(model.graph))
+        return "run" if weights <= _RUN_MAX_WEIGHT_BYTES and nodes <= _RUN_MAX_NODES else "checker"
+    if validate in ("checker", "run"):
+        return str(validate)
+    raise InputError(f"unknown validation level {validate!r}: use auto, run, checker or none")
+
+
+def convert(
+    model: str | os.PathLike | onnx.ModelProto | ir.Model,
+    output: str | os.PathLike | None = None,
+    *,
+    target_dtype: str | LowPrecision = "float16",
+    low_precision_ops: Iterable[str] = (),
+    fp32_ops: Iterable[str] = (),
+    follow_ops: Iterable[str] = (),
+    exclude_nodes: Sequence[str] = (),
+    keep_io_types: bool = True,
+    policy_file: str | os.PathLike | None = None,
+    validate: bool | str = True,
+    data: str | os.PathLike | Iterable[Batch] | None = None,
+    max_batches: int = 8,
+    tolerance: tuple[float, float] | None = None,
+    external_data: bool | None = None,
+) -> ConversionResult:
+    """Convert an FP32 ONNX model to mixed precision.
+
+    Args:
+        model: Path to an .onnx file, an `onnx.ModelProto`, or an `onnx_ir.Model` (converted in
+            place).
+        output: Where to save the result; nothing is written when the conversion or its
+            validation fails.
+        target_dtype: "float16"/"fp16" or "bfloat16"/"bf16".
+        low_precision_ops: Ops (`Op` or `domain::Op`) put in the low-precision class.
+        fp32_ops: Ops kept in FP32.
+        follow_ops: Ops that follow the widest type of their inputs.
+        exclude_nodes: Node names or regular expressions (`re.search`) of nodes kept in FP32.
+        keep_io_types: Keep FP32 model inputs and outputs in FP32.
+        policy_file: A TOML policy table to use instead of the shipped one.
+        validate: "auto"/True (checker always; run and compare with onnxruntime for models of
+            moderate size), "run", "checker", or "none"/False.
+        data: Input batches for the numeric check: a `.npz` file, a folder of them or of ONNX
+            `test_data_set_N`, or an iterable of dicts. Default: generated inputs.
+        max_batches: At most this many batches are used for the numeric check.
+        tolerance: (atol, rtol) that every output must meet, else `ConversionError`.
+        external_data: Force (True) or forbid (False) external data for the output; default:
+            when weights exceed 1 GiB or the input used external data.
+
+    Returns:
+        The converted model, the plan and the report.
+
+    Raises:
+        MixprecError: A bad argument or model, or a converted model that fails validation.
+    """
+    times: dict[str, float] = {}
+    start = time.perf_counter()
+    target = parse_low_precision(target_dtype)
+    level_requested = validate
+    ir_model, source_path = load_model(model)
+    original_proto = model if isinstance(model, onnx.ModelProto) else None
+
+    def original_checker_error() -> str | None:
+        if source_path is not None:
+            return checker_error(source_path)
+        return checker_error(original_proto) if original_proto is not None else None
+
+    times["load"] = time.perf_counter() - start
+    low_precision_ops, fp32_ops, follow_ops = list(low_precision_ops), list(fp32_ops), list(follow_ops)
+    _check_user_ops(ir_model, [*low_precision_ops, *fp32_ops, *follow_ops])
+    policy = build_policy(
+        target,
+        policy_file=policy_file,
+        low_precision_ops=low_precision_ops,
+        fp32_ops=fp32_ops,
+        follow_ops=follow_ops,
+    )
+    matcher = NodeMatcher(exclude_nodes)
+
+    reference_dir: tempfile.TemporaryDirectory[str] | None = None
+    reference_path = source_path
+    weights_before = weight_bytes(ir_model)
+    level = _resolve_validation(level_requested, ir_model, weights_before)
+    if level == "run" and reference_path is None:
+        # In-memory input: keep an FP32 copy on disk for the reference run.
+        reference_dir = tempfile.TemporaryDirectory(prefix="mixprec-ref-")
+        reference_path = Path(reference_dir.name) / "reference.onnx"
+        ir.save(ir_model, reference_path)
+
+    try:
+        t = time.perf_counter()
+        notes = _normalize_ir_version(ir_model)
+        typeinfo = infer_types(ir_model)
+        times["types"] = time.perf_counter() - t
+        t = time.perf_counter()
+        plan = plan_precision(ir_model, policy, exclude_nodes=matcher, keep_io_types=keep_io_types)
+        unused = matcher.unused()
+        if unused:
+            raise InputError(f"--exclude-node pattern {unused[0]!r} matches no node in the model")
+        times["plan"] = time.perf_counter() - t
+        t = time.perf_counter()
+        stats = apply_plan(ir_model, plan)
+        times["rewrite"] = time.perf_counter() - t
+        report = build_report(
+            model=ir_model,
+            plan=plan,
+            stats=stats,
+            source=str(source_path) if source_path else "(in memory)",
+            output=str(output) if output is not None else None,
+            weight_bytes_before=weights_before,
+            weight_bytes_after=weight_bytes(ir_model),
+            type_inference_warning=typeinfo.warning,
+        )
+
+        report.notes.extend(notes)
+
+        def check(staged: Path) -> None:
+            t0 = time.perf_counter()
+            report.validation = _validate(
+                staged, reference_path, target, level, data, max_batches, tolerance,
+                original_checker_error,
+            )
+            report.validation.seconds = time.perf_counter() - t0
+
+        t = time.perf_counter()
+        if output is not None:
+            save_model(ir_model, output, external_data=external_data, check=check)
+        elif level != "none":
+            with tempfile.TemporaryDirectory(prefix="mixprec-out-") as tmp:
+                save_model(ir_model, Path(tmp) / "model.onnx", external_data=external_data, check=check)
+        times["save_and_validate"] = time.perf_counter() - t
+    finally:
+        if reference_dir is not None:
+            reference_dir.cleanup()
+    times["total"] = time.perf_counter() - start
+    report.seconds = {k: round(v, 4) for k, v in times.items()}
+    return ConversionResult(ir_model, report, plan, Path(output) if output is not None else None)
+
+
+def _validate(
+    path: Path,
+    reference: Path | None,
+    target: LowPrecision,
+    level: str,
+    data: str | os.PathLike | Iterable[Batch] | None,
+    max_batches: int,
+    tolerance: tuple[float, float] | None,
+    original_checker_error: Callable[[], str | None] | None = None,
+) -> Validation:
+    """Check a staged converted model; raise ConversionError to stop it being published."""
+    from mixprec.validate import compare, data as data_mod, runner  # noqa: PLC0415
+
+    result = Validation()
+    if level == "none":
+        return result
+    inherited = check_model_file(path, original_checker_error)
+    if inherited is None:
+        result.checker = "passed"
+    else:
+        result.checker = "fails as the FP32 model does"
+        result.notes.append(f"the FP32 model fails the ONNX checker the same way: {inherited}")
+    if level != "run":
+        return result
+    candidate_path = path
+    if target is LowPrecision.BFLOAT16:
+        from mixprec.validate.emulate import emulate_low_precision  # noqa: PLC0415
+
+        emulated = emulate_low_precision(onnx.load(str(path)))
+        candidate_path = path.with_name("emulated.onnx")
+        onnx.save(emulated, str(candidate_path))
+        result.runtime = "emulated"
+        result.notes.append("bfloat16 numerics measured on an emulated model (FP32 compute, bf16 rounding)")
+    try:
+        candidate = runner.make_session(candidate_path, graph_optimization="disable")
+    except ValidationError as e:
+        _blame_reference(reference, e, result)
+        return result
+    reference_session = None
+    if reference is not None:
+        try:
+            reference_session = runner.make_session(reference, graph_optimization="disable")
+        except ValidationError as e:
+            result.runtime = "reference-fails"
+            result.notes.append(f"the FP32 model does not load in onnxruntime: {e}")
+    if reference_session is None:
+        result.runtime = "loaded" if result.runtime == "skipped" else result.runtime
+        return result
+    merged: list | None = None
+    batches = _batches(data, reference, reference_session, data_mod, max_batches)
+    for feeds in batches:
+        try:
+            expected = runner.run_session(reference_session, feeds)
+        except ValidationError as e:
+            result.runtime = "reference-fails"
+            result.notes.append(f"the FP32 model fails to run: {e}")
+            return result
+        try:
+            actual = runner.run_session(candidate, feeds)
+        except ValidationError as e:
+            raise ConversionError(f"the converted model fails to run in onnxruntime: {e}") from e
+        comparison = compare.compare_outputs(expected, actual)
+        merged = comparison if merged is None else compare.merge(merged, comparison)
+        result.batches += 1
+    if result.runtime == "skipped":
+        result.runtime = "ran"
+    for c in merged or []:
+        within = c.within(*tolerance) if tolerance is not None else None
+        result.outputs.append(
+            OutputError(c.name, float(c.max_abs_error), float(c.max_rel_error), int(c.nan_count), int(c.inf_count), int(c.new_nonfinite), within)
+        )
+        if c.new_nonfinite:
+            result.notes.append(
+                f"output {c.name!r} has {c.new_nonfinite} non-finite value(s) where the FP32 model has none"
+            )
+    if tolerance is not None:
+        failing = [o.name for o in result.outputs if o.within_tolerance is False]
+        if failing:
+            raise ConversionError(
+                f"output {failing[0]!r} differs from the FP32 model beyond atol={tolerance[0]}, "
+                f"rtol={tolerance[1]}"
+            )
+    return result
+
+
+def _batches(data, reference: Path, session, data_mod, max_batches: int):  # type: ignore[no-untyped-def]
+    names = [i.name for i in session.get_inputs()]
+    if data is None:
+        specs = data_mod.input_specs(onnx.load(str(reference), load_external_data=False))
+        yield data_mod.generate_inputs(specs, seed=0)
+        return
+    iterator = data_mod.load_batches(data, names) if isinstance(data, (str, os.PathLike)) else iter(data)
+    for index, batch in enumerate(iterator):
+        if index >= max_batches:
+            return
+        yield batch
+
+
+def _blame_reference(reference: Path | None, error: ValidationError, result: Validation) -> None:
+    from mixprec.validate import runner  # noqa: PLC0415
+
+    if reference is not None:
+        try:
+            runner.make_session(reference, graph_optimization="disable")
+        except ValidationError:
+            result.runtime = "reference-fails"
+            result.notes.append("neither the FP32 nor the converted model loads in onnxruntime")
+            return
+    raise ConversionError(f"the converted model does not load in onnxruntime: {error}") from error

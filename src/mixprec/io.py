@@ -1,0 +1,174 @@
+"""Loading and saving models: clear errors for bad files, atomic writes, external data.
+
+Loading goes through onnx_ir, so external weights stay memory-mapped / unread until needed.
+Saving writes into a temporary folder next to the destination and moves the files into place
+only after the caller's check passed: a failed conversion never leaves a half-written output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+from google.protobuf.message import DecodeError
+
+from mixprec.errors import InputError, ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# Above this many bytes of weights the output is saved with external data.
+EXTERNAL_DATA_THRESHOLD = 1 << 30
+# Tensors of at least this size go to the external data file.
+_EXTERNAL_TENSOR_MIN_BYTES = 1024
+
+
+def _check_external_data(model: ir.Model, path: Path) -> None:
+    for graph in model.graphs():
+        for value in graph.initializers.values():
+            tensor = value.const_value
+            if not isinstance(tensor, ir.ExternalTensor):
+                continue
+            data_path = Path(tensor.path)
+            if not data_path.is_file():
+                raise ModelLoadError(
+                    f"{path}: external data file {str(tensor.location)!r} for tensor "
+                    f"{value.name!r} is missing (looked in {data_path.parent})"
+                )
+            needed = (tensor.offset or 0) + (tensor.length or tensor.nbytes)
+            if data_path.stat().st_size < needed:
+                raise ModelLoadError(
+                    f"{path}: external data file {data_path} is truncated: tensor "
+                    f"{value.name!r} needs {needed} bytes, the file has {data_path.stat().st_size}"
+                )
+
+
+def load_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> tuple[ir.Model, Path | None]:
+    """Load a model from a path, a ModelProto or an onnx_ir Model.
+
+    Returns:
+        The IR model and the path it came from (None for in-memory models). An `ir.Model` is
+        returned as is (and later converted in place).
+
+    Raises:
+        ModelLoadError: The file is missing, not an ONNX model, truncated, or its external
+            data is missing.
+    """
+    if isinstance(source, ir.Model):
+        return source, None
+    if isinstance(source, onnx.ModelProto):
+        try:
+            return ir.serde.deserialize_model(source), None
+        except Exception as e:  # noqa: BLE001
+            raise ModelLoadError(f"cannot read the given ModelProto: {e}") from e
+    if not isinstance(source, (str, os.PathLike)):
+        raise InputError(
+            f"expected a path, an onnx.ModelProto or an onnx_ir.Model, got {type(source).__name__}"
+        )
+    path = Path(source)
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file")
+    if path.is_dir():
+        raise ModelLoadError(f"{path}: is a directory, expected an .onnx file")
+    if path.stat().st_size == 0:
+        raise ModelLoadError(f"{path}: file is empty")
+    try:
+        model = ir.load(path)
+    except DecodeError as e:
+        raise ModelLoadError(f"{path}: not an ONNX model or truncated (protobuf parse error)") from e
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: cannot be loaded: {e}") from e
+    except Exception as e:  # noqa: BLE001 - any parser failure is a bad model file
+        raise ModelLoadError(f"{path}: not a valid ONNX model: {e}") from e
+    if model.graph is None or (len(model.graph) == 0 and not model.graph.outputs):
+        raise ModelLoadError(f"{path}: not an ONNX model (no graph)")
+    _check_external_data(model, path)
+    return model, path
+
+
+def weight_bytes(model: ir.Model) -> int:
+    """Total bytes of all initializers (subgraphs included)."""
+    return sum(
+        v.const_value.nbytes
+        for graph in model.graphs()
+        for v in graph.initializers.values()
+        if v.const_value is not None
+    )
+
+
+def uses_external_data(model: ir.Model) -> bool:
+    """Whether any initializer lives in an external data file."""
+    return any(
+        isinstance(v.const_value, ir.ExternalTensor)
+        for graph in model.graphs()
+        for v in graph.initializers.values()
+    )
+
+
+def _write(model: ir.Model, path: Path, external: bool) -> None:
+    if external:
+        ir.save(
+            model,
+            path,
+            external_data=f"{path.name}.data",
+            size_threshold_bytes=_EXTERNAL_TENSOR_MIN_BYTES,
+            max_in_flight_bytes=256 << 20,
+        )
+    else:
+        ir.save(model, path)
+
+
+@contextlib.contextmanager
+def staged_save(
+    model: ir.Model, destination: str | os.PathLike, *, external_data: bool | None = None
+) -> Iterator[Path]:
+    """Save `model` into a staging folder beside `destination`; publish on clean exit.
+
+    Yields the staged model path (for checks). When the `with` block raises, nothing is
+    published and the staging folder is removed.
+
+    Args:
+        model: The model to save.
+        destination: Final path of the .onnx file.
+        external_data: Save weights to `<name>.data`; default: when the weights exceed 1 GiB or
+            the model already used external data.
+    """
+    destination = Path(destination)
+    parent = destination.parent if str(destination.parent) else Path(".")
+    if not parent.is_dir():
+        raise InputError(f"{destination}: output folder {parent} does not exist")
+    if destination.is_dir():
+        raise InputError(f"{destination}: is a directory, expected a file name")
+    if external_data is None:
+        external_data = uses_external_data(model) or weight_bytes(model) > EXTERNAL_DATA_THRESHOLD
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=parent))
+    staged = staging / destination.name
+    try:
+        _write(model, staged, external_data)
+        yield staged
+        data = staging / f"{destination.name}.data"
+        if data.exists():
+            os.replace(data, parent / data.name)
+        os.replace(staged, destination)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def save_model(
+    model: ir.Model,
+    destination: str | os.PathLike,
+    *,
+    external_data: bool | None = None,
+    check: Callable[[Path], None] | None = None,
+) -> Path:
+    """Save atomically; `check(staged_path)` may raise to prevent publishing."""
+    with staged_save(model, destination, external_data=external_data) as staged:
+        if check is not None:
+            check(staged)
+    return Path(destination)

@@ -1,0 +1,328 @@
+"""Apply a :class:`~mixprec.analysis.plan.PrecisionPlan` to the model it was made for.
+
+Rewrite rules, in the order they run:
+
+1. Every FP32 value produced by a 16-bit node, and (without `keep_io_types`) every FP32 model
+   input, becomes 16-bit.
+2. Ops whose output type is an attribute and that were lowered get the attribute retargeted
+   (`Cast.to`, `EyeLike`/`Random*` `dtype`, the tensor of `Constant`/`ConstantOfShape`).
+3. FP32 constants used only by 16-bit compute are stored in the 16-bit type (cast lazily at save,
+   read in chunks); constants used by both get a 16-bit copy when small, else one Cast.
+4. Wherever a consumer needs another type than its input has, it reads the output of a Cast;
+   there is at most one Cast per (value, type), shared by every consumer, placed right after the
+   producer in the producer's graph (so subgraphs can read it from the outer scope).
+5. Graph outputs get their required type (FP32 with `keep_io_types`; subgraph outputs always keep
+   theirs) through a Cast that takes over the output's name.
+6. Casts made redundant (a Cast to the type its input already has) are removed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+
+from mixprec.analysis.constants import constant_tensor, iter_chunks
+from mixprec.analysis.plan import Precision, PrecisionPlan, Storage, subgraphs_of, walk_nodes
+from mixprec.dtypes import LowPrecision, is_fp32_tensor
+
+logger = logging.getLogger(__name__)
+
+FLOAT = ir.DataType.FLOAT
+# Shared constants up to this many bytes are duplicated in 16 bits instead of cast at run time.
+_DUPLICATE_MAX_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class CastRecord:
+    """One Cast inserted by the rewrite."""
+
+    value: str
+    to: str
+    elements: int | None
+    runtime: bool  # False: the cast was done offline on a constant
+
+
+@dataclass
+class RewriteStats:
+    """What the rewrite did."""
+
+    casts: list[CastRecord] = field(default_factory=list)
+    removed_casts: int = 0
+    retargeted: list[str] = field(default_factory=list)
+    constants_lowered: int = 0
+    constants_duplicated: int = 0
+
+
+def _numel(shape: ir.Shape | None) -> int | None:
+    if shape is None or not all(isinstance(d, int) for d in shape.dims):
+        return None
+    return int(np.prod([int(d) for d in shape.dims], dtype=np.int64))
+
+
+def cast_tensor_lazily(
+    tensor: ir.TensorProtocol, target: LowPrecision, *, saturate: bool = False, name: str | None = None
+) -> ir.LazyTensor:
+    """A lazy 16-bit copy of an FP32 tensor, converted in chunks when it is first read."""
+    limit = target.limits.max
+    shape = tuple(int(d) for d in tensor.shape)
+
+    def load() -> ir.TensorProtocol:
+        out = np.empty(int(np.prod(shape, dtype=np.int64)), dtype=target.numpy_dtype)
+        offset = 0
+        for chunk in iter_chunks(tensor):
+            if saturate:
+                chunk = np.clip(chunk, -limit, limit)
+            out[offset : offset + chunk.size] = chunk.astype(target.numpy_dtype)
+            offset += chunk.size
+        return ir.Tensor(out.reshape(shape), name=name or tensor.name)
+
+    return ir.LazyTensor(load, dtype=target.ir_dtype, shape=ir.Shape(shape), name=name or tensor.name)
+
+
+class _Rewriter:
+    def __init__(self, model: ir.Model, plan: PrecisionPlan) -> None:
+        self.model = model
+        self.plan = plan
+        self.target = plan.target
+        self.low = plan.target.ir_dtype
+        self.stats = RewriteStats()
+        self.cache: dict[tuple[ir.Value, ir.DataType], ir.Value] = {}
+        self.value_names: set[str] = set()
+        self.node_names: set[str] = set()
+        for node in walk_nodes(model.graph):
+            if node.name:
+                self.node_names.add(node.name)
+            self.value_names.update(v.name for v in node.outputs if v.name)
+        for graph in model.graphs():
+            self.value_names.update(v.name for v in graph.inputs if v.name)
+            self.value_names.update(graph.initializers)
+        # FP32 values of the original model, and which of them end up 16-bit.
+        self.fp32: set[ir.Value] = set()
+        self.lowered: set[ir.Value] = set()
+
+    # -- names ----------------------------------------------------------------------------
+    def _unique(self, base: str, taken: set[str]) -> str:
+        name, counter = base, 1
+        while name in taken:
+            name = f"{base}_{counter}"
+            counter += 1
+        taken.add(name)
+        return name
+
+    # -- analysis of final types ----------------------------------------------------------
+    def _collect(self) -> None:
+        plan = self.plan
+        for graph in self.model.graphs():
+            for value in (*graph.inputs, *graph.initializers.values()):
+                if is_fp32_tensor(value):
+                    self.fp32.add(value)
+        for node in plan.order:
+            for value in (*node.inputs, *node.outputs):
+                if value is not None and is_fp32_tensor(value):
+                    self.fp32.add(value)
+        if not plan.keep_io_types:
+            self.lowered.update(v for v in self.model.graph.inputs if is_fp32_tensor(v))
+        for value, storage in plan.storage.items():
+            if storage is Storage.LOW and value.const_value is not None:
+                self.lowered.add(value)
+        for node in plan.order:
+            if plan.decisions[node].precision is not Precision.LOW:
+                continue
+            for index, out in enumerate(node.outputs):
+                if is_fp32_tensor(out) and plan.output_is_lowered(node, index):
+                    self.lowered.add(out)
+
+    # -- casts ----------------------------------------------------------------------------
+    def cast_of(self, value: ir.Value, dtype: ir.DataType) -> ir.Value:
+        key = (value, dtype)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
+        short = "fp32" if dtype == FLOAT else self.target.short_name
+        base = value.name or "value"
+        tensor = constant_tensor(value) if value.const_value is not None else None
+        if (
+            tensor is not None
+            and dtype == self.low
+            and value.graph is not None
+            and tensor.nbytes <= _DUPLICATE_MAX_BYTES
+        ):
+            # Small shared constant: keep a 16-bit copy instead of casting at run time.
+            copy = ir.Value(
+                name=self._unique(f"{base}_{short}", self.value_names),
+                type=ir.TensorType(dtype),
+                shape=ir.Shape(tensor.shape),
+                const_value=cast_tensor_lazily(
+                    tensor, self.target, saturate=value in self.plan.saturated
+                ),
+            )
+            copy.const_value = ir.Tensor(copy.const_value.numpy(), name=copy.name)  # type: ignore[union-attr]
+            value.graph.register_initializer(copy)
+            self.stats.constants_duplicated += 1
+            self.stats.casts.append(CastRecord(base, short, tensor.size, runtime=False))
+            self.cache[key] = copy
+            return copy
+        out = ir.Value(
+            name=self._unique(f"{base}_{short}", self.value_names),
+            type=ir.TensorType(dtype),
+            shape=value.shape.copy() if value.shape is not None else None,
+        )
+        node = ir.Node(
+            "",
+            "Cast",
+            [value],
+            attributes=[ir.AttrInt64("to", dtype)],
+            outputs=[out],
+            name=self._unique(f"{base}_cast_{short}", self.node_names),
+        )
+        producer = value.producer()
+        if producer is not None and producer.graph is not None:
+            producer.graph.insert_after(producer, node)
+        else:
+            graph = value.graph or self.model.graph
+            first = next(iter(graph), None)
+            if first is None:
+                graph.append(node)
+            else:
+                graph.insert_before(first, node)
+        self.stats.casts.append(CastRecord(base, short, _numel(value.shape), runtime=True))
+        self.cache[key] = out
+        return out
+
+    def _actual(self, value: ir.Value) -> ir.DataType:
+        return self.low if value in self.lowered else FLOAT
+
+    # -- rewrite steps ------------------------------------------------------------------
+    def _retarget(self, node: ir.Node) -> None:
+        """Rule 2: ops whose output type is an attribute."""
+        facts = self.plan.facts[node]
+        rule = facts.rule
+        if rule is None or rule.dtype_attribute is None:
+            return
+        decision = self.plan.decisions[node]
+        attr_name = rule.dtype_attribute
+        if decision.precision is not Precision.LOW:
+            # Keep the output FP32 even where it followed an input that is now 16-bit.
+            source = node.inputs[0] if node.inputs else None
+            if (
+                attr_name == "dtype"
+                and node.outputs
+                and is_fp32_tensor(node.outputs[0])
+                and node.attributes.get("dtype") is None
+                and source is not None
+                and source in self.lowered
+            ):
+                node.attributes["dtype"] = ir.AttrInt64("dtype", FLOAT)
+            return
+        if attr_name in ("to", "dtype"):
+            node.attributes[attr_name] = ir.AttrInt64(attr_name, self.low)
+        elif node.op_type == "Constant":
+            tensor = constant_tensor(node.outputs[0])
+            if tensor is None:
+                return
+            array = np.asarray(tensor.numpy()).astype(self.target.numpy_dtype)
+            node.attributes.clear()
+            node.attributes["value"] = ir.AttrTensor("value", ir.Tensor(array, name=tensor.name))
+        else:  # ConstantOfShape
+            attr = node.attributes.get("value")
+            fill = attr.as_tensor().numpy() if attr is not None else np.zeros([1], np.float32)
+            node.attributes["value"] = ir.AttrTensor(
+                "value", ir.Tensor(np.asarray(fill).astype(self.target.numpy_dtype))
+            )
+        self.stats.retargeted.append(node.name or node.op_type)
+
+    def _lower_constants(self) -> None:
+        """Rule 3."""
+        for value, storage in self.plan.storage.items():
+            if storage is not Storage.LOW or value.const_value is None:
+                continue
+            value.const_value = cast_tensor_lazily(
+                value.const_value, self.target, saturate=value in self.plan.saturated, name=value.name
+            )
+            value.dtype = self.low
+            self.stats.constants_lowered += 1
+
+    def _required(self, node: ir.Node, index: int, value: ir.Value) -> ir.DataType | None:
+        facts = self.plan.facts.get(node)
+        if facts is None:
+            return FLOAT
+        if index in facts.flexible:
+            sig = facts.sig
+            var = sig.input_vars[index] if sig is not None and index < len(sig.input_vars) else None
+            if var is None or self.target.type_str in sig.allowed.get(var, ()):  # type: ignore[union-attr]
+                return None  # takes its input as it is
+            return FLOAT
+        return self.low if self.plan.input_is_lowered(node, index) else FLOAT
+
+    def _fix_inputs(self, node: ir.Node) -> None:
+        """Rule 4."""
+        for index, value in enumerate(node.inputs):
+            if value is None or value not in self.fp32:
+                continue
+            required = self._required(node, index, value)
+            if required is None:
+                continue
+            if self._actual(value) != required:
+                node.replace_input_with(index, self.cast_of(value, required))
+
+    def _fix_outputs(self, graph: ir.Graph, required: ir.DataType) -> None:
+        """Rule 5."""
+        for position, value in enumerate(list(graph.outputs)):
+            if value is None or value not in self.fp32 or self._actual(value) == required:
+                continue
+            name = value.name
+            cast = self.cast_of(value, required)
+            if cast.producer() is None:
+                continue
+            # The Cast's output takes over the model-facing name.
+            value.name = self._unique(f"{name}_{self.target.short_name if value in self.lowered else 'fp32'}", self.value_names)
+            cast.name = name
+            graph.outputs[position] = cast
+
+    def _remove_noop_casts(self) -> None:
+        """Rule 6."""
+        for node in list(walk_nodes(self.model.graph)):
+            if node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or not node.inputs:
+                continue
+            source, out = node.inputs[0], node.outputs[0]
+            to = node.attributes.get("to")
+            if source is None or to is None or source.dtype is None or source.dtype != ir.DataType(to.as_int()):
+                continue
+            if out.is_graph_output():
+                continue
+            out.replace_all_uses_with(source)
+            if node.graph is not None:
+                node.graph.remove(node, safe=True)
+            self.stats.removed_casts += 1
+
+    def _ensure_default_opset(self) -> None:
+        """Inserted Casts live in the default domain; models of other domains may lack it."""
+        if self.stats.casts and "" not in self.model.opset_imports and "ai.onnx" not in self.model.opset_imports:
+            self.model.opset_imports[""] = 13 if self.model.ir_version >= 7 else 9
+
+    def run(self) -> RewriteStats:
+        self._collect()
+        plan = self.plan
+        for node in plan.order:
+            self._retarget(node)
+        self._lower_constants()
+        for value in self.lowered:
+            if value.const_value is None:
+                value.dtype = self.low
+        for node in plan.order:
+            self._fix_inputs(node)
+        self._fix_outputs(self.model.graph, FLOAT if plan.keep_io_types else self.low)
+        for node in plan.order:
+            for sub in subgraphs_of(node):
+                self._fix_outputs(sub, FLOAT)
+        self._remove_noop_casts()
+        self._ensure_default_opset()
+        return self.stats
+
+
+def apply_plan(model: ir.Model, plan: PrecisionPlan) -> RewriteStats:
+    """Rewrite `model` in place according to `plan` (made for this very model object)."""
+    return _Rewriter(model, plan).run()

@@ -1,0 +1,99 @@
+"""Named conditions for `conditional` policy rules.
+
+A condition looks at one node (its attributes, constant inputs and known shapes) and says
+whether the node may convert, with the evidence for the report.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+import onnx_ir as ir
+
+
+class ConditionResult(NamedTuple):
+    """Outcome of a condition: whether the node may convert, and why."""
+
+    ok: bool
+    evidence: str
+
+
+ConstantLookup = Callable[[ir.Value], "np.ndarray | None"]
+Condition = Callable[[ir.Node, ConstantLookup, Mapping[str, Any]], ConditionResult]
+
+
+def constant_exponent_at_most(
+    node: ir.Node, constant: ConstantLookup, params: Mapping[str, Any]
+) -> ConditionResult:
+    """The exponent input is a constant with every |value| <= `max_abs`."""
+    index = int(params.get("input", 1))
+    limit = float(params["max_abs"])
+    value = node.inputs[index] if index < len(node.inputs) else None
+    array = constant(value) if value is not None else None
+    if array is None:
+        return ConditionResult(False, "exponent is not a constant")
+    largest = float(np.max(np.abs(array.astype(np.float64)))) if array.size else 0.0
+    if largest <= limit:
+        return ConditionResult(True, f"constant exponent |{largest:g}| <= {limit:g}")
+    return ConditionResult(False, f"constant exponent |{largest:g}| > {limit:g}")
+
+
+def reduced_size_at_most(
+    node: ir.Node, constant: ConstantLookup, params: Mapping[str, Any]
+) -> ConditionResult:
+    """The number of elements reduced into each output element is known and small."""
+    limit = int(params["max_elements"])
+    data = node.inputs[0] if node.inputs else None
+    shape = data.shape if data is not None else None
+    if shape is None or not all(isinstance(d, int) for d in shape.dims):
+        return ConditionResult(False, "reduced size unknown")
+    dims = [int(d) for d in shape.dims]
+    axes_attr = node.attributes.get("axes")
+    if axes_attr is not None:
+        axes = list(axes_attr.as_ints())
+    elif len(node.inputs) > 1 and node.inputs[1] is not None:
+        axes_array = constant(node.inputs[1])
+        if axes_array is None:
+            return ConditionResult(False, "reduction axes are not constant")
+        axes = [int(a) for a in axes_array.reshape(-1)]
+    else:
+        axes = []
+    if not axes:
+        noop = node.attributes.get("noop_with_empty_axes")
+        if noop is not None and noop.as_int() == 1:
+            return ConditionResult(True, "no reduction")
+        axes = list(range(len(dims)))
+    size = math.prod(dims[a % len(dims)] for a in axes) if dims else 1
+    if size <= limit:
+        return ConditionResult(True, f"reduces {size} <= {limit} elements")
+    return ConditionResult(False, f"reduces {size} > {limit} elements")
+
+
+def attribute_in(
+    node: ir.Node, constant: ConstantLookup, params: Mapping[str, Any]
+) -> ConditionResult:
+    """A string or int attribute (or its default) is one of `values`."""
+    name = str(params["attribute"])
+    allowed = list(params["values"])
+    attr = node.attributes.get(name)
+    if attr is None:
+        value: Any = params.get("default")
+    elif attr.type == ir.AttributeType.STRING:
+        value = attr.as_string()
+    elif attr.type == ir.AttributeType.INT:
+        value = attr.as_int()
+    else:
+        return ConditionResult(False, f"attribute {name} has an unexpected type")
+    if value in allowed:
+        return ConditionResult(True, f"{name}={value!r}")
+    return ConditionResult(False, f"{name}={value!r} (converts only with {name} in {allowed})")
+
+
+CONDITIONS: dict[str, Condition] = {
+    "attribute_in": attribute_in,
+    "constant_exponent_at_most": constant_exponent_at_most,
+    "reduced_size_at_most": reduced_size_at_most,
+}

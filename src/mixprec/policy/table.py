@@ -1,0 +1,208 @@
+"""Op policy tables: which ops run in the 16-bit type, which stay FP32, which follow.
+
+The shipped table is package data (`tables/default.toml`); this module parses it strictly into
+frozen rules and applies user overrides. It holds no conversion logic.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from mixprec.dtypes import LowPrecision
+from mixprec.errors import PolicyError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_DOMAIN = ""
+
+
+class OpClass(str, enum.Enum):
+    """How an op's precision is decided."""
+
+    LOW = "low"
+    FP32 = "fp32"
+    FOLLOW = "follow"
+    CONDITIONAL = "conditional"
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """The policy for one op type under one target type."""
+
+    op_type: str
+    domain: str
+    op_class: OpClass
+    reason: str
+    fp32_inputs: frozenset[int] = frozenset()
+    flexible_inputs: frozenset[int] = frozenset()
+    saturate_inputs: frozenset[int] = frozenset()
+    dtype_attribute: str | None = None
+    condition: str | None = None
+    params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    source: str = "default"
+
+
+_RULE_KEYS = {
+    "class",
+    "ops",
+    "reason",
+    "types",
+    "fp32_inputs",
+    "flexible_inputs",
+    "saturate_inputs",
+    "dtype_attribute",
+    "condition",
+    "params",
+}
+
+
+def normalize_domain(domain: str) -> str:
+    """Map `ai.onnx` to the empty default domain."""
+    return DEFAULT_DOMAIN if domain in ("", "ai.onnx") else domain
+
+
+def parse_op_name(name: str) -> tuple[str, str]:
+    """Split `Op` or `domain::Op` into (domain, op_type)."""
+    if "::" in name:
+        domain, op_type = name.rsplit("::", 1)
+        return normalize_domain(domain), op_type
+    return DEFAULT_DOMAIN, name
+
+
+def format_op_name(domain: str, op_type: str) -> str:
+    """Inverse of :func:`parse_op_name`."""
+    return op_type if normalize_domain(domain) == DEFAULT_DOMAIN else f"{domain}::{op_type}"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The resolved op policy for one target type."""
+
+    target: LowPrecision
+    rules: Mapping[tuple[str, str], OpRule]
+
+    def rule_for(self, domain: str, op_type: str) -> OpRule | None:
+        """The rule for an op, or None for ops the policy does not know."""
+        return self.rules.get((normalize_domain(domain), op_type))
+
+    def ops_in(self, op_class: OpClass) -> list[str]:
+        """Names of the ops in one class, sorted."""
+        return sorted(format_op_name(d, o) for (d, o), r in self.rules.items() if r.op_class is op_class)
+
+    def with_overrides(
+        self,
+        *,
+        low_precision_ops: Iterable[str] = (),
+        fp32_ops: Iterable[str] = (),
+        follow_ops: Iterable[str] = (),
+    ) -> Policy:
+        """Return a policy with ops moved into the given classes.
+
+        An op named in a list is put in that class (leaving any other class); its per-input
+        settings (pins, flexible inputs) are kept. Names are `Op` or `domain::Op`.
+        """
+        rules = dict(self.rules)
+        seen: dict[str, str] = {}
+        for op_class, names in (
+            (OpClass.LOW, low_precision_ops),
+            (OpClass.FP32, fp32_ops),
+            (OpClass.FOLLOW, follow_ops),
+        ):
+            for name in names:
+                if name in seen and seen[name] != op_class.value:
+                    raise PolicyError(
+                        f"op {name!r} is named in both the {seen[name]} and the "
+                        f"{op_class.value} lists"
+                    )
+                seen[name] = op_class.value
+                domain, op_type = parse_op_name(name)
+                old = rules.get((domain, op_type))
+                if old is None:
+                    rules[(domain, op_type)] = OpRule(
+                        op_type, domain, op_class, "set by user", source="user"
+                    )
+                else:
+                    rules[(domain, op_type)] = replace(
+                        old, op_class=op_class, reason="set by user", condition=None, source="user"
+                    )
+        return Policy(self.target, MappingProxyType(rules))
+
+
+def _int_set(value: Any, where: str, key: str) -> frozenset[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and v >= 0 for v in value):
+        raise PolicyError(f"{where}: {key!r} must be a list of input indices, got {value!r}")
+    return frozenset(value)
+
+
+def parse_policy(document: Mapping[str, Any], target: LowPrecision, source: str) -> Policy:
+    """Build a :class:`Policy` for `target` from a parsed table document."""
+    unknown_top = set(document) - {"rule"}
+    if unknown_top:
+        raise PolicyError(f"{source}: unknown top-level keys {sorted(unknown_top)}")
+    rules: dict[tuple[str, str], OpRule] = {}
+    for index, entry in enumerate(document.get("rule", [])):
+        where = f"{source}: rule {index}"
+        unknown = set(entry) - _RULE_KEYS
+        if unknown:
+            raise PolicyError(f"{where}: unknown keys {sorted(unknown)}")
+        try:
+            op_class = OpClass(entry["class"])
+        except (KeyError, ValueError) as e:
+            raise PolicyError(
+                f"{where}: 'class' must be one of {[c.value for c in OpClass]}"
+            ) from e
+        types = entry.get("types", [t.value for t in LowPrecision])
+        if any(t not in {x.value for x in LowPrecision} for t in types):
+            raise PolicyError(f"{where}: unknown entry in 'types': {types}")
+        if target.value not in types:
+            continue
+        condition = entry.get("condition")
+        if (op_class is OpClass.CONDITIONAL) != (condition is not None):
+            raise PolicyError(f"{where}: 'condition' is required exactly for class conditional")
+        ops = entry.get("ops")
+        if not isinstance(ops, list) or not ops:
+            raise PolicyError(f"{where}: 'ops' must be a non-empty list")
+        for name in ops:
+            domain, op_type = parse_op_name(name)
+            rules[(domain, op_type)] = OpRule(
+                op_type=op_type,
+                domain=domain,
+                op_class=op_class,
+                reason=str(entry.get("reason", op_class.value)),
+                fp32_inputs=_int_set(entry.get("fp32_inputs", []), where, "fp32_inputs"),
+                flexible_inputs=_int_set(entry.get("flexible_inputs", []), where, "flexible_inputs"),
+                saturate_inputs=_int_set(entry.get("saturate_inputs", []), where, "saturate_inputs"),
+                dtype_attribute=entry.get("dtype_attribute"),
+                condition=condition,
+                params=MappingProxyType(dict(entry.get("params", {}))),
+                source=source,
+            )
+    return Policy(target, MappingProxyType(rules))
+
+
+def load_policy(target: LowPrecision, path: str | Path | None = None) -> Policy:
+    """Load the shipped policy table (or the TOML file at `path`) for `target`."""
+    if path is None:
+        text = resources.files("mixprec.policy").joinpath("tables/default.toml").read_text()
+        source = "default.toml"
+    else:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise PolicyError(f"cannot read policy file {path}: {e.strerror}") from e
+        source = str(path)
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise PolicyError(f"{source}: not valid TOML: {e}") from e
+    return parse_policy(document, target, source)

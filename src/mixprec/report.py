@@ -1,0 +1,208 @@
+"""The conversion report: what runs in which precision, why, what it cost, how it validated.
+
+A :class:`Report` is plain data; it renders as JSON (machine) and as a text table (human).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import onnx_ir as ir
+
+from mixprec.analysis.plan import Category, Precision, PrecisionPlan, walk_nodes
+from mixprec.passes.rewrite import RewriteStats
+
+
+@dataclass
+class KeptNode:
+    """A node that still computes in FP32, and why."""
+
+    name: str
+    op_type: str
+    category: str
+    reason: str
+
+
+@dataclass
+class OutputError:
+    """Numeric agreement of one model output with the FP32 model."""
+
+    name: str
+    max_abs_error: float
+    max_rel_error: float
+    nan_count: int
+    inf_count: int
+    new_nonfinite: int
+    within_tolerance: bool | None = None
+
+
+@dataclass
+class Validation:
+    """What was checked after conversion, and the outcome."""
+
+    checker: str = "skipped"  # passed | skipped
+    runtime: str = "skipped"  # ran | loaded | skipped | emulated | reference-fails
+    seconds: float = 0.0
+    batches: int = 0
+    outputs: list[OutputError] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    """Everything mixprec did to one model."""
+
+    source: str
+    output: str | None
+    target: str
+    keep_io_types: bool
+    nodes_by_precision: dict[str, int]
+    low_by_op: dict[str, int]
+    fp32_by_op: dict[str, int]
+    fp32_by_category: dict[str, int]
+    kept_fp32: list[KeptNode]
+    casts_inserted: int
+    casts_runtime: int
+    cast_elements_per_inference: int | None
+    cast_bytes_per_inference: int | None
+    casts_removed: int
+    constants_lowered: int
+    constants_duplicated: int
+    constants_kept_for_range: dict[str, str]
+    weight_bytes_before: int
+    weight_bytes_after: int
+    type_inference_warning: str | None = None
+    notes: list[str] = field(default_factory=list)
+    validation: Validation = field(default_factory=Validation)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return asdict(self)
+
+    def to_json(self, indent: int = 2) -> str:
+        """JSON text."""
+        return json.dumps(self.to_dict(), indent=indent, default=str)
+
+    def format_text(self, max_rows: int = 25) -> str:
+        """A readable summary for the terminal."""
+        counts = self.nodes_by_precision
+        total_float = counts.get("low", 0) + counts.get("fp32", 0)
+        share = 100.0 * counts.get("low", 0) / total_float if total_float else 0.0
+        lines = [
+            f"mixprec: {self.source} -> {self.output or '(in memory)'}  [{self.target}, "
+            f"keep_io_types={self.keep_io_types}]",
+            f"  nodes: {counts.get('low', 0)} in {self.target}, {counts.get('fp32', 0)} in fp32 "
+            f"({share:.1f}% of float nodes converted), {counts.get('none', 0)} without FP32 compute",
+            f"  weights: {_mb(self.weight_bytes_before)} -> {_mb(self.weight_bytes_after)}"
+            f"  ({self.constants_lowered} stored in {self.target}, "
+            f"{self.constants_duplicated} duplicated)",
+            f"  casts: {self.casts_runtime} at run time"
+            + (
+                f" ({_mb(self.cast_bytes_per_inference)} moved per inference)"
+                if self.cast_bytes_per_inference is not None
+                else ""
+            )
+            + f", {self.casts_removed} redundant removed",
+        ]
+        if self.low_by_op:
+            ops = ", ".join(f"{op} {n}" for op, n in sorted(self.low_by_op.items(), key=lambda x: -x[1]))
+            lines.append(f"  {self.target} ops: {ops}")
+        if self.fp32_by_category:
+            cats = ", ".join(f"{c} {n}" for c, n in sorted(self.fp32_by_category.items(), key=lambda x: -x[1]))
+            lines.append(f"  fp32 because: {cats}")
+        if self.kept_fp32:
+            lines.append("  fp32 nodes:")
+            width = min(48, max(len(k.name) for k in self.kept_fp32[:max_rows]))
+            for kept in self.kept_fp32[:max_rows]:
+                lines.append(f"    {kept.name[:width]:<{width}}  {kept.op_type:<18} {kept.reason}")
+            if len(self.kept_fp32) > max_rows:
+                lines.append(f"    ... {len(self.kept_fp32) - max_rows} more (see --report)")
+        for name, note in list(self.constants_kept_for_range.items())[:max_rows]:
+            lines.append(f"  constant {name}: {note}")
+        v = self.validation
+        lines.append(f"  validation: checker {v.checker}, runtime {v.runtime} ({v.seconds:.2f} s)")
+        for out in v.outputs:
+            flag = "" if out.within_tolerance is None else ("  ok" if out.within_tolerance else "  OUT OF TOLERANCE")
+            lines.append(
+                f"    {out.name}: max abs {out.max_abs_error:.3g}, max rel {out.max_rel_error:.3g}, "
+                f"nan {out.nan_count}, inf {out.inf_count}{flag}"
+            )
+        lines.extend(f"  note: {n}" for n in [*self.notes, *v.notes])
+        if self.type_inference_warning:
+            lines.append(f"  warning: type inference incomplete: {self.type_inference_warning}")
+        return "\n".join(lines)
+
+
+def _mb(n: int | None) -> str:
+    if n is None:
+        return "?"
+    return f"{n / 1e6:.2f} MB" if n < 1e9 else f"{n / 1e9:.2f} GB"
+
+
+def build_report(
+    *,
+    model: ir.Model,
+    plan: PrecisionPlan,
+    stats: RewriteStats,
+    source: str,
+    output: str | None,
+    weight_bytes_before: int,
+    weight_bytes_after: int,
+    type_inference_warning: str | None,
+) -> Report:
+    """Summarise a finished conversion."""
+    target = plan.target
+    by_precision: Counter[str] = Counter()
+    low_by_op: Counter[str] = Counter()
+    fp32_by_op: Counter[str] = Counter()
+    by_category: Counter[str] = Counter()
+    kept: list[KeptNode] = []
+    for node in plan.order:
+        decision = plan.decisions[node]
+        by_precision[decision.precision.value] += 1
+        if decision.precision is Precision.LOW:
+            low_by_op[node.op_type] += 1
+        elif decision.precision is Precision.FP32:
+            fp32_by_op[node.op_type] += 1
+            by_category[decision.category.value] += 1
+            if decision.category is not Category.NO_FLOAT:
+                kept.append(KeptNode(node.name or "", node.op_type, decision.category.value, decision.reason))
+    runtime = [c for c in stats.casts if c.runtime]
+    known = [c.elements for c in runtime]
+    elements = sum(e for e in known if e is not None) if runtime and all(e is not None for e in known) else None
+    cast_bytes = None
+    if elements is not None:
+        cast_bytes = sum(
+            (c.elements or 0) * (4 + target.numpy_dtype.itemsize) for c in runtime
+        )
+    return Report(
+        source=source,
+        output=output,
+        target=target.value,
+        keep_io_types=plan.keep_io_types,
+        nodes_by_precision=dict(by_precision),
+        low_by_op=dict(low_by_op),
+        fp32_by_op=dict(fp32_by_op),
+        fp32_by_category=dict(by_category),
+        kept_fp32=kept,
+        casts_inserted=len(stats.casts),
+        casts_runtime=len(runtime),
+        cast_elements_per_inference=elements,
+        cast_bytes_per_inference=cast_bytes,
+        casts_removed=stats.removed_casts,
+        constants_lowered=stats.constants_lowered,
+        constants_duplicated=stats.constants_duplicated,
+        constants_kept_for_range={v.name or "": note for v, note in plan.constant_notes.items()},
+        weight_bytes_before=weight_bytes_before,
+        weight_bytes_after=weight_bytes_after,
+        type_inference_warning=type_inference_warning,
+    )
+
+
+def count_nodes(model: ir.Model) -> int:
+    """Nodes in the model, subgraphs included."""
+    return sum(1 for _ in walk_nodes(model.graph))

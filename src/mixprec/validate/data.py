@@ -1,0 +1,423 @@
+"""Model input data: input signatures, random inputs, and batches read from disk.
+
+Supported on-disk layouts for :func:`load_batches`:
+
+* a single ``.npz`` file (one batch; keys are input names);
+* a directory of ``.npz`` files (one batch each, in file-name order);
+* a directory in the ONNX test layout, ``test_data_set_N/input_K.pb``, or one
+  ``test_data_set_N`` directory itself (``TensorProto`` files).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import zipfile
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import ml_dtypes
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from mixprec.errors import InputError
+
+if TYPE_CHECKING:
+    import onnx_ir
+
+logger = logging.getLogger(__name__)
+
+Shape = tuple[int | str | None, ...]
+
+_TEST_SET_RE = re.compile(r"^test_data_set_(\d+)$")
+_INPUT_PB_RE = re.compile(r"^input_(\d+)\.pb$")
+_OUTPUT_PB_RE = re.compile(r"^output_(\d+)\.pb$")
+
+# Range of generated integer values: [0, _INT_HIGH) is a valid index/length for most models.
+_INT_HIGH = 4
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """Signature of one graph input.
+
+    Attributes:
+        name: Input name.
+        dtype: Numpy dtype of the tensor (of the element tensors for sequence/optional
+            inputs); ``bfloat16`` and other narrow types are ``ml_dtypes`` dtypes.
+            ``object`` for strings and unknown types.
+        shape: Dimensions: ``int`` for fixed, ``str`` for symbolic, ``None`` for unknown.
+            ``None`` instead of a tuple when the rank is unknown, and for sequence and
+            optional inputs.
+        kind: ``"tensor"``, or ``"sequence"``, ``"optional"``, ``"map"``,
+            ``"sparse_tensor"``, ``"unknown"`` (no element type) for inputs that cannot
+            be generated.
+    """
+
+    name: str
+    dtype: np.dtype
+    shape: Shape | None
+    kind: str = "tensor"
+
+
+def input_specs(model: onnx.ModelProto | onnx_ir.Model) -> list[InputSpec]:
+    """Return the graph inputs that are not initializers, in graph order.
+
+    Args:
+        model: An ONNX ``ModelProto`` or an ``onnx_ir.Model``.
+
+    Returns:
+        One :class:`InputSpec` per runtime input.
+    """
+    if isinstance(model, onnx.ModelProto):
+        init_names = {t.name for t in model.graph.initializer}
+        init_names.update(t.values.name for t in model.graph.sparse_initializer)
+        return [
+            _spec_from_type_proto(vi.name, vi.type)
+            for vi in model.graph.input
+            if vi.name not in init_names
+        ]
+    graph = getattr(model, "graph", None)
+    if graph is None:
+        raise InputError(f"expected an onnx.ModelProto or onnx_ir.Model, got {type(model)!r}")
+    return [
+        _spec_from_ir_value(value) for value in graph.inputs if value.name not in graph.initializers
+    ]
+
+
+def _spec_from_type_proto(name: str, type_proto: onnx.TypeProto) -> InputSpec:
+    field = type_proto.WhichOneof("value")
+    if field == "tensor_type":
+        tensor_type = type_proto.tensor_type
+        dtype = _np_dtype(tensor_type.elem_type)
+        if dtype is None:
+            return InputSpec(name, np.dtype(object), _shape_from_proto(tensor_type), "unknown")
+        return InputSpec(name, dtype, _shape_from_proto(tensor_type), "tensor")
+    if field in ("sequence_type", "optional_type"):
+        inner = getattr(type_proto, field).elem_type
+        inner_spec = _spec_from_type_proto(name, inner)
+        return InputSpec(name, inner_spec.dtype, None, field.removesuffix("_type"))
+    if field == "sparse_tensor_type":
+        sparse = type_proto.sparse_tensor_type
+        dtype = _np_dtype(sparse.elem_type)
+        return InputSpec(
+            name,
+            np.dtype(object) if dtype is None else dtype,
+            _shape_from_proto(sparse),
+            "sparse_tensor",
+        )
+    if field == "map_type":
+        return InputSpec(name, np.dtype(object), None, "map")
+    return InputSpec(name, np.dtype(object), None, "unknown")
+
+
+def _shape_from_proto(
+    tensor_type: onnx.TypeProto.Tensor | onnx.TypeProto.SparseTensor,
+) -> Shape | None:
+    if not tensor_type.HasField("shape"):
+        return None
+    dims: list[int | str | None] = []
+    for dim in tensor_type.shape.dim:
+        which = dim.WhichOneof("value")
+        if which == "dim_value":
+            dims.append(int(dim.dim_value))
+        elif which == "dim_param" and dim.dim_param:
+            dims.append(dim.dim_param)
+        else:
+            dims.append(None)
+    return tuple(dims)
+
+
+def _np_dtype(elem_type: int) -> np.dtype | None:
+    """Numpy dtype of an ONNX element type; ``None`` when undefined or unknown."""
+    if elem_type == onnx.TensorProto.UNDEFINED:
+        return None
+    if elem_type == onnx.TensorProto.BFLOAT16:
+        return np.dtype(ml_dtypes.bfloat16)
+    try:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def _spec_from_ir_value(value: onnx_ir.Value) -> InputSpec:
+    import onnx_ir as ir
+
+    name = value.name or ""
+    value_type = value.type
+    if value_type is None:
+        return InputSpec(name, np.dtype(object), None, "unknown")
+    shape: Shape | None = None
+    if value.shape is not None:
+        shape = tuple(
+            dim if isinstance(dim, int) else (dim.value if dim.value else None)
+            for dim in value.shape
+        )
+    kind = "tensor"
+    if value_type.dtype == ir.DataType.UNDEFINED:
+        kind = "unknown"
+    elif isinstance(value_type, ir.SequenceType):
+        kind = "sequence"
+    elif isinstance(value_type, ir.OptionalType):
+        kind = "optional"
+    elif isinstance(value_type, ir.SparseTensorType):
+        kind = "sparse_tensor"
+    elif not isinstance(value_type, ir.TensorType):
+        kind = "unknown"
+    try:
+        dtype = np.dtype(value_type.dtype.numpy())
+    except (TypeError, ValueError, NotImplementedError, AttributeError):
+        dtype = np.dtype(object)
+    if kind in ("sequence", "optional"):
+        shape = None  # not a tensor shape
+    return InputSpec(name, dtype, shape, kind)
+
+
+def generate_inputs(
+    specs: Sequence[InputSpec], *, seed: int = 0, dim_value: int = 2
+) -> dict[str, np.ndarray]:
+    """Generate deterministic random inputs.
+
+    Each input gets its own random stream derived from ``seed`` and its name, so an
+    input's data does not depend on the other inputs. Floats are standard normal
+    (drawn in float32, then cast to the input dtype), integers are uniform in
+    ``[0, 4)`` so they are valid indices and lengths, booleans are uniform, strings
+    are decimal digits.
+
+    Args:
+        specs: Input signatures, e.g. from :func:`input_specs`.
+        seed: Random seed.
+        dim_value: Size used for symbolic and unknown dimensions.
+
+    Returns:
+        Arrays by input name.
+
+    Raises:
+        InputError: An input is not a tensor, has unknown rank or dtype, or
+            ``dim_value`` is negative.
+    """
+    if dim_value < 0:
+        raise InputError(f"dim_value must be >= 0, got {dim_value}")
+    feeds: dict[str, np.ndarray] = {}
+    for spec in specs:
+        if spec.kind != "tensor":
+            raise InputError(
+                f"cannot generate data for input {spec.name!r}: {spec.kind} inputs are "
+                "not supported; provide the data in a file"
+            )
+        if spec.shape is None:
+            raise InputError(
+                f"cannot generate data for input {spec.name!r}: its rank is unknown; "
+                "provide the data in a file"
+            )
+        shape = tuple(d if isinstance(d, int) and d >= 0 else dim_value for d in spec.shape)
+        rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode("utf-8"))])
+        feeds[spec.name] = _random_array(spec, shape, rng)
+    return feeds
+
+
+def _random_array(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    dtype = np.dtype(spec.dtype)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, size=shape).astype(np.bool_)
+    if np.issubdtype(dtype, np.complexfloating):
+        real = rng.standard_normal(shape, dtype=np.float32)
+        imag = rng.standard_normal(shape, dtype=np.float32)
+        return (real + 1j * imag).astype(dtype)
+    if np.issubdtype(dtype, np.integer) or _is_ml_int(dtype):
+        return rng.integers(0, _INT_HIGH, size=shape).astype(dtype)
+    if dtype == np.dtype(object):  # ONNX STRING
+        digits = rng.integers(0, _INT_HIGH, size=shape)
+        return digits.astype(str).astype(object)
+    if _is_float(dtype):
+        return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+    raise InputError(f"cannot generate data for input {spec.name!r}: unsupported dtype {dtype}")
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    if np.issubdtype(dtype, np.floating):
+        return True
+    try:
+        ml_dtypes.finfo(dtype)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def _is_ml_int(dtype: np.dtype) -> bool:
+    try:
+        ml_dtypes.iinfo(dtype)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def load_batches(
+    path: str | os.PathLike[str], input_names: Sequence[str]
+) -> Iterator[dict[str, np.ndarray]]:
+    """Stream input batches from an ``.npz`` file or a directory.
+
+    The layout is checked immediately (a missing path fails at the call), files are
+    read lazily, one batch at a time. A batch may hold a subset of ``input_names``.
+
+    Args:
+        path: An ``.npz`` file, a directory of ``.npz`` files, a directory of
+            ``test_data_set_N`` directories, or one ``test_data_set_N`` directory.
+        input_names: The model's runtime input names, in graph order (the K-th
+            ``input_K.pb`` maps to the K-th name unless the tensor is named after an
+            input).
+
+    Returns:
+        An iterator of ``{input name: array}``.
+
+    Raises:
+        InputError: The path is missing, holds no batches, or a file is unreadable or
+            names an unknown input (raised while iterating for file contents).
+    """
+    root = Path(path)
+    names = list(input_names)
+    if not root.exists():
+        raise InputError(f"input data path does not exist: {root}")
+    if root.is_file():
+        if root.suffix.lower() != ".npz":
+            raise InputError(f"unsupported input data file (expected .npz): {root}")
+        return _iter_npz([root], names)
+    if not root.is_dir():
+        raise InputError(f"input data path is neither a file nor a directory: {root}")
+    if _pb_files(root, _INPUT_PB_RE):
+        return _iter_test_sets([root], names)
+    try:
+        entries = sorted(root.iterdir(), key=lambda p: p.name)
+    except OSError as exc:
+        raise InputError(f"cannot list input data directory {root}: {exc}") from exc
+    test_sets = sorted(
+        (p for p in entries if p.is_dir() and _TEST_SET_RE.match(p.name)),
+        key=lambda p: int(_TEST_SET_RE.match(p.name).group(1)),  # type: ignore[union-attr]
+    )
+    npz_files = [p for p in entries if p.is_file() and p.suffix.lower() == ".npz"]
+    if test_sets and npz_files:
+        raise InputError(
+            f"input data directory {root} holds both test_data_set_N directories and "
+            ".npz files; pass one of them"
+        )
+    if test_sets:
+        return _iter_test_sets(test_sets, names)
+    if npz_files:
+        return _iter_npz(npz_files, names)
+    raise InputError(
+        f"no input batches in {root}: expected .npz files or test_data_set_N/input_K.pb"
+    )
+
+
+def _iter_npz(files: list[Path], input_names: list[str]) -> Iterator[dict[str, np.ndarray]]:
+    known = set(input_names)
+    for file in files:
+        try:
+            with np.load(file, allow_pickle=False) as archive:
+                if not isinstance(archive, np.lib.npyio.NpzFile):
+                    raise InputError(f"not an .npz archive: {file}")
+                batch = {key: archive[key] for key in archive.files}
+        except InputError:
+            raise
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as exc:
+            raise InputError(f"cannot read input data file {file}: {exc}") from exc
+        unknown = sorted(set(batch) - known)
+        if unknown:
+            raise InputError(
+                f"input data file {file} has array {unknown[0]!r}, which is not a model "
+                f"input (inputs: {', '.join(input_names)})"
+            )
+        logger.debug("loaded batch %s (%d arrays)", file, len(batch))
+        yield batch
+
+
+def _iter_test_sets(dirs: list[Path], input_names: list[str]) -> Iterator[dict[str, np.ndarray]]:
+    for directory in dirs:
+        files = _pb_files(directory, _INPUT_PB_RE)
+        if not files:
+            raise InputError(f"no input_K.pb files in {directory}")
+        yield _read_pb_set(files, input_names, "input")
+
+
+def load_expected_outputs(
+    test_data_set_dir: str | os.PathLike[str], output_names: Sequence[str]
+) -> dict[str, np.ndarray]:
+    """Read ``output_K.pb`` files of one ONNX ``test_data_set_N`` directory.
+
+    Args:
+        test_data_set_dir: The ``test_data_set_N`` directory.
+        output_names: The model's output names in graph order.
+
+    Returns:
+        Expected arrays by output name.
+
+    Raises:
+        InputError: The directory is missing, has no ``output_K.pb`` files, or a file
+            is unreadable or cannot be matched to an output.
+    """
+    directory = Path(test_data_set_dir)
+    if not directory.is_dir():
+        raise InputError(f"test data directory does not exist: {directory}")
+    files = _pb_files(directory, _OUTPUT_PB_RE)
+    if not files:
+        raise InputError(f"no output_K.pb files in {directory}")
+    return _read_pb_set(files, list(output_names), "output")
+
+
+def _pb_files(directory: Path, pattern: re.Pattern[str]) -> list[tuple[int, Path]]:
+    found: list[tuple[int, Path]] = []
+    try:
+        for entry in directory.iterdir():
+            match = pattern.match(entry.name)
+            if match and entry.is_file():
+                found.append((int(match.group(1)), entry))
+    except OSError as exc:
+        raise InputError(f"cannot list directory {directory}: {exc}") from exc
+    return sorted(found)
+
+
+def _read_pb_set(
+    files: list[tuple[int, Path]], names: list[str], role: str
+) -> dict[str, np.ndarray]:
+    known = set(names)
+    result: dict[str, np.ndarray] = {}
+    for index, file in files:
+        tensor = _read_tensor_proto(file)
+        if tensor.name in known:
+            name = tensor.name
+        elif index < len(names):
+            name = names[index]
+        else:
+            raise InputError(
+                f"{file}: cannot match {role} #{index} (tensor name {tensor.name!r}) to a "
+                f"model {role}; the model has {len(names)} {role}s"
+            )
+        if name in result:
+            raise InputError(f"{file}: {role} {name!r} is given by more than one file")
+        try:
+            result[name] = numpy_helper.to_array(tensor, base_dir=str(file.parent))
+        except Exception as exc:  # onnx raises assorted types for bad tensors
+            raise InputError(f"cannot decode tensor in {file}: {exc}") from exc
+    return result
+
+
+def _read_tensor_proto(file: Path) -> onnx.TensorProto:
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise InputError(f"cannot read {file}: {exc}") from exc
+    tensor = onnx.TensorProto()
+    try:
+        tensor.ParseFromString(data)
+    except Exception as exc:  # protobuf DecodeError
+        raise InputError(f"{file} is not a serialized onnx.TensorProto: {exc}") from exc
+    if tensor.data_type == onnx.TensorProto.UNDEFINED:
+        raise InputError(
+            f"{file} is not a tensor (sequence, map and optional values are not supported)"
+        )
+    return tensor

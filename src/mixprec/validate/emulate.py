@@ -1,0 +1,521 @@
+"""Emulated low-precision execution for runtimes without 16-bit kernels.
+
+:func:`emulate_low_precision` rewrites a mixed-precision model so that every
+float16/bfloat16 tensor is held in float32, and every value that was 16-bit is
+rounded through its 16-bit type right after it is produced
+(``Cast(to=16-bit)`` then ``Cast(to=FLOAT)``). Running the result gives the numerics
+of a runtime that computes each 16-bit op in float32 and rounds its result, which
+onnxruntime's CPU provider can run for bfloat16 too (it has bfloat16 ``Cast``
+kernels but almost no bfloat16 compute kernels).
+
+Details of the rewrite:
+
+* Graph inputs and outputs that were 16-bit become FLOAT: feed float32 data; the
+  inputs are rounded to the 16-bit type on entry, as a caller casting its data would.
+* 16-bit initializers and ``Constant``/``ConstantOfShape`` tensors are converted to
+  float32 exactly (values unchanged; they need no rounding).
+* ``Cast(to=16-bit)`` keeps its rounding and gets a ``Cast(to=FLOAT)`` after it;
+  ``CastLike`` to a 16-bit type becomes that pair; ``dtype``/``output_dtype``
+  attributes of ``RandomNormal*``, ``RandomUniform*``, ``EyeLike``, ``Bernoulli``
+  and ``DequantizeLinear`` become FLOAT and the output is rounded.
+* Outputs of ops that only move or select 16-bit values (``Reshape``, ``Concat``,
+  ``Relu``, ``Max`` and similar), of control flow (``If``/``Loop``/``Scan``: their
+  bodies round) and 16-bit sequence/optional values are retyped but not re-rounded:
+  their values are already exactly representable.
+* Model-local functions are inlined first (onnxruntime inlines them too): ONNX
+  functions are untyped, so their 16-bit values are only known after inlining.
+
+Element types come from the model's value infos completed by ONNX type inference;
+a value whose type stays unknown (e.g. from a custom-domain op) is left unrounded
+and reported in a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common as ir_passes
+
+from mixprec.errors import InputError, ModelLoadError, ValidationError
+
+logger = logging.getLogger(__name__)
+
+ModelLike = onnx.ModelProto | ir.Model | str | os.PathLike
+
+_FLOAT = ir.DataType.FLOAT
+_LOW = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+_SUFFIX = {ir.DataType.FLOAT16: "fp16", ir.DataType.BFLOAT16: "bf16"}
+_DEFAULT_DOMAINS = frozenset({"", "ai.onnx"})
+
+# Ops whose element-type attribute sets the output type: (op_type, attribute name).
+_DTYPE_ATTRS: dict[str, str] = {
+    "RandomNormal": "dtype",
+    "RandomUniform": "dtype",
+    "RandomNormalLike": "dtype",
+    "RandomUniformLike": "dtype",
+    "EyeLike": "dtype",
+    "Bernoulli": "dtype",
+    "DequantizeLinear": "output_dtype",
+}
+
+# Ops whose 16-bit outputs only copy, rearrange or select values of their 16-bit
+# inputs (already rounded), so rounding them again would change nothing. (Not Pad or
+# Clip: their old opsets take float32 attributes.)
+_VALUE_PRESERVING = frozenset(
+    {
+        "Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Expand",
+        "Tile", "Concat", "Split", "Slice", "Gather", "GatherElements", "GatherND",
+        "DepthToSpace", "SpaceToDepth", "Compress", "ReverseSequence", "Trilu", "Relu",
+        "Neg", "Abs", "Max", "Min", "Where", "MaxPool", "GlobalMaxPool",
+        "ReduceMax", "ReduceMin", "TopK", "SequenceAt", "OptionalGetElement",
+        "ConcatFromSequence",
+    }
+)  # fmt: skip
+
+_CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
+_CONSTANTS = frozenset({"Constant", "ConstantOfShape"})
+# Ops whose 16-bit outputs need no rounding.
+_NO_ROUNDING = _VALUE_PRESERVING | _CONTROL_FLOW | _CONSTANTS
+
+# Above this many bytes of initializers, emulate_low_precision_file writes external data.
+_EXTERNAL_DATA_THRESHOLD = 1 << 30
+
+
+def emulate_low_precision(model: ModelLike) -> onnx.ModelProto:
+    """Return an all-float32 copy of a mixed-precision model that rounds like 16-bit.
+
+    See the module docstring for the rewrite rules. The caller's model is never
+    modified. Pass large models (over 2 GB, or with external data) to
+    :func:`emulate_low_precision_file` instead: a ``ModelProto`` cannot hold them.
+
+    Args:
+        model: A ``ModelProto``, an ``onnx_ir.Model`` (cloned first; its tensors are
+            shared, not copied), or a model path (loaded with its external data).
+
+    Returns:
+        The emulation model. Its 16-bit graph inputs and outputs are now float32.
+
+    Raises:
+        ModelLoadError: A path cannot be loaded.
+        ValidationError: The model cannot be rewritten (e.g. functions cannot be inlined).
+    """
+    ir_model = _load_copy(model)
+    _emulate_in_place(ir_model)
+    return ir.to_proto(ir_model)
+
+
+def emulate_low_precision_file(
+    model_path: str | os.PathLike[str], output_path: str | os.PathLike[str]
+) -> Path:
+    """Write the emulation model of a model file, streaming large weights.
+
+    Initializers are loaded lazily and written to ``<output name>.data`` external
+    data when the source uses external data or holds over 1 GiB of initializers.
+
+    Args:
+        model_path: Source model file.
+        output_path: Destination ``.onnx`` file (must differ from the source).
+
+    Returns:
+        The destination path.
+
+    Raises:
+        InputError: The destination would overwrite the source or its external data.
+        ModelLoadError: The source cannot be loaded.
+        ValidationError: The model cannot be rewritten.
+    """
+    src = Path(model_path)
+    dst = Path(output_path)
+    if not src.is_file():
+        raise ModelLoadError(f"model file does not exist: {src}")
+    if dst.resolve() == src.resolve():
+        raise InputError(f"output path {dst} is the input model; choose another path")
+    try:
+        ir_model = ir.load(src)
+    except Exception as exc:  # protobuf and onnx_ir raise assorted types
+        raise ModelLoadError(f"cannot load model {src}: {exc}") from exc
+    external = [t for t in _initializer_tensors(ir_model) if isinstance(t, ir.ExternalTensor)]
+    _emulate_in_place(ir_model)
+
+    total = sum(t.nbytes for t in _initializer_tensors(ir_model))
+    external_data: str | None = None
+    if external or total > _EXTERNAL_DATA_THRESHOLD:
+        external_data = f"{dst.name}.data"
+        target = (dst.parent / external_data).resolve()
+        if any(Path(t.path).resolve() == target for t in external):
+            raise InputError(
+                f"external data file {target} is used by the source model; choose another "
+                "output name"
+            )
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    ir.save(ir_model, dst, external_data=external_data, size_threshold_bytes=1024)
+    logger.info("wrote emulation model %s", dst)
+    return dst
+
+
+def _initializer_tensors(model: ir.Model) -> list[ir.TensorProtocol]:
+    return [
+        v.const_value
+        for graph in model.graphs()
+        for v in graph.initializers.values()
+        if v.const_value is not None
+    ]
+
+
+def _load_copy(model: ModelLike) -> ir.Model:
+    if isinstance(model, onnx.ModelProto):
+        return ir.from_proto(model)
+    if isinstance(model, ir.Model):
+        return model.clone()
+    if isinstance(model, (str, os.PathLike)):
+        path = Path(model)
+        if not path.is_file():
+            raise ModelLoadError(f"model file does not exist: {path}")
+        try:
+            proto = onnx.load(str(path), load_external_data=True)
+        except Exception as exc:  # protobuf and onnx raise assorted types
+            raise ModelLoadError(f"cannot load model {path}: {exc}") from exc
+        return ir.from_proto(proto)
+    raise InputError(
+        f"expected an onnx.ModelProto, onnx_ir.Model or path, got {type(model).__name__}"
+    )
+
+
+def _emulate_in_place(model: ir.Model) -> None:
+    _inline_functions(model)
+    _infer_types(model)
+    names = _Names(model)
+    rounded = 0
+    untyped: set[str] = set()
+    for graph in list(model.graphs()):
+        rounded += _emulate_graph(graph, graph is model.graph, names, untyped)
+    if untyped:
+        logger.warning(
+            "emulation: the element type of some outputs of %s is unknown; those values "
+            "are not rounded to 16-bit",
+            ", ".join(sorted(untyped)),
+        )
+    if rounded and "" not in model.opset_imports:
+        model.opset_imports[""] = 13
+    logger.info("emulation: %d values rounded through 16-bit", rounded)
+
+
+def _infer_types(model: ir.Model) -> None:
+    """Fill in missing value types with ONNX type inference (no-op when all are known).
+
+    Main-graph initializers are turned into inputs of a structural clone first, so
+    weight data is never serialized. Unlike onnx_ir's ShapeInferencePass, whole types
+    are merged, so sequence and optional values keep their kind.
+    """
+    if all(
+        value.type is not None
+        for graph in model.graphs()
+        for node in graph
+        for value in node.outputs
+        if value.name
+    ):
+        return
+    clone = model.clone()
+    graph = clone.graph
+    for name, value in list(graph.initializers.items()):
+        tensor = value.const_value
+        if tensor is not None:
+            if value.type is None:
+                value.dtype = tensor.dtype
+            if value.shape is None:
+                value.shape = ir.Shape(tensor.shape)
+        graph.initializers.pop(name)
+        value.const_value = None
+        if value not in graph.inputs:
+            graph.inputs.append(value)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(
+            ir.to_proto(clone), check_type=False, strict_mode=False, data_prop=False
+        )
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, RuntimeError) as exc:
+        logger.warning("emulation: ONNX type inference failed (%s); using declared types", exc)
+        return
+    inferred_model = ir.from_proto(inferred)
+    for original, result in zip(model.graphs(), inferred_model.graphs()):
+        found = ir.convenience.create_value_mapping(result)
+        for name, value in ir.convenience.create_value_mapping(original).items():
+            other = found.get(name)
+            if other is None:
+                continue
+            if value.type is None and other.type is not None:
+                value.type = other.type
+            if value.shape is None and other.shape is not None:
+                value.shape = other.shape
+
+
+def _inline_functions(model: ir.Model) -> None:
+    if not model.functions:
+        return
+    try:
+        ir_passes.InlinePass()(model)
+        ir_passes.RemoveUnusedFunctionsPass()(model)
+    except Exception as exc:  # the inliner raises ValueError and pass errors
+        raise ValidationError(f"cannot inline model-local functions for emulation: {exc}") from exc
+
+
+class _Names:
+    """Fresh value and node names, unique across the whole model."""
+
+    def __init__(self, model: ir.Model) -> None:
+        self._values: set[str] = set()
+        self._nodes: set[str] = set()
+        self._next: dict[tuple[int, str], int] = {}  # (namespace, base) -> next suffix
+        for graph in model.graphs():
+            for value in (*graph.inputs, *graph.outputs, *graph.initializers.values()):
+                if value is not None and value.name:
+                    self._values.add(value.name)
+            for node in graph:
+                if node.name:
+                    self._nodes.add(node.name)
+                for value in node.outputs:
+                    if value.name:
+                        self._values.add(value.name)
+
+    def value(self, base: str) -> str:
+        return self._fresh(base, self._values, 0)
+
+    def node(self, base: str) -> str:
+        return self._fresh(base, self._nodes, 1)
+
+    def _fresh(self, base: str, used: set[str], namespace: int) -> str:
+        candidate = base
+        i = self._next.get((namespace, base), 1)
+        while candidate in used:
+            i += 1
+            candidate = f"{base}_{i}"
+        self._next[(namespace, base)] = i
+        used.add(candidate)
+        return candidate
+
+
+def _emulate_graph(graph: ir.Graph, is_main: bool, names: _Names, untyped: set[str]) -> int:
+    """Rewrite one graph (not its subgraphs); return the number of rounding points."""
+    rounded = 0
+    original_nodes = list(graph)
+    for init in graph.initializers.values():
+        tensor = init.const_value
+        if tensor is not None and tensor.dtype in _LOW:
+            init.const_value = _float32_tensor(tensor)
+        _retype(init)
+
+    entry_nodes: list[ir.Node] = []
+    for value in graph.inputs:
+        low = _low_dtype(value)
+        _retype(value)
+        # Subgraph inputs receive values that were rounded where they were produced.
+        if low is not None and is_main and value.name and value.uses():
+            entry_nodes.extend(_round_graph_input(graph, value, low, names))
+            rounded += 1
+    if entry_nodes:
+        first = next(iter(graph), None)
+        if first is None:
+            graph.extend(entry_nodes)
+        else:
+            graph.insert_before(first, entry_nodes)
+
+    for node in original_nodes:
+        rounded += _emulate_node(graph, node, names, untyped)
+
+    for value in graph.outputs:  # includes outputs that name outer-scope values
+        _retype(value)
+    return rounded
+
+
+def _emulate_node(graph: ir.Graph, node: ir.Node, names: _Names, untyped: set[str]) -> int:
+    op = node.op_type if node.domain in _DEFAULT_DOMAINS else None
+    if op in _CONSTANTS:
+        _convert_tensor_attributes(node)
+    if op == "Cast" and "to" in node.attributes:
+        to = ir.DataType(node.attributes["to"].value)
+        out = node.outputs[0]
+        if to in _LOW:
+            out.dtype = to
+            _append_cast_to_float(graph, node, out, to, names)
+            return 1
+        _retype(out)
+        return 0
+    if op == "CastLike":
+        out = node.outputs[0]
+        low = _low_dtype(out)  # the target's type: inputs may be retyped already
+        if low is not None:
+            _replace_cast_like(graph, node, low, names)
+            return 1
+        if out.type is None:
+            untyped.add("CastLike")
+        _retype(out)
+        return 0
+
+    attr_low: ir.DataType | None = None
+    if op in _DTYPE_ATTRS:
+        attr = node.attributes.get(_DTYPE_ATTRS[op])
+        if attr is not None and ir.DataType(attr.value) in _LOW:
+            attr_low = ir.DataType(attr.value)
+            node.attributes[attr.name] = ir.AttrInt64(attr.name, _FLOAT)
+
+    rounded = 0
+    skip_rounding = op in _NO_ROUNDING
+    for out in node.outputs:
+        if not out.name:
+            continue  # omitted optional output
+        if out.type is None:
+            if attr_low is None:
+                if op in _CONSTANTS:
+                    continue  # type follows the (converted) tensor attribute
+                untyped.add(f"{node.domain + '::' if node.domain else ''}{node.op_type}")
+                continue
+            out.dtype = attr_low
+        low = _low_dtype(out)
+        _retype(out)
+        if low is None or skip_rounding:
+            continue
+        _append_rounding(graph, node, out, low, names)
+        rounded += 1
+    return rounded
+
+
+def _low_dtype(value: ir.Value) -> ir.DataType | None:
+    """The 16-bit float type of a tensor value, else None."""
+    if isinstance(value.type, ir.TensorType) and value.type.dtype in _LOW:
+        return value.type.dtype
+    return None
+
+
+def _retype(value: ir.Value) -> None:
+    new_type = _float_type(value.type)
+    if new_type is not None:
+        value.type = new_type
+
+
+def _float_type(value_type: ir.TypeProtocol | None) -> ir.TypeProtocol | None:
+    """``value_type`` with 16-bit element types replaced by FLOAT; None if unchanged."""
+    if isinstance(value_type, ir.TensorType):
+        return ir.TensorType(_FLOAT) if value_type.dtype in _LOW else None
+    if isinstance(value_type, ir.SparseTensorType):
+        return ir.SparseTensorType(_FLOAT) if value_type.dtype in _LOW else None
+    if isinstance(value_type, ir.SequenceType):
+        inner = _float_type(value_type.elem_type)
+        return None if inner is None else ir.SequenceType(inner)
+    if isinstance(value_type, ir.OptionalType):
+        inner = _float_type(value_type.elem_type)
+        return None if inner is None else ir.OptionalType(inner)
+    return None
+
+
+def _float32_tensor(tensor: ir.TensorProtocol) -> ir.Tensor:
+    array = np.asarray(tensor.numpy()).astype(np.float32)
+    return ir.Tensor(array, name=tensor.name, doc_string=tensor.doc_string)
+
+
+def _convert_tensor_attributes(node: ir.Node) -> None:
+    for name, attr in list(node.attributes.items()):
+        if attr.type == ir.AttributeType.TENSOR and attr.value.dtype in _LOW:
+            node.attributes[name] = ir.AttrTensor(name, _float32_tensor(attr.value))
+        elif attr.type == ir.AttributeType.SPARSE_TENSOR and attr.value.dtype in _LOW:
+            raise ValidationError(
+                f"node {node.name!r}: 16-bit sparse tensor constants are not supported "
+                "by the emulation"
+            )
+
+
+def _make_value(name: str, dtype: ir.DataType, like: ir.Value) -> ir.Value:
+    shape = None if like.shape is None else ir.Shape(like.shape)
+    return ir.Value(name=name, type=ir.TensorType(dtype), shape=shape)
+
+
+def _cast(value: ir.Value, to: ir.DataType, out: ir.Value, base: str, names: _Names) -> ir.Node:
+    return ir.Node(
+        "", "Cast", [value], [ir.AttrInt64("to", to)], outputs=[out], name=names.node(base)
+    )
+
+
+def _redirect(old: ir.Value, new: ir.Value) -> None:
+    """Make every consumer of ``old`` (subgraphs included) and its graph output use ``new``.
+
+    ONNX forbids a subgraph output that is an outer-scope value, so only the owning
+    graph's outputs can refer to ``old``.
+    """
+    old.replace_all_uses_with(new, replace_graph_outputs=True)
+
+
+def _append_rounding(
+    graph: ir.Graph, node: ir.Node, value: ir.Value, low: ir.DataType, names: _Names
+) -> None:
+    """Round ``value`` (now FLOAT) through ``low``; consumers see the rounded value.
+
+    The rounded value takes over the original name (so graph outputs keep theirs);
+    the unrounded one is renamed.
+    """
+    name = value.name or "value"
+    value.name = names.value(f"{name}_fp32")
+    as_low = _make_value(names.value(f"{name}_{_SUFFIX[low]}"), low, value)
+    rounded = _make_value(name, _FLOAT, value)
+    _redirect(value, rounded)
+    base = f"{node.name or node.op_type}_round_{_SUFFIX[low]}"
+    graph.insert_after(
+        node,
+        [
+            _cast(value, low, as_low, base, names),
+            _cast(as_low, _FLOAT, rounded, f"{base}_back", names),
+        ],
+    )
+
+
+def _append_cast_to_float(
+    graph: ir.Graph, node: ir.Node, value: ir.Value, low: ir.DataType, names: _Names
+) -> None:
+    """After ``Cast(to=low)``, add ``Cast(to=FLOAT)``; the float value takes the name."""
+    name = value.name or "value"
+    value.name = names.value(f"{name}_{_SUFFIX[low]}")
+    as_float = _make_value(name, _FLOAT, value)
+    _redirect(value, as_float)
+    graph.insert_after(
+        node, _cast(value, _FLOAT, as_float, f"{node.name or 'Cast'}_to_fp32", names)
+    )
+
+
+def _replace_cast_like(graph: ir.Graph, node: ir.Node, low: ir.DataType, names: _Names) -> None:
+    """Replace ``CastLike(x, like)`` (to 16-bit) by ``Cast(x, to=low)`` + ``Cast(to=FLOAT)``."""
+    out = node.outputs[0]
+    name = out.name or "value"
+    as_low = _make_value(names.value(f"{name}_{_SUFFIX[low]}"), low, out)
+    out.name = names.value(f"{name}_castlike")
+    as_float = _make_value(name, _FLOAT, out)
+    _redirect(out, as_float)
+    base = node.name or "CastLike"
+    graph.insert_after(
+        node,
+        [
+            _cast(node.inputs[0], low, as_low, f"{base}_as_cast", names),
+            _cast(as_low, _FLOAT, as_float, f"{base}_to_fp32", names),
+        ],
+    )
+    graph.remove(node, safe=True)
+
+
+def _round_graph_input(
+    graph: ir.Graph, value: ir.Value, low: ir.DataType, names: _Names
+) -> list[ir.Node]:
+    """Nodes rounding a (now FLOAT) main-graph input; its consumers use the result.
+
+    The input keeps its name. A graph output that is the input itself stays unrounded.
+    """
+    name = value.name or "input"
+    as_low = _make_value(names.value(f"{name}_{_SUFFIX[low]}"), low, value)
+    rounded = _make_value(names.value(f"{name}_rounded"), _FLOAT, value)
+    for user, index in list(value.uses()):
+        user.replace_input_with(index, rounded)
+    base = f"{name}_round_{_SUFFIX[low]}"
+    return [
+        _cast(value, low, as_low, base, names),
+        _cast(as_low, _FLOAT, rounded, f"{base}_back", names),
+    ]
