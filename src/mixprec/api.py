@@ -18,7 +18,7 @@ from mixprec.analysis.plan import NodeMatcher, PrecisionPlan, plan_precision, wa
 from mixprec.analysis.typeinfo import infer_types
 from mixprec.dtypes import LowPrecision, parse_low_precision
 from mixprec.errors import ConversionError, InputError, ValidationError
-from mixprec.io import load_model, save_model, weight_bytes
+from mixprec.io import load_model, save_model, uses_external_data, weight_bytes
 from mixprec.passes.rewrite import apply_plan
 from mixprec.policy.schemas import op_exists
 from mixprec.policy.table import Policy, load_policy, parse_op_name
@@ -71,6 +71,25 @@ def _check_user_ops(model: ir.Model, names: Iterable[str]) -> None:
             )
 
 
+def _upgrade_opset(model: ir.Model, opset: int) -> tuple[ir.Model, str | None]:
+    """Upgrade the default-domain opset with the ONNX version converter."""
+    import onnx.version_converter  # noqa: PLC0415
+
+    current = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
+    if current is None or current >= opset:
+        return model, None
+    if uses_external_data(model):
+        raise InputError(
+            "opset upgrade of a model with external data is not supported; upgrade it first "
+            "with onnx.version_converter"
+        )
+    try:
+        upgraded = onnx.version_converter.convert_version(ir.to_proto(model), opset)
+    except Exception as e:  # noqa: BLE001
+        raise InputError(f"cannot upgrade the model from opset {current} to {opset}: {e}") from e
+    return ir.from_proto(upgraded), f"opset upgraded from {current} to {opset}"
+
+
 def _normalize_ir_version(model: ir.Model) -> list[str]:
     """IR < 4 lists every initializer as a graph input; treat them as constants (IR 4)."""
     if model.ir_version >= 4:
@@ -112,6 +131,7 @@ def convert(
     max_batches: int = 8,
     tolerance: tuple[float, float] | None = None,
     external_data: bool | None = None,
+    opset: int | None = None,
 ) -> ConversionResult:
     """Convert an FP32 ONNX model to mixed precision.
 
@@ -135,6 +155,8 @@ def convert(
         tolerance: (atol, rtol) that every output must meet, else `ConversionError`.
         external_data: Force (True) or forbid (False) external data for the output; default:
             when weights exceed 1 GiB or the input used external data.
+        opset: Upgrade the model to this default-domain opset first (with the ONNX version
+            converter), e.g. 22 so that Conv and pooling admit bfloat16.
 
     Returns:
         The converted model, the plan and the report.
@@ -148,6 +170,9 @@ def convert(
     level_requested = validate
     ir_model, source_path = load_model(model)
     original_proto = model if isinstance(model, onnx.ModelProto) else None
+    upgrade_note = None
+    if opset is not None:
+        ir_model, upgrade_note = _upgrade_opset(ir_model, opset)
 
     def original_checker_error() -> str | None:
         if source_path is not None:
@@ -179,6 +204,8 @@ def convert(
     try:
         t = time.perf_counter()
         notes = _normalize_ir_version(ir_model)
+        if upgrade_note:
+            notes.append(upgrade_note)
         typeinfo = infer_types(ir_model)
         times["types"] = time.perf_counter() - t
         t = time.perf_counter()

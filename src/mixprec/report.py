@@ -175,6 +175,13 @@ def build_report(
     known = [c.elements for c in runtime]
     elements = sum(e for e in known if e is not None) if runtime and all(e is not None for e in known) else None
     cast_bytes = None
+    notes = []
+    schema_blocked = by_category.get(Category.SCHEMA.value, 0)
+    if schema_blocked:
+        notes.append(
+            f"{schema_blocked} node(s) have no {target.value} type in their schema at this opset; "
+            "a newer opset may admit them (convert with opset=22 / --opset 22)"
+        )
     if elements is not None:
         cast_bytes = sum(
             (c.elements or 0) * (4 + target.numpy_dtype.itemsize) for c in runtime
@@ -200,6 +207,7 @@ def build_report(
         weight_bytes_before=weight_bytes_before,
         weight_bytes_after=weight_bytes_after,
         type_inference_warning=type_inference_warning,
+        notes=notes,
     )
 
 

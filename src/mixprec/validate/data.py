@@ -18,17 +18,14 @@ import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import ml_dtypes
 import numpy as np
 import onnx
+import onnx_ir as ir
 from onnx import numpy_helper
 
 from mixprec.errors import InputError
-
-if TYPE_CHECKING:
-    import onnx_ir
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +35,8 @@ _TEST_SET_RE = re.compile(r"^test_data_set_(\d+)$")
 _INPUT_PB_RE = re.compile(r"^input_(\d+)\.pb$")
 _OUTPUT_PB_RE = re.compile(r"^output_(\d+)\.pb$")
 
-# Range of generated integer values: [0, _INT_HIGH) is a valid index/length for most models.
-_INT_HIGH = 4
+# Range of generated integer values: [0, _INT_HIGH) is a valid index, length and 0/1 mask.
+_INT_HIGH = 2
 
 
 @dataclass(frozen=True)
@@ -65,7 +62,7 @@ class InputSpec:
     kind: str = "tensor"
 
 
-def input_specs(model: onnx.ModelProto | onnx_ir.Model) -> list[InputSpec]:
+def input_specs(model: onnx.ModelProto | ir.Model) -> list[InputSpec]:
     """Return the graph inputs that are not initializers, in graph order.
 
     Args:
@@ -82,9 +79,9 @@ def input_specs(model: onnx.ModelProto | onnx_ir.Model) -> list[InputSpec]:
             for vi in model.graph.input
             if vi.name not in init_names
         ]
-    graph = getattr(model, "graph", None)
-    if graph is None:
+    if not isinstance(model, ir.Model):
         raise InputError(f"expected an onnx.ModelProto or onnx_ir.Model, got {type(model)!r}")
+    graph = model.graph
     return [
         _spec_from_ir_value(value) for value in graph.inputs if value.name not in graph.initializers
     ]
@@ -145,9 +142,7 @@ def _np_dtype(elem_type: int) -> np.dtype | None:
         return None
 
 
-def _spec_from_ir_value(value: onnx_ir.Value) -> InputSpec:
-    import onnx_ir as ir
-
+def _spec_from_ir_value(value: ir.Value) -> InputSpec:
     name = value.name or ""
     value_type = value.type
     if value_type is None:
@@ -186,7 +181,7 @@ def generate_inputs(
     Each input gets its own random stream derived from ``seed`` and its name, so an
     input's data does not depend on the other inputs. Floats are standard normal
     (drawn in float32, then cast to the input dtype), integers are uniform in
-    ``[0, 4)`` so they are valid indices and lengths, booleans are uniform, strings
+    ``[0, 2)`` so they are valid indices, lengths and 0/1 masks, booleans are uniform, strings
     are decimal digits.
 
     Args:
@@ -229,8 +224,11 @@ def _random_array(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Genera
         real = rng.standard_normal(shape, dtype=np.float32)
         imag = rng.standard_normal(shape, dtype=np.float32)
         return (real + 1j * imag).astype(dtype)
-    if np.issubdtype(dtype, np.integer) or _is_ml_int(dtype):
+    if np.issubdtype(dtype, np.integer):
         return rng.integers(0, _INT_HIGH, size=shape).astype(dtype)
+    if _is_ml_int(dtype):  # int4/uint4/int2...: stay within the type's range
+        high = min(_INT_HIGH, int(ml_dtypes.iinfo(dtype).max) + 1)
+        return rng.integers(0, high, size=shape).astype(dtype)
     if dtype == np.dtype(object):  # ONNX STRING
         digits = rng.integers(0, _INT_HIGH, size=shape)
         return digits.astype(str).astype(object)

@@ -1,0 +1,205 @@
+"""Command line: `mixprec convert | inspect | policy | demo`.
+
+Exit codes: 0 success; 2 bad arguments or input; 3 the converted model failed validation
+(nothing written); 4 the model file cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from mixprec.errors import ConversionError, InputError, MixprecError, ModelLoadError, PolicyError
+
+logger = logging.getLogger("mixprec")
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_VALIDATION = 3
+EXIT_MODEL = 4
+
+
+def _tolerance(text: str) -> tuple[float, float]:
+    parts = text.split(",")
+    try:
+        values = [float(p) for p in parts]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected ATOL[,RTOL], got {text!r}") from e
+    if len(values) == 1:
+        return values[0], values[0]
+    if len(values) == 2:
+        return values[0], values[1]
+    raise argparse.ArgumentTypeError(f"expected ATOL[,RTOL], got {text!r}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mixprec",
+        description="Convert FP32 ONNX models to mixed precision (float16 / bfloat16).",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    convert = sub.add_parser("convert", help="convert an FP32 model")
+    convert.add_argument("input", help="FP32 .onnx model")
+    convert.add_argument("output", help="where to write the converted model")
+    convert.add_argument("--to", default="fp16", help="fp16 (float16) or bf16 (bfloat16); default fp16")
+    convert.add_argument("--exclude-node", action="append", default=[], metavar="NAME_OR_REGEX",
+                         help="keep nodes whose name matches (exact or re.search) in FP32; repeatable")
+    convert.add_argument("--fp32-op", action="append", default=[], metavar="OP",
+                         help="keep this op type in FP32 (Op or domain::Op); repeatable")
+    convert.add_argument("--low-op", action="append", default=[], metavar="OP",
+                         help="always run this op type in 16 bits; repeatable")
+    convert.add_argument("--follow-op", action="append", default=[], metavar="OP",
+                         help="this op type follows the widest type of its inputs; repeatable")
+    convert.add_argument("--io-16bit", action="store_true",
+                         help="make the model's FP32 inputs and outputs 16-bit too")
+    convert.add_argument("--opset", type=int, metavar="N",
+                         help="upgrade the model to opset N first (bfloat16 Conv needs 22)")
+    convert.add_argument("--policy", metavar="TOML", help="use this policy table instead of the default")
+    convert.add_argument("--validate", default="auto", choices=["auto", "run", "checker", "none"],
+                         help="auto: checker, plus an onnxruntime run for models of moderate size")
+    convert.add_argument("--data", metavar="PATH",
+                         help="inputs for the numeric check: .npz, a folder of .npz, or test_data_set_N")
+    convert.add_argument("--tolerance", type=_tolerance, metavar="ATOL[,RTOL]",
+                         help="fail (exit 3, nothing written) when an output differs more")
+    convert.add_argument("--report", metavar="JSON", help="write the report as JSON")
+    convert.add_argument("--json", action="store_true", help="print the JSON report on stdout")
+    convert.add_argument("--external-data", choices=["auto", "yes", "no"], default="auto",
+                         help="store weights in OUTPUT.data (auto: above 1 GiB or if the input did)")
+
+    inspect = sub.add_parser("inspect", help="show what runs in which precision")
+    inspect.add_argument("model")
+    inspect.add_argument("--json", action="store_true")
+
+    policy = sub.add_parser("policy", help="show the op policy for a target type")
+    policy.add_argument("--to", default="fp16")
+    policy.add_argument("--policy", metavar="TOML")
+
+    demo = sub.add_parser("demo", help="convert the built-in demo models and report")
+    demo.add_argument("--out", metavar="DIR", help="keep the models in this folder")
+    return parser
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from mixprec.api import convert  # noqa: PLC0415
+
+    external = {"auto": None, "yes": True, "no": False}[args.external_data]
+    result = convert(
+        args.input,
+        args.output,
+        target_dtype=args.to,
+        low_precision_ops=args.low_op,
+        fp32_ops=args.fp32_op,
+        follow_ops=args.follow_op,
+        exclude_nodes=args.exclude_node,
+        keep_io_types=not args.io_16bit,
+        policy_file=args.policy,
+        validate=args.validate,
+        data=args.data,
+        tolerance=args.tolerance,
+        external_data=external,
+        opset=args.opset,
+    )
+    report = result.report
+    if args.report:
+        _write_text(Path(args.report), report.to_json())
+    if args.json:
+        print(report.to_json())
+    else:
+        print(report.format_text())
+    return EXIT_OK
+
+
+def _write_text(path: Path, text: str) -> None:
+    if not path.parent.is_dir():
+        raise InputError(f"{path}: folder {path.parent} does not exist")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from mixprec.summary import summarize_model  # noqa: PLC0415
+
+    summary = summarize_model(args.model)
+    print(json.dumps(summary.to_dict(), indent=2) if args.json else summary.format_text())
+    return EXIT_OK
+
+
+def _cmd_policy(args: argparse.Namespace) -> int:
+    from mixprec.dtypes import parse_low_precision  # noqa: PLC0415
+    from mixprec.policy.table import OpClass, load_policy  # noqa: PLC0415
+
+    policy = load_policy(parse_low_precision(args.to), args.policy)
+    print(f"policy for {policy.target.value} (ops in no class keep their original types)")
+    for op_class in OpClass:
+        ops = policy.ops_in(op_class)
+        print(f"\n{op_class.value} ({len(ops)}):")
+        for op in ops:
+            rule = policy.rule_for(*reversed(op.rsplit("::", 1))) if "::" in op else policy.rule_for("", op)
+            extra = ""
+            if rule is not None and rule.condition:
+                extra = f"  [{rule.condition} {dict(rule.params)}]"
+            print(f"  {op:<28} {rule.reason if rule else ''}{extra}")
+    return EXIT_OK
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import onnx  # noqa: PLC0415
+
+    from mixprec.api import convert  # noqa: PLC0415
+    from mixprec.demo_models import DEMO_MODELS  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix="mixprec-demo-") as tmp:
+        folder = Path(args.out) if args.out else Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, build in DEMO_MODELS.items():
+            source = folder / f"{name}.onnx"
+            onnx.save(build(), str(source))
+            for target in ("fp16", "bf16"):
+                output = folder / f"{name}.{target}.onnx"
+                result = convert(source, output, target_dtype=target, validate="run")
+                print(result.report.format_text())
+                print()
+        if args.out:
+            print(f"models written to {folder}")
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `mixprec` command."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    commands = {
+        "convert": _cmd_convert,
+        "inspect": _cmd_inspect,
+        "policy": _cmd_policy,
+        "demo": _cmd_demo,
+    }
+    try:
+        return commands[args.command](args)
+    except ModelLoadError as e:
+        print(f"mixprec: error: {e}", file=sys.stderr)
+        return EXIT_MODEL
+    except ConversionError as e:
+        print(f"mixprec: error: {e} (nothing written)", file=sys.stderr)
+        return EXIT_VALIDATION
+    except (InputError, PolicyError, MixprecError) as e:
+        print(f"mixprec: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("mixprec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Tests for mixprec.validate.data."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from mixprec.errors import InputError
+from mixprec.validate.data import (
+    InputSpec,
+    generate_inputs,
+    input_specs,
+    load_batches,
+    load_expected_outputs,
+)
+
+
+def _model() -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3]),
+            helper.make_tensor_value_info("ids", TensorProto.INT64, [None, 4]),
+            helper.make_tensor_value_info("h", TensorProto.BFLOAT16, [2]),
+            helper.make_tensor_value_info("mask", TensorProto.BOOL, [5]),
+            helper.make_tensor_value_info("W", TensorProto.FLOAT, [3]),
+            helper.make_tensor_sequence_value_info("seq", TensorProto.FLOAT16, [2]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+        [numpy_helper.from_array(np.zeros(3, np.float32), "W")],
+    )
+    return helper.make_model(graph)
+
+
+EXPECTED = [
+    InputSpec("x", np.dtype(np.float32), ("batch", 3)),
+    InputSpec("ids", np.dtype(np.int64), (None, 4)),
+    InputSpec("h", np.dtype(ml_dtypes.bfloat16), (2,)),
+    InputSpec("mask", np.dtype(np.bool_), (5,)),
+    InputSpec("seq", np.dtype(np.float16), None, "sequence"),
+]
+
+
+def test_input_specs_from_proto_and_ir_agree() -> None:
+    model = _model()
+    assert input_specs(model) == EXPECTED
+    assert input_specs(ir.from_proto(model)) == EXPECTED
+
+
+def test_generate_inputs_dtypes_shapes_ranges_and_determinism() -> None:
+    specs = EXPECTED[:4]
+    feeds = generate_inputs(specs, seed=3, dim_value=7)
+    assert list(feeds) == ["x", "ids", "h", "mask"]
+    assert feeds["x"].shape == (7, 3) and feeds["x"].dtype == np.float32
+    assert feeds["ids"].shape == (7, 4) and feeds["ids"].dtype == np.int64
+    assert feeds["ids"].min() >= 0 and feeds["ids"].max() < 4
+    assert feeds["h"].dtype == np.dtype(ml_dtypes.bfloat16) and feeds["h"].shape == (2,)
+    assert feeds["mask"].dtype == np.bool_
+
+    again = generate_inputs(specs, seed=3, dim_value=7)
+    for name in feeds:
+        np.testing.assert_array_equal(feeds[name], again[name])
+    other_seed = generate_inputs(specs, seed=4, dim_value=7)
+    assert not np.array_equal(feeds["x"], other_seed["x"])
+    # An input's data does not depend on the other inputs.
+    alone = generate_inputs([specs[0]], seed=3, dim_value=7)
+    np.testing.assert_array_equal(alone["x"], feeds["x"])
+
+    big = generate_inputs([InputSpec("z", np.dtype(np.float32), (100_000,))])["z"]
+    assert abs(float(big.mean())) < 0.02 and abs(float(big.std()) - 1.0) < 0.02
+
+
+def test_generate_inputs_rejects_non_tensors() -> None:
+    with pytest.raises(InputError, match="'seq'"):
+        generate_inputs(EXPECTED)
+    with pytest.raises(InputError, match="'r'.*rank"):
+        generate_inputs([InputSpec("r", np.dtype(np.float32), None)])
+
+
+def test_npz_file_and_directory_round_trip(tmp_path: Path) -> None:
+    batches = [
+        {"x": np.full((2, 3), i, np.float32), "ids": np.arange(8).reshape(2, 4) + i}
+        for i in range(3)
+    ]
+    single = tmp_path / "one.npz"
+    np.savez(single, **batches[0])
+    loaded = list(load_batches(single, ["x", "ids"]))
+    assert len(loaded) == 1
+    np.testing.assert_array_equal(loaded[0]["ids"], batches[0]["ids"])
+
+    directory = tmp_path / "dir"
+    directory.mkdir()
+    for i, batch in enumerate(batches):
+        np.savez(directory / f"batch_{i:02d}.npz", **batch)
+    (directory / "notes.txt").write_text("ignored")
+    iterator = load_batches(directory, ["x", "ids"])
+    assert inspect.isgenerator(iterator)
+    for i, batch in enumerate(iterator):
+        assert set(batch) == {"x", "ids"}
+        np.testing.assert_array_equal(batch["x"], batches[i]["x"])
+    assert i == 2
+
+
+def test_npz_unknown_key_names_key_and_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.npz"
+    np.savez(path, x=np.zeros(2), typo=np.zeros(2))
+    with pytest.raises(InputError, match=r"bad\.npz.*'typo'"):
+        list(load_batches(path, ["x"]))
+
+
+def _write_test_set(directory: Path, arrays: list[np.ndarray], names: list[str], role: str) -> None:
+    directory.mkdir(parents=True)
+    for k, (array, name) in enumerate(zip(arrays, names)):
+        tensor = numpy_helper.from_array(array, name)
+        (directory / f"{role}_{k}.pb").write_bytes(tensor.SerializeToString())
+
+
+def test_onnx_test_data_layout_round_trip(tmp_path: Path) -> None:
+    root = tmp_path / "model_dir"
+    for n in (0, 1, 10, 2):
+        x = np.full((1, 2), n, np.float32)
+        ids = np.array([n, n + 1], np.int64)
+        # Set 1 names its tensors in reverse order to check name matching;
+        # set 2 uses names that match nothing, so position decides.
+        names = {1: ["ids", "x"], 2: ["a", "b"]}.get(n, ["", ""])
+        arrays = [ids, x] if n == 1 else [x, ids]
+        _write_test_set(root / f"test_data_set_{n}", arrays, names, "input")
+    (root / "model.onnx").write_bytes(b"not read")
+
+    batches = list(load_batches(root, ["x", "ids"]))
+    assert [int(b["x"][0, 0]) for b in batches] == [0, 1, 2, 10]
+    for batch in batches:
+        n = int(batch["x"][0, 0])
+        np.testing.assert_array_equal(batch["ids"], [n, n + 1])
+
+    one = list(load_batches(root / "test_data_set_2", ["x", "ids"]))
+    assert len(one) == 1 and one[0]["ids"].tolist() == [2, 3]
+
+
+def test_expected_outputs_keep_bfloat16(tmp_path: Path) -> None:
+    directory = tmp_path / "test_data_set_0"
+    y = np.array([1.5, -2.0], ml_dtypes.bfloat16)
+    z = np.array([[1, 2]], np.int32)
+    _write_test_set(directory, [y, z], ["y", "z"], "output")
+    outputs = load_expected_outputs(directory, ["y", "z"])
+    assert outputs["y"].dtype == np.dtype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(outputs["y"].astype(np.float32), [1.5, -2.0])
+    np.testing.assert_array_equal(outputs["z"], z)
+    with pytest.raises(InputError, match="output #1"):
+        load_expected_outputs(directory, ["only_one"])
+
+
+def test_errors_name_the_path(tmp_path: Path) -> None:
+    missing = tmp_path / "missing"
+    with pytest.raises(InputError, match="missing"):
+        load_batches(missing, ["x"])  # raised at the call, not at first next()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(InputError, match="empty"):
+        load_batches(empty, ["x"])
+    corrupt = tmp_path / "corrupt.npz"
+    corrupt.write_bytes(b"PK\x03\x04 garbage")
+    with pytest.raises(InputError, match=r"corrupt\.npz"):
+        list(load_batches(corrupt, ["x"]))
+    text = tmp_path / "data.csv"
+    text.write_text("1,2")
+    with pytest.raises(InputError, match=r"data\.csv"):
+        load_batches(text, ["x"])
+    bad_pb = tmp_path / "test_data_set_0"
+    bad_pb.mkdir()
+    (bad_pb / "input_0.pb").write_bytes(b"\xff\xff\xff")
+    with pytest.raises(InputError, match="input_0.pb"):
+        list(load_batches(bad_pb, ["x"]))
+    with pytest.raises(InputError, match="nowhere"):
+        load_expected_outputs(tmp_path / "nowhere", ["y"])
