@@ -95,13 +95,18 @@ def make_model(seed: int = 0) -> TinyEncoder:
     return model
 
 
-def export(model: nn.Module, path: Path, *, dynamo: bool) -> Path:
-    """Export `model` with dynamic batch and sequence axes; returns `path`."""
+def export(model: nn.Module, path: Path, *, dynamo: bool, opset: int | None = None) -> Path:
+    """Export `model` with dynamic batch and sequence axes; returns `path`.
+
+    `opset` applies to the legacy TorchScript exporter (default 17, the first with
+    LayerNormalization; 14 gives a decomposed LayerNorm); the dynamo exporter picks its own.
+    """
     ids = torch.randint(0, VOCAB, (2, 5), dtype=torch.long)
     mask = torch.ones(2, 5, dtype=torch.long)
     names = ["input_ids", "attention_mask"]
     if dynamo:
-        batch, seq = torch.export.Dim("batch", min=1, max=64), torch.export.Dim("seq", min=2, max=MAX_POSITIONS)
+        batch = torch.export.Dim("batch", min=1, max=64)
+        seq = torch.export.Dim("seq", min=2, max=MAX_POSITIONS)
         torch.onnx.export(
             model,
             (ids, mask),
@@ -111,6 +116,7 @@ def export(model: nn.Module, path: Path, *, dynamo: bool) -> Path:
             output_names=["logits"],
             dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}},
             external_data=False,
+            verbose=False,
         )
     else:
         axes = {0: "batch", 1: "seq"}
@@ -122,6 +128,6 @@ def export(model: nn.Module, path: Path, *, dynamo: bool) -> Path:
             input_names=names,
             output_names=["logits"],
             dynamic_axes={"input_ids": axes, "attention_mask": axes, "logits": axes},
-            opset_version=17,
+            opset_version=opset or 17,
         )
     return path

@@ -170,9 +170,11 @@ def convert(
     level_requested = validate
     ir_model, source_path = load_model(model)
     original_proto = model if isinstance(model, onnx.ModelProto) else None
-    upgrade_note = None
+    notes = _normalize_ir_version(ir_model)
     if opset is not None:
         ir_model, upgrade_note = _upgrade_opset(ir_model, opset)
+        if upgrade_note:
+            notes.append(upgrade_note)
 
     def original_checker_error() -> str | None:
         if source_path is not None:
@@ -203,9 +205,6 @@ def convert(
 
     try:
         t = time.perf_counter()
-        notes = _normalize_ir_version(ir_model)
-        if upgrade_note:
-            notes.append(upgrade_note)
         typeinfo = infer_types(ir_model)
         times["types"] = time.perf_counter() - t
         t = time.perf_counter()

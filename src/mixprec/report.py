@@ -122,7 +122,7 @@ class Report:
             if len(self.kept_fp32) > max_rows:
                 lines.append(f"    ... {len(self.kept_fp32) - max_rows} more (see --report)")
         for name, note in list(self.constants_kept_for_range.items())[:max_rows]:
-            lines.append(f"  constant {name}: {note}")
+            lines.append(f"  kept FP32 for range: {name}: {note}")
         v = self.validation
         lines.append(f"  validation: checker {v.checker}, runtime {v.runtime} ({v.seconds:.2f} s)")
         for out in v.outputs:

@@ -131,7 +131,8 @@ def constant_range(value: ir.Value, target: LowPrecision) -> ConstantRange | Non
         chunk_max = float(magnitude.max())
         absmax = max(absmax, chunk_max)
         if chunk_max >= limits.max:
-            cast = chunk[finite].astype(target.numpy_dtype)
+            with np.errstate(over="ignore"):
+                cast = chunk[finite].astype(target.numpy_dtype)
             overflow += int(np.count_nonzero(np.isinf(cast.astype(np.float32))))
         nonzero = magnitude[magnitude > 0]
         if nonzero.size and float(nonzero.min()) <= half_subnormal:

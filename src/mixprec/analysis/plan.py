@@ -8,6 +8,8 @@ FP32 values:
 * ``HIGH`` the value stays FP32;
 * ``WIDE`` the value stays FP32 and may hold values the 16-bit type cannot represent
   (out-of-range constants and what data movement makes of them): it is never narrowed;
+* ``TINY`` a constant whose meaningful values would flush to zero: its consumers compute in
+  FP32, but what they produce is an ordinary FP32 value;
 * ``FLEX`` the value can be had in either type without extra error (constants, graph inputs,
   tensors generated from attributes, and follow ops over those): its consumers decide.
 
@@ -22,10 +24,12 @@ type variables that are FP32 and admit the 16-bit type at the node's opset, exce
 from __future__ import annotations
 
 import enum
+import math
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_range, is_constant, small_constant_array
@@ -36,6 +40,10 @@ from mixprec.policy.schemas import Signature, signature
 from mixprec.policy.table import OpClass, OpRule, Policy, format_op_name, normalize_domain
 
 FLOAT = ir.DataType.FLOAT
+# Ops that read a slice of a (possibly large) constant: candidates to keep the constant 16-bit.
+_GATHER_LIKE = frozenset({"Gather", "GatherElements", "GatherND", "Slice"})
+# Constants of at least this many elements count as large weights.
+_HEAVY_CONSTANT_ELEMENTS = 1 << 16
 
 
 class Precision(str, enum.Enum):
@@ -85,6 +93,7 @@ class State(enum.Enum):
     LOW = "low"
     HIGH = "high"
     WIDE = "wide"
+    TINY = "tiny"
     FLEX = "flex"
 
 
@@ -246,8 +255,10 @@ class _Planner:
     # -- states ---------------------------------------------------------------------------
     def _constant_state(self, value: ir.Value) -> State:
         rng = constant_range(value, self.target)
-        if rng is not None and not rng.representable:
+        if rng is not None and rng.overflow:
             return State.WIDE
+        if rng is not None and rng.significant_flush:
+            return State.TINY
         return State.FLEX
 
     def _init_graph(self, graph: ir.Graph, *, main: bool) -> None:
@@ -465,21 +476,25 @@ class _Planner:
         # Values that must not be narrowed pin their type variable to FP32.
         wide_inputs = []
         for index, value, var in considered:
-            if self.value_state(value) is not State.WIDE:
+            input_state = self.value_state(value)
+            if input_state not in (State.WIDE, State.TINY):
                 continue
             if index in rule.saturate_inputs and is_constant(value):
                 self.saturated.add(value)
                 continue
             facts.lowerable.discard(var)
-            wide_inputs.append(value)
+            wide_inputs.append((value, input_state))
             evidence = self._wide_evidence(value)
             facts.pinned_evidence.append(f"{value.name}: {evidence}")
         if wide_inputs and not self._has_lowered_output(node, facts):
+            # Data movement and elementwise ops pass large values on; tiny ones do not matter
+            # once the node computes in FP32.
+            carries_wide = op_class is OpClass.FOLLOW and any(st is State.WIDE for _, st in wide_inputs)
             self._keep(
                 node,
                 Category.CONSTANT_RANGE,
                 "; ".join(facts.pinned_evidence),
-                State.WIDE if op_class is OpClass.FOLLOW else State.HIGH,
+                State.WIDE if carries_wide else State.HIGH,
             )
             return
         considered = [(i, v, var) for i, v, var in considered if var in facts.lowerable]
@@ -487,7 +502,7 @@ class _Planner:
             self._lower(node, facts, category, reason)
             return
         states = {id(v): self.value_state(v) for _, v, _ in considered}
-        high = [v for _, v, _ in considered if states[id(v)] in (State.HIGH, State.WIDE)]
+        high = [v for _, v, _ in considered if states[id(v)] in (State.HIGH, State.WIDE, State.TINY)]
         if high:
             self._keep(node, Category.FOLLOW, f"follows FP32 input {high[0].name!r}", State.HIGH)
             return
@@ -542,13 +557,19 @@ class _Planner:
             rng = constant_range(out, self.target)
             if rng is not None and not rng.representable:
                 self.constant_notes[out] = rng.describe(self.target)
-                self._keep(node, Category.CONSTANT_RANGE, f"{out.name}: {self.constant_notes[out]}", State.WIDE)
+                self._keep(
+                    node,
+                    Category.CONSTANT_RANGE,
+                    f"{out.name}: {self.constant_notes[out]}",
+                    State.WIDE if rng.overflow else State.TINY,
+                )
                 return
         elif rule.dtype_attribute == "value":
             tensor_attr = node.attributes.get("value")
             if tensor_attr is not None:
                 array = tensor_attr.as_tensor().numpy().astype("float32")
-                cast = array.astype(self.target.numpy_dtype).astype("float32")
+                with np.errstate(over="ignore"):
+                    cast = array.astype(self.target.numpy_dtype).astype("float32")
                 if (abs(cast) > self.target.limits.max).any() or ((cast == 0) & (array != 0)).any():
                     self._keep(node, Category.CONSTANT_RANGE, f"fill value {array.reshape(-1)[:1]} not representable", State.WIDE)
                     return
@@ -563,8 +584,9 @@ class _Planner:
             if state is State.LOW:
                 self._lower(node, facts, Category.FOLLOW, f"{node.op_type} of a 16-bit input")
                 return
-            if state in (State.HIGH, State.WIDE):
-                self._keep(node, Category.FOLLOW, f"follows FP32 input {source.name!r}", state)  # type: ignore[union-attr]
+            if state in (State.HIGH, State.WIDE, State.TINY):
+                out_state = State.WIDE if state is State.WIDE else State.HIGH
+                self._keep(node, Category.FOLLOW, f"follows FP32 input {source.name!r}", out_state)  # type: ignore[union-attr]
                 return
         self._flex(node, facts)
 
@@ -602,9 +624,41 @@ class _Planner:
             op_name = format_op_name(node.domain, node.op_type)
             if wanted == {State.LOW}:
                 self._lower(node, facts, Category.CONSUMERS, f"{op_name}: all consumers compute in {self.target.short_name}")
+            elif self._weight_heavy(node, facts):
+                self._lower(
+                    node,
+                    facts,
+                    Category.CONSUMERS,
+                    f"{op_name}: reads a large constant, stored in {self.target.short_name}; "
+                    "its output is cast for FP32 consumers",
+                )
             else:
                 why = "some consumers compute in FP32" if State.HIGH in wanted else "no 16-bit consumer"
                 self._keep(node, Category.CONSUMERS, f"{op_name}: {why}", State.HIGH)
+
+    def _weight_heavy(self, node: ir.Node, facts: NodeFacts) -> bool:
+        """Whether a data-movement node reads constants far larger than what it produces.
+
+        Storing such a constant (an embedding table read by Gather, say) in 16 bits and casting
+        the small output is cheaper than keeping the table in FP32.
+        """
+        if facts.sig is None or node.op_type not in _GATHER_LIKE:
+            return False
+        constant_elements = 0
+        for value, var in zip(node.inputs, facts.sig.input_vars):
+            if value is not None and var in facts.lowerable and is_fp32_tensor(value) and is_constant(value):
+                tensor = value.const_value
+                if tensor is not None:
+                    constant_elements += tensor.size
+        if constant_elements < _HEAVY_CONSTANT_ELEMENTS:
+            return False
+        output_elements = 0
+        for out in node.outputs:
+            shape = out.shape
+            if shape is None or not all(isinstance(d, int) for d in shape.dims):
+                return True
+            output_elements += int(math.prod(int(d) for d in shape.dims))
+        return constant_elements >= 4 * output_elements
 
     def _decide_storage(self) -> None:
         for graph in self.model.graphs():
@@ -617,12 +671,12 @@ class _Planner:
                 out = node.outputs[0]
                 if is_fp32_tensor(out) and self.decisions[node].precision is not Precision.LOW:
                     wanted = self.demands(out)
-                    if State.LOW in wanted and self.state.get(out) is not State.WIDE:
+                    if State.LOW in wanted and self.state.get(out) not in (State.WIDE, State.TINY):
                         self.storage[out] = Storage.BOTH
 
     def _storage_for(self, value: ir.Value) -> Storage:
         wanted = self.demands(value)
-        if State.WIDE == self.state.get(value) and value not in self.saturated:
+        if self.state.get(value) in (State.WIDE, State.TINY) and value not in self.saturated:
             note = self._wide_evidence(value)
             self.constant_notes[value] = note
             return Storage.FP32
