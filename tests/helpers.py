@@ -223,7 +223,7 @@ def session(model: onnx.ModelProto) -> ort.InferenceSession:
 def run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
     """Run `model`, casting float feeds to each input's declared type; outputs as float32."""
     sess = session(model)
-    wanted = {i.name: i.type for i in sess.get_inputs()}
+    wanted = {i.name: i.type for i in (*sess.get_inputs(), *sess.get_overridable_initializers())}
     prepared = {}
     for name, array in feeds.items():
         if name not in wanted:

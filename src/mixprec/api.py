@@ -14,7 +14,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from mixprec.analysis.plan import NodeMatcher, PrecisionPlan, plan_precision, walk_nodes
+from mixprec.analysis.plan import NodeMatcher, PrecisionPlan, plan_precision
+from mixprec.graphs import walk_nodes
 from mixprec.analysis.typeinfo import infer_types
 from mixprec.dtypes import LowPrecision, parse_low_precision
 from mixprec.errors import ConversionError, InputError, ValidationError
@@ -171,10 +172,12 @@ def convert(
     ir_model, source_path = load_model(model)
     original_proto = model if isinstance(model, onnx.ModelProto) else None
     notes = _normalize_ir_version(ir_model)
+    unchanged_source = source_path
     if opset is not None:
         ir_model, upgrade_note = _upgrade_opset(ir_model, opset)
         if upgrade_note:
             notes.append(upgrade_note)
+            unchanged_source = None
 
     def original_checker_error() -> str | None:
         if source_path is not None:
@@ -205,7 +208,7 @@ def convert(
 
     try:
         t = time.perf_counter()
-        typeinfo = infer_types(ir_model)
+        typeinfo = infer_types(ir_model, source=unchanged_source)
         times["types"] = time.perf_counter() - t
         t = time.perf_counter()
         plan = plan_precision(ir_model, policy, exclude_nodes=matcher, keep_io_types=keep_io_types)

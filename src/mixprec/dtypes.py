@@ -100,6 +100,8 @@ def parse_low_precision(value: str | LowPrecision) -> LowPrecision:
     return _ALIASES[key]
 
 
+_FLOAT = ir.DataType.FLOAT
+
 FLOAT_TYPES = frozenset(
     {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
 )
@@ -107,6 +109,7 @@ FLOAT_TYPES = frozenset(
 
 def is_fp32_tensor(value: ir.Value | None) -> bool:
     """Whether a value is a float32 tensor (sequences and optionals are not tensors)."""
-    if value is None or value.dtype != ir.DataType.FLOAT:
+    if value is None:
         return False
-    return value.type is None or isinstance(value.type, ir.TensorType)
+    value_type = value.type
+    return isinstance(value_type, ir.TensorType) and value_type.dtype == _FLOAT

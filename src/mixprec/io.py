@@ -17,6 +17,8 @@ from pathlib import Path
 
 import onnx
 import onnx_ir as ir
+
+from mixprec.graphs import all_graphs
 from google.protobuf.message import DecodeError
 
 from mixprec.errors import InputError, ModelLoadError
@@ -30,7 +32,7 @@ _EXTERNAL_TENSOR_MIN_BYTES = 1024
 
 
 def _check_external_data(model: ir.Model, path: Path) -> None:
-    for graph in model.graphs():
+    for graph in all_graphs(model):
         for value in graph.initializers.values():
             tensor = value.const_value
             if not isinstance(tensor, ir.ExternalTensor):
@@ -96,7 +98,7 @@ def weight_bytes(model: ir.Model) -> int:
     """Total bytes of all initializers (subgraphs included)."""
     return sum(
         v.const_value.nbytes
-        for graph in model.graphs()
+        for graph in all_graphs(model)
         for v in graph.initializers.values()
         if v.const_value is not None
     )
@@ -106,7 +108,7 @@ def uses_external_data(model: ir.Model) -> bool:
     """Whether any initializer lives in an external data file."""
     return any(
         isinstance(v.const_value, ir.ExternalTensor)
-        for graph in model.graphs()
+        for graph in all_graphs(model)
         for v in graph.initializers.values()
     )
 

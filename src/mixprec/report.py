@@ -12,7 +12,8 @@ from typing import Any
 
 import onnx_ir as ir
 
-from mixprec.analysis.plan import Category, Precision, PrecisionPlan, walk_nodes
+from mixprec.analysis.plan import Category, Precision, PrecisionPlan
+from mixprec.graphs import walk_nodes
 from mixprec.passes.rewrite import RewriteStats
 
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import onnx_ir as ir
 
-from mixprec.analysis.plan import walk_nodes
+
+from mixprec.graphs import all_graphs, walk_nodes
 from mixprec.analysis.typeinfo import infer_types
 from mixprec.io import load_model
 
@@ -85,7 +86,7 @@ def summarize_model(source: str | os.PathLike | ir.Model) -> ModelSummary:
         by_precision[precision] += 1
         ops.setdefault(precision, Counter())[node.op_type] += 1
     weights: Counter[str] = Counter()
-    for graph in model.graphs():
+    for graph in all_graphs(model):
         for value in graph.initializers.values():
             if value.const_value is not None:
                 key = _FLOAT_NAMES.get(value.const_value.dtype, value.const_value.dtype.name.lower())

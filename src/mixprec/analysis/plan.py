@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 import math
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +34,7 @@ import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_range, is_constant, small_constant_array
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
+from mixprec.graphs import all_graphs, subgraphs_of, walk_nodes
 from mixprec.errors import InputError
 from mixprec.policy.conditions import CONDITIONS
 from mixprec.policy.schemas import Signature, signature
@@ -202,29 +203,6 @@ def _is_std(domain: str) -> bool:
     return normalize_domain(domain) == ""
 
 
-def walk_nodes(graph: ir.Graph | ir.Function) -> Iterator[ir.Node]:
-    """Nodes of `graph` and its subgraphs; a subgraph's nodes come before the node owning it."""
-    for node in graph:
-        for attr in node.attributes.values():
-            if attr.type == ir.AttributeType.GRAPH:
-                yield from walk_nodes(attr.as_graph())
-            elif attr.type == ir.AttributeType.GRAPHS:
-                for sub in attr.as_graphs():
-                    yield from walk_nodes(sub)
-        yield node
-
-
-def subgraphs_of(node: ir.Node) -> list[ir.Graph]:
-    """The graph attributes of a node."""
-    graphs: list[ir.Graph] = []
-    for attr in node.attributes.values():
-        if attr.type == ir.AttributeType.GRAPH:
-            graphs.append(attr.as_graph())
-        elif attr.type == ir.AttributeType.GRAPHS:
-            graphs.extend(attr.as_graphs())
-    return graphs
-
-
 class _Planner:
     def __init__(
         self,
@@ -251,6 +229,7 @@ class _Planner:
         self.sub_outputs: set[ir.Value] = set()
         self.order = list(walk_nodes(model.graph))
         self.opsets = dict(model.opset_imports)
+        self._templates: dict[tuple, tuple[OpRule | None, Signature | None, frozenset[str]]] = {}
 
     # -- states ---------------------------------------------------------------------------
     def _constant_state(self, value: ir.Value) -> State:
@@ -300,42 +279,57 @@ class _Planner:
             version = self.opsets.get(domain)
         return version
 
-    def _facts(self, node: ir.Node) -> NodeFacts:
+    def _template(
+        self, node: ir.Node, opset: int | None
+    ) -> tuple[OpRule | None, Signature | None, frozenset[str]]:
+        """Rule, schema binding and never-lowered type variables of an op (cached per op)."""
+        key = (node.op_type, node.domain, opset, len(node.inputs), len(node.outputs))
+        cached = self._templates.get(key)
+        if cached is not None:
+            return cached
         rule = self.policy.rule_for(node.domain, node.op_type)
         sig = None
-        opset = self._opset(node)
         if _is_std(node.domain) and opset is not None:
             sig = signature(node.op_type, node.domain, opset, len(node.inputs), len(node.outputs))
+        excluded: set[str] = set()
+        if sig is not None:
+            excluded = {v for v, allowed in sig.allowed.items() if self.target_type not in allowed}
+            if rule is not None:
+                for index in rule.fp32_inputs:
+                    if index < len(sig.input_vars) and sig.input_vars[index] is not None:
+                        excluded.add(sig.input_vars[index])  # type: ignore[arg-type]
+                for index in rule.flexible_inputs:
+                    # A flexible input's own type variable is never lowered by the node.
+                    if index < len(sig.input_vars):
+                        var = sig.input_vars[index]
+                        others = {sig.input_vars[i] for i in range(len(sig.input_vars)) if i != index}
+                        if var is not None and var not in others | set(sig.output_vars):
+                            excluded.add(var)
+        template = (rule, sig, frozenset(excluded))
+        self._templates[key] = template
+        return template
+
+    def _facts(self, node: ir.Node) -> NodeFacts:
+        rule, sig, excluded = self._template(node, self._opset(node))
         facts = NodeFacts(rule=rule, sig=sig)
+        if rule is not None:
+            facts.flexible = rule.flexible_inputs
         if sig is None:
             return facts
         float_vars: set[str] = set()
-        for values, variables in ((node.inputs, sig.input_vars), (node.outputs, sig.output_vars)):
-            for value, var in zip(values, variables):
-                if value is not None and var is not None and is_fp32_tensor(value):
-                    float_vars.add(var)
-        facts.float_vars = frozenset(float_vars)
         # Type variables bound only to outputs (e.g. LayerNormalization's U, set by stash_type)
         # are the op's own choice: they keep their types.
-        input_vars = {
-            var for value, var in zip(node.inputs, sig.input_vars) if value is not None and var is not None
-        }
-        facts.lowerable = {
-            v for v in float_vars if v in input_vars and self.target_type in sig.allowed.get(v, ())
-        }
-        if rule is not None:
-            facts.flexible = rule.flexible_inputs
-            for index in rule.fp32_inputs:
-                if index < len(sig.input_vars) and sig.input_vars[index] is not None:
-                    facts.lowerable.discard(sig.input_vars[index])  # type: ignore[arg-type]
-            for index in rule.flexible_inputs:
-                # A flexible input's own type variable is never lowered by the node.
-                if index < len(sig.input_vars):
-                    var = sig.input_vars[index]
-                    if var is not None and var not in {
-                        sig.input_vars[i] for i in range(len(sig.input_vars)) if i != index
-                    } | set(sig.output_vars):
-                        facts.lowerable.discard(var)
+        input_vars: set[str] = set()
+        for value, var in zip(node.inputs, sig.input_vars):
+            if value is not None and var is not None:
+                input_vars.add(var)
+                if is_fp32_tensor(value):
+                    float_vars.add(var)
+        for value, var in zip(node.outputs, sig.output_vars):
+            if var is not None and is_fp32_tensor(value):
+                float_vars.add(var)
+        facts.float_vars = frozenset(float_vars)
+        facts.lowerable = {v for v in float_vars if v in input_vars and v not in excluded}
         return facts
 
     def _touches_fp32(self, node: ir.Node) -> bool:
@@ -501,7 +495,10 @@ class _Planner:
         if op_class is OpClass.LOW:
             self._lower(node, facts, category, reason)
             return
-        states = {id(v): self.value_state(v) for _, v, _ in considered}
+        states = {
+            id(v): State.FLEX if v in self.saturated and i in rule.saturate_inputs else self.value_state(v)
+            for i, v, _ in considered
+        }
         high = [v for _, v, _ in considered if states[id(v)] in (State.HIGH, State.WIDE, State.TINY)]
         if high:
             self._keep(node, Category.FOLLOW, f"follows FP32 input {high[0].name!r}", State.HIGH)
@@ -661,7 +658,7 @@ class _Planner:
         return constant_elements >= 4 * output_elements
 
     def _decide_storage(self) -> None:
-        for graph in self.model.graphs():
+        for graph in all_graphs(self.model):
             for value in graph.initializers.values():
                 if not is_fp32_tensor(value) or value.is_graph_input():
                     continue

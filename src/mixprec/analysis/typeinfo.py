@@ -11,10 +11,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import onnx
 import onnx.shape_inference
 import onnx_ir as ir
+
+from mixprec.graphs import all_graphs, walk_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -65,23 +68,31 @@ def _weight_free_proto(model: ir.Model) -> onnx.ModelProto:
         graph.inputs.extend(original_inputs)
 
 
-def _dtype_and_shape(type_proto: onnx.TypeProto) -> tuple[ir.DataType | None, ir.Shape | None]:
+class _ShapeCache:
+    """Frozen ir.Shape objects shared between values of equal static shape."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple, ir.Shape] = {}
+
+    def get(self, dims: tuple) -> ir.Shape:
+        shape = self._cache.get(dims)
+        if shape is None:
+            shape = ir.Shape(dims, frozen=True)
+            self._cache[dims] = shape
+        return shape
+
+
+def _dtype_and_dims(type_proto: onnx.TypeProto) -> tuple[int, tuple | None]:
     if not type_proto.HasField("tensor_type"):
-        return None, None
+        return 0, None
     tensor_type = type_proto.tensor_type
-    dtype = ir.DataType(tensor_type.elem_type) if tensor_type.elem_type else None
-    shape = None
-    if tensor_type.HasField("shape"):
-        dims: list[int | str | None] = []
-        for dim in tensor_type.shape.dim:
-            if dim.HasField("dim_value"):
-                dims.append(dim.dim_value)
-            elif dim.HasField("dim_param"):
-                dims.append(dim.dim_param)
-            else:
-                dims.append(None)
-        shape = ir.Shape(dims)
-    return dtype, shape
+    if not tensor_type.HasField("shape"):
+        return tensor_type.elem_type, None
+    dims = tuple(
+        d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+        for d in tensor_type.shape.dim
+    )
+    return tensor_type.elem_type, dims
 
 
 def _graph_pairs(
@@ -106,7 +117,7 @@ def _graph_pairs(
                     yield from _graph_pairs(sub, sub_proto)
 
 
-def _apply(graph: ir.Graph, proto: onnx.GraphProto) -> int:
+def _apply(graph: ir.Graph, proto: onnx.GraphProto, shapes: _ShapeCache) -> int:
     inferred = {}
     for info in (*proto.input, *proto.value_info, *proto.output):
         inferred[info.name] = info.type
@@ -115,52 +126,76 @@ def _apply(graph: ir.Graph, proto: onnx.GraphProto) -> int:
     for node in graph:
         values.extend(node.outputs)
     for value in values:
+        if value.dtype is not None and value.shape is not None:
+            continue
         type_proto = inferred.get(value.name)
         if type_proto is None:
             continue
-        dtype, shape = _dtype_and_shape(type_proto)
-        if value.dtype is None and dtype is not None:
-            value.dtype = dtype
+        elem_type, dims = _dtype_and_dims(type_proto)
+        if value.dtype is None and elem_type:
+            value.dtype = ir.DataType(elem_type)
             count += 1
-        if value.shape is None and shape is not None:
-            value.shape = shape
+        if value.shape is None and dims is not None:
+            value.shape = shapes.get(dims)
     return count
 
 
-def infer_types(model: ir.Model) -> TypeInfo:
-    """Fill in element types and shapes of all values of `model` in place."""
+def _source_proto(path: Path) -> onnx.ModelProto:
+    """The model file's graph without large initializer data (they become typed inputs)."""
+    proto = onnx.load(str(path), load_external_data=False)
+    graph = proto.graph
+    inputs = {i.name for i in graph.input}
+    kept = []
+    for tensor in graph.initializer:
+        large = tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.raw_data) > _INLINE_INITIALIZER_BYTES
+        if not large:
+            kept.append(tensor)
+            continue
+        if tensor.name not in inputs:
+            graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return proto
+
+
+def infer_types(model: ir.Model, source: Path | None = None) -> TypeInfo:
+    """Fill in element types and shapes of all values of `model` in place.
+
+    Args:
+        model: The model.
+        source: The file `model` was loaded from, unchanged since: parsing it again is much
+            faster than serializing the IR for large graphs.
+    """
     for value in model.graph.initializers.values():
         if value.const_value is not None and value.dtype is None:
             value.dtype = value.const_value.dtype
     warning = None
     inferred = 0
     try:
-        proto = _weight_free_proto(model)
+        proto = _source_proto(source) if source is not None else _weight_free_proto(model)
         proto = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False)
     except Exception as e:  # noqa: BLE001 - inference is best effort; the planner copes
         warning = str(e).splitlines()[0] if str(e) else type(e).__name__
         logger.warning("type inference failed, unknown types stay unconverted: %s", warning)
     else:
+        shapes = _ShapeCache()
         for graph, graph_proto in _graph_pairs(model.graph, proto.graph):
-            inferred += _apply(graph, graph_proto)
+            inferred += _apply(graph, graph_proto, shapes)
     _fill_constant_types(model)
     unknown = sum(
-        1
-        for node in ir.traversal.RecursiveGraphIterator(model.graph)
-        for out in node.outputs
-        if out.dtype is None and out.uses()
+        1 for node in walk_nodes(model.graph) for out in node.outputs if out.dtype is None and out.uses()
     )
     return TypeInfo(inferred=inferred, unknown=unknown, warning=warning)
 
 
 def _fill_constant_types(model: ir.Model) -> None:
     """Constant nodes and subgraph initializers carry their type in their tensors."""
-    for graph in model.graphs():
+    for graph in all_graphs(model):
         for value in graph.initializers.values():
             if value.dtype is None and value.const_value is not None:
                 value.dtype = value.const_value.dtype
                 value.shape = ir.Shape(value.const_value.shape)
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+    for node in walk_nodes(model.graph):
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.outputs:
             out = node.outputs[0]
             attr = node.attributes.get("value")

@@ -25,7 +25,8 @@ import numpy as np
 import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_tensor, iter_chunks
-from mixprec.analysis.plan import Precision, PrecisionPlan, Storage, subgraphs_of, walk_nodes
+from mixprec.analysis.plan import Precision, PrecisionPlan, Storage
+from mixprec.graphs import all_graphs, subgraphs_of, walk_nodes
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class _Rewriter:
             if node.name:
                 self.node_names.add(node.name)
             self.value_names.update(v.name for v in node.outputs if v.name)
-        for graph in model.graphs():
+        for graph in all_graphs(model):
             self.value_names.update(v.name for v in graph.inputs if v.name)
             self.value_names.update(graph.initializers)
         # FP32 values of the original model, and which of them end up 16-bit.
@@ -115,7 +116,7 @@ class _Rewriter:
     # -- analysis of final types ----------------------------------------------------------
     def _collect(self) -> None:
         plan = self.plan
-        for graph in self.model.graphs():
+        for graph in all_graphs(self.model):
             for value in (*graph.inputs, *graph.initializers.values()):
                 if is_fp32_tensor(value):
                     self.fp32.add(value)
