@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,6 +68,8 @@ class Category(str, enum.Enum):
     UNKNOWN_OP = "unknown op"
     UNKNOWN_TYPE = "type unknown"
     CONTROL_FLOW = "control flow"
+    DATA_RANGE = "range measured on data"
+    INTEGER = "integer semantics"
     NO_FLOAT = "no FP32 compute"
 
 
@@ -210,8 +212,12 @@ class _Planner:
         policy: Policy,
         exclude: NodeMatcher,
         keep_io_types: bool,
+        forced: Mapping[ir.Node, tuple[Category, str]] | None = None,
+        wide_values: Mapping[ir.Value, str] | None = None,
     ) -> None:
         self.model = model
+        self.forced = dict(forced or {})
+        self.wide_values = dict(wide_values or {})
         self.policy = policy
         self.target = policy.target
         self.target_type = policy.target.type_str
@@ -256,7 +262,7 @@ class _Planner:
     def value_state(self, value: ir.Value) -> State:
         state = self.state.get(value)
         if state is not None:
-            return state
+            return state if value not in self.wide_values else State.WIDE
         # Outer-scope values not seen yet, values without a producer, unknown cases.
         if is_constant(value):
             state = self._constant_state(value)
@@ -437,6 +443,16 @@ class _Planner:
         if pattern is not None:
             self._keep(node, Category.EXCLUDED, f"node name matches {pattern!r}", State.HIGH)
             return
+        forced = self.forced.get(node)
+        if forced is not None:
+            self._keep(node, forced[0], forced[1], State.HIGH)
+            return
+        wide_out = next((out for out in node.outputs if out in self.wide_values), None)
+        if wide_out is not None:
+            self._keep(
+                node, Category.DATA_RANGE, f"{wide_out.name}: {self.wide_values[wide_out]}", State.WIDE
+            )
+            return
         if rule.dtype_attribute is not None:
             self._decide_dtype_source(node, facts, rule)
             return
@@ -519,7 +535,7 @@ class _Planner:
         )
 
     def _wide_evidence(self, value: ir.Value) -> str:
-        note = self.constant_notes.get(value)
+        note = self.constant_notes.get(value) or self.wide_values.get(value)
         if note is not None:
             return note
         rng = constant_range(value, self.target)
@@ -690,6 +706,8 @@ def plan_precision(
     *,
     exclude_nodes: Sequence[str] | NodeMatcher = (),
     keep_io_types: bool = True,
+    forced_fp32: Mapping[ir.Node, tuple[Category, str]] | None = None,
+    wide_values: Mapping[ir.Value, str] | None = None,
 ) -> PrecisionPlan:
     """Decide the precision of every node of a typed model.
 
@@ -698,9 +716,13 @@ def plan_precision(
         policy: The op policy for the target type.
         exclude_nodes: Node names or regular expressions (`re.search`) of nodes kept FP32.
         keep_io_types: Keep the model's FP32 inputs and outputs in FP32.
+        forced_fp32: Nodes that analyses (integer semantics, ...) keep FP32, with category and
+            evidence.
+        wide_values: FP32 values known (e.g. measured on data) to leave the 16-bit range, with
+            evidence: they are never narrowed, and nodes producing them stay FP32.
 
     Returns:
         The plan.
     """
     matcher = exclude_nodes if isinstance(exclude_nodes, NodeMatcher) else NodeMatcher(exclude_nodes)
-    return _Planner(model, policy, matcher, keep_io_types).run()
+    return _Planner(model, policy, matcher, keep_io_types, forced_fp32, wide_values).run()
