@@ -16,10 +16,6 @@ import numpy as np
 import onnx
 import onnx.helper as oh
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from onnx import TensorProto, numpy_helper
-
 from helpers import (
     BFLOAT16,
     BOOL,
@@ -39,6 +35,10 @@ from helpers import (
     to_low,
     value_types,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from onnx import numpy_helper
+
 from mixprec.validate.emulate import emulate_low_precision
 
 N = 4
@@ -268,9 +268,6 @@ def assert_structure(built: Built, out: onnx.ModelProto, target: str, keep: bool
             if (
                 node.name not in original_names
                 and node.output[0] not in graph_outputs
-                # Known bug (xfail test_existing_fp32_cast_of_16_bit_value_is_reused): an
-                # original Cast(to=FLOAT) of a 16-bit value is replaced by a second Cast.
-                and not any(node.name.startswith(f"{c}_cast_") for c in identity_cast_outputs)
             ):
                 # The converter adds at most one Cast per (value, type) (graph outputs aside:
                 # two outputs need two tensors even when they hold the same values).

@@ -10,8 +10,6 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-
-import mixprec
 from helpers import (
     BFLOAT16,
     FLOAT,
@@ -39,6 +37,8 @@ from helpers import (
     sigs_of,
     value_types,
 )
+
+import mixprec
 
 F, H, B, I = "float", "float16", "bfloat16", "int64"
 
@@ -135,8 +135,6 @@ agraph (float[2,3] x) => (float[2,3] y)
     check_full(out)
     x_casts = [c for c in casts(out) if c[0] == "x"]
     assert x_casts == [("x", FLOAT16)]
-    x16 = producer(out, "x").output[0] if producer(out, "x") else None
-    assert x16 is None  # x is a graph input
     cast_out = next(n.output[0] for n in iter_nodes(out) if n.op_type == "Cast" and n.input[0] == "x")
     assert len([n for n in consumers(out, cast_out) if n.op_type == "MatMul"]) == 3
     assert cast_targets(out) == [FLOAT16, FLOAT]
@@ -779,18 +777,9 @@ agraph (float[2,3] x) => (float[2,3] y)
     assert result.report.casts_removed == 0
 
 
-# -- known converter bugs (strict xfails: remove the marker once fixed) -------------------------
+# -- regressions: converter bugs found by these tests, fixed since --------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "rewrite bug: a Constant given by `value_float`/`value_floats` (not `value`) is planned "
-        "16-bit (its output dtype is set to float16) but _Rewriter._retarget only rewrites the "
-        "`value` tensor (constant_tensor() returns None), so the node still produces float and "
-        "the model is invalid: Mul(float16, float) fails the checker and onnxruntime"
-    ),
-)
 @pytest.mark.parametrize("attr", ["value_float = 2.0", "value_floats = [2.0, 1.0, 3.0]"])
 def test_constant_value_float_attribute(attr: str) -> None:
     model = parse(f"""{header()}
@@ -817,15 +806,6 @@ agraph (float[2,3] x, float[3,3] w) => (float[2,3] y)
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "rewrite bug: an initializer that is also a graph input (IR >= 4, overridable default) "
-        "is duplicated as a constant float16 copy by _Rewriter.cast_of (it checks "
-        "value.const_value, not is_constant()), so the converted MatMul ignores a fed `w` and "
-        "always uses the default"
-    ),
-)
 def test_overridable_initializer_still_overridable() -> None:
     model = parse(OVERRIDABLE)
     _, out = convert(model)
@@ -835,15 +815,6 @@ def test_overridable_initializer_still_overridable() -> None:
     assert_close(run(out, feeds), run(model, feeds))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "rewrite bug: with keep_io_types=False an initializer that is also a graph input is "
-        "marked 16-bit (_collect adds every FP32 graph input to `lowered`), but its dtype is "
-        "left FLOAT because it has a const_value, and no Cast is inserted: MatMul(float16, "
-        "float) fails the checker ('B has inconsistent type') and onnxruntime"
-    ),
-)
 def test_overridable_initializer_without_keep_io_types() -> None:
     model = parse(OVERRIDABLE)
     _, out = convert(model, keep_io_types=False)
@@ -852,15 +823,6 @@ def test_overridable_initializer_without_keep_io_types() -> None:
     assert_close(run(out, feeds), run(model, feeds))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "planner/rewrite bug: an existing Cast(to=FLOAT) of a 16-bit value whose consumers need "
-        "FP32 is still retargeted to float16 (Cast follows its input in _decide_dtype_source), "
-        "the rewrite then casts its output back up and removes it as a no-op, leaving two "
-        "identical Casts h -> FLOAT (breaks 'one Cast per (value, type)')"
-    ),
-)
 @pytest.mark.parametrize("keep_io_types", [True, False])
 def test_existing_fp32_cast_of_16_bit_value_is_reused(keep_io_types: bool) -> None:
     model = parse(f"""{header()}
@@ -880,14 +842,6 @@ agraph (float[2,3] x) => (float[2,3] y, float[2,3] z)
     assert_matches_fp32(model, out, random_feeds(model))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "rewrite gap: a small Constant-node weight shared by a 16-bit MatMul and an FP32 "
-        "ReduceSum gets Storage.BOTH from the planner (a 16-bit copy), but _Rewriter.cast_of only "
-        "duplicates values with a const_value (initializers), so a runtime Cast is inserted"
-    ),
-)
 def test_small_shared_constant_node_is_duplicated() -> None:
     model = parse(f"""{header()}
 agraph (float[2,3] x) => (float[2,3] y, float[1,1] total)
@@ -935,3 +889,24 @@ agraph (bool c, int64 n, float[2,3] x) => (float[2,3] y, float[2,3] z)
         if not keep_io_types:
             feeds = {**feeds, "x": feeds["x"].astype(np.float16).astype(np.float32)}
         assert_close(run(twice, feeds), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_exclude_exact_name_that_is_not_a_regex() -> None:
+    model = named_chain()
+    model.graph.node[0].name = "block(0"
+    result, out = convert(model, exclude_nodes=["block(0"])
+    assert [k.name for k in result.report.kept_fp32] == ["block(0"]
+    assert node_sigs(out)[0] == NodeSig("MatMul", (F, F), (F,))
+
+
+@pytest.mark.parametrize(("target", "runtime"), [("float16", "ran"), ("bfloat16", "emulated")])
+def test_builtin_validation_agrees(target: str, runtime: str) -> None:
+    """validate='run' checks and runs the converted chain and records small errors."""
+    model = parse(MATMUL_CHAIN)
+    result, _ = convert(model, target_dtype=target, validate="run", tolerance=(5e-2, 5e-2))
+    validation = result.report.validation
+    assert validation.checker == "passed"
+    assert validation.runtime == runtime
+    assert [o.name for o in validation.outputs] == ["y"]
+    assert validation.outputs[0].within_tolerance is True
+    assert validation.outputs[0].new_nonfinite == 0

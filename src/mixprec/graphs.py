@@ -36,3 +36,27 @@ def all_graphs(model: ir.Model) -> list[ir.Graph]:
         if node.attributes and any(a.type in _GRAPH_ATTRS for a in node.attributes.values()):
             graphs.extend(subgraphs_of(node))
     return graphs
+
+
+def function_graphs(model: ir.Model) -> list[ir.Graph]:
+    """The body graphs of the model-local functions."""
+    return [function.graph for function in model.functions.values()]
+
+
+def all_nodes(model: ir.Model) -> list[ir.Node]:
+    """Every node: function bodies first, then the main graph (subgraphs before their owner)."""
+    nodes: list[ir.Node] = []
+    for graph in function_graphs(model):
+        nodes.extend(walk_nodes(graph))
+    nodes.extend(walk_nodes(model.graph))
+    return nodes
+
+
+def all_graphs_with_functions(model: ir.Model) -> list[ir.Graph]:
+    """Every graph, function bodies and their subgraphs included."""
+    graphs = all_graphs(model)
+    for body in function_graphs(model):
+        graphs.append(body)
+        for node in walk_nodes(body):
+            graphs.extend(subgraphs_of(node))
+    return graphs

@@ -26,9 +26,24 @@ def constant_tensor(value: ir.Value) -> ir.TensorProtocol | None:
         return value.const_value
     producer = value.producer()
     if producer is not None and producer.op_type == "Constant" and producer.domain in ("", "ai.onnx"):
-        attr = producer.attributes.get("value")
-        if attr is not None and attr.type == ir.AttributeType.TENSOR:
-            return attr.as_tensor()
+        return constant_node_tensor(producer)
+    return None
+
+
+def constant_node_tensor(node: ir.Node) -> ir.TensorProtocol | None:
+    """The tensor a Constant node produces (`value`, `value_float(s)`, `value_int(s)`)."""
+    attributes = node.attributes
+    attr = attributes.get("value")
+    if attr is not None and attr.type == ir.AttributeType.TENSOR:
+        return attr.as_tensor()
+    if (attr := attributes.get("value_float")) is not None:
+        return ir.Tensor(np.array(attr.as_float(), dtype=np.float32))
+    if (attr := attributes.get("value_floats")) is not None:
+        return ir.Tensor(np.array(list(attr.as_floats()), dtype=np.float32))
+    if (attr := attributes.get("value_int")) is not None:
+        return ir.Tensor(np.array(attr.as_int(), dtype=np.int64))
+    if (attr := attributes.get("value_ints")) is not None:
+        return ir.Tensor(np.array(list(attr.as_ints()), dtype=np.int64))
     return None
 
 

@@ -34,7 +34,7 @@ import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_range, is_constant, small_constant_array
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
-from mixprec.graphs import all_graphs, subgraphs_of, walk_nodes
+from mixprec.graphs import all_graphs, all_nodes, function_graphs, subgraphs_of
 from mixprec.errors import InputError
 from mixprec.policy.conditions import CONDITIONS
 from mixprec.policy.schemas import Signature, signature
@@ -68,6 +68,7 @@ class Category(str, enum.Enum):
     UNKNOWN_OP = "unknown op"
     UNKNOWN_TYPE = "type unknown"
     CONTROL_FLOW = "control flow"
+    FUNCTION = "function call"
     DATA_RANGE = "range measured on data"
     INTEGER = "integer semantics"
     NO_FLOAT = "no FP32 compute"
@@ -174,24 +175,39 @@ class PrecisionPlan:
 
 
 class NodeMatcher:
-    """Matches node names against exact names and regular expressions (`re.search`)."""
+    """Matches node names: a pattern equal to a node's name matches that node only; any other
+    pattern is a regular expression matched with `re.search`."""
 
     def __init__(self, patterns: Iterable[str] = ()) -> None:
         self.patterns = list(patterns)
+        self.used: set[str] = set()
+        self._exact: set[str] = set()
         self._compiled: list[tuple[str, re.Pattern[str]]] = []
+
+    def prepare(self, names: set[str]) -> None:
+        """Split the patterns into exact names (present in `names`) and regular expressions."""
+        self._exact = {p for p in self.patterns if p in names}
+        self._compiled = []
         for pattern in self.patterns:
+            if pattern in self._exact:
+                continue
             try:
                 self._compiled.append((pattern, re.compile(pattern)))
             except re.error as e:
-                raise InputError(f"invalid node name pattern {pattern!r}: {e}") from e
-        self.used: set[str] = set()
+                raise InputError(
+                    f"node name pattern {pattern!r} is no node's name and not a valid regular "
+                    f"expression: {e}"
+                ) from e
 
     def match(self, name: str | None) -> str | None:
-        """The first pattern that matches `name`, or None."""
+        """The pattern that matches `name`, or None."""
         if not name:
             return None
+        if name in self._exact:
+            self.used.add(name)
+            return name
         for pattern, compiled in self._compiled:
-            if name == pattern or compiled.search(name):
+            if compiled.search(name):
                 self.used.add(pattern)
                 return pattern
         return None
@@ -233,7 +249,7 @@ class _Planner:
         self.flex_nodes: list[ir.Node] = []
         self.main_outputs = frozenset(model.graph.outputs)
         self.sub_outputs: set[ir.Value] = set()
-        self.order = list(walk_nodes(model.graph))
+        self.order = all_nodes(model)
         self.opsets = dict(model.opset_imports)
         self._templates: dict[tuple, tuple[OpRule | None, Signature | None, frozenset[str]]] = {}
 
@@ -350,7 +366,11 @@ class _Planner:
 
     # -- forward pass -------------------------------------------------------------------
     def run(self) -> PrecisionPlan:
+        self.exclude.prepare({node.name for node in self.order if node.name})
         self._init_graph(self.model.graph, main=True)
+        for body in function_graphs(self.model):
+            # A function keeps its signature: its inputs are flexible, its outputs stay FP32.
+            self._init_graph(body, main=False)
         for node in self.order:
             for sub in subgraphs_of(node):
                 self._init_graph(sub, main=False)
@@ -424,6 +444,9 @@ class _Planner:
             return
         rule = facts.rule
         op_name = format_op_name(node.domain, node.op_type)
+        if (node.domain, node.op_type, node.overload) in self.model.functions:
+            self._keep(node, Category.FUNCTION, f"{op_name}: signature kept; its body is converted inside", State.HIGH)
+            return
         if rule is None or facts.sig is None:
             why = "not in the policy" if facts.sig is not None else "no ONNX schema for this op and opset"
             self._keep(node, Category.UNKNOWN_OP, f"{op_name}: {why}", State.HIGH)
@@ -595,7 +618,9 @@ class _Planner:
         if follows_input:
             state = self.value_state(source)  # type: ignore[arg-type]
             if state is State.LOW:
-                self._lower(node, facts, Category.FOLLOW, f"{node.op_type} of a 16-bit input")
+                # An FP32 copy of a 16-bit value: it vanishes when its consumers compute in
+                # 16 bits, else it is the upcast they need.
+                self._flex(node, facts)
                 return
             if state in (State.HIGH, State.WIDE, State.TINY):
                 out_state = State.WIDE if state is State.WIDE else State.HIGH

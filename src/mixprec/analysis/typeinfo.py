@@ -17,6 +17,7 @@ import onnx
 import onnx.shape_inference
 import onnx_ir as ir
 
+from mixprec.analysis.constants import constant_node_tensor
 from mixprec.graphs import all_graphs, walk_nodes
 
 logger = logging.getLogger(__name__)
@@ -182,6 +183,13 @@ def infer_types(model: ir.Model, source: Path | None = None) -> TypeInfo:
         for graph, graph_proto in _graph_pairs(model.graph, proto.graph):
             inferred += _apply(graph, graph_proto, shapes)
     _fill_constant_types(model)
+    typed = infer_function_types(model)
+    for function in typed:
+        for node in walk_nodes(function.graph):
+            if node.op_type == "Constant" and node.outputs and node.outputs[0].dtype is None:
+                tensor = constant_node_tensor(node)
+                if tensor is not None:
+                    node.outputs[0].dtype = tensor.dtype
     unknown = sum(
         1 for node in walk_nodes(model.graph) for out in node.outputs if out.dtype is None and out.uses()
     )
@@ -198,6 +206,80 @@ def _fill_constant_types(model: ir.Model) -> None:
     for node in walk_nodes(model.graph):
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.outputs:
             out = node.outputs[0]
-            attr = node.attributes.get("value")
-            if out.dtype is None and attr is not None and attr.type == ir.AttributeType.TENSOR:
-                out.dtype = attr.as_tensor().dtype
+            tensor = constant_node_tensor(node)
+            if out.dtype is None and tensor is not None:
+                out.dtype = tensor.dtype
+
+
+def _call_sites(model: ir.Model) -> dict[tuple[str, str, str], list[ir.Node]]:
+    calls: dict[tuple[str, str, str], list[ir.Node]] = {}
+    nodes = list(walk_nodes(model.graph))
+    for function in model.functions.values():
+        nodes.extend(walk_nodes(function.graph))
+    for node in nodes:
+        key = (node.domain, node.op_type, node.overload)
+        if key in model.functions:
+            calls.setdefault(key, []).append(node)
+    return calls
+
+
+def _has_attribute_refs(function: ir.Function) -> bool:
+    return any(
+        isinstance(attr, ir.RefAttr) for node in walk_nodes(function.graph) for attr in node.attributes.values()
+    )
+
+
+def infer_function_types(model: ir.Model) -> list[ir.Function]:
+    """Type the bodies of model-local functions from their call sites.
+
+    A function is typed when every call site passes inputs of the same known element types and
+    its body uses no attribute references; the body is then inferred like a graph whose inputs
+    have those types. Returns the functions that were typed (the others keep unknown types, so
+    the planner leaves their bodies unchanged).
+    """
+    typed: list[ir.Function] = []
+    calls = _call_sites(model)
+    other_functions = [ir.to_proto(f) for f in model.functions.values()]
+    shapes = _ShapeCache()
+    for key, function in model.functions.items():
+        sites = calls.get(key, [])
+        if not sites or _has_attribute_refs(function):
+            continue
+        signatures = {
+            tuple(v.dtype if v is not None else None for v in site.inputs) for site in sites
+        }
+        if len(signatures) != 1:
+            continue
+        dtypes = signatures.pop()
+        if len(dtypes) != len(function.inputs) or any(d is None for d in dtypes):
+            continue
+        function_proto = ir.to_proto(function)
+        graph = onnx.helper.make_graph(
+            list(function_proto.node),
+            f"{function.name}_body",
+            [
+                onnx.helper.make_tensor_value_info(name, int(dtype), None)  # type: ignore[arg-type]
+                for name, dtype in zip(function_proto.input, dtypes)
+            ],
+            [onnx.helper.make_empty_tensor_value_info(name) for name in function_proto.output],
+        )
+        opsets = dict(model.opset_imports)
+        opsets.update(function.opset_imports)
+        proto = onnx.helper.make_model(
+            graph,
+            opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()],
+            functions=other_functions,
+            ir_version=max(model.ir_version, 8),
+        )
+        try:
+            proto = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False)
+        except Exception as e:  # noqa: BLE001 - a body we cannot type stays as it is
+            logger.info("cannot type function %s: %s", function.name, e)
+            continue
+        for value, dtype in zip(function.inputs, dtypes):
+            if value.dtype is None:
+                value.dtype = dtype
+        for graph, graph_proto in _graph_pairs(function.graph, proto.graph):
+            _apply(graph, graph_proto, shapes)
+        typed.append(function)
+    return typed

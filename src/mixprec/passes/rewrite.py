@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from mixprec.analysis.constants import constant_tensor, iter_chunks
+from mixprec.analysis.constants import constant_tensor, is_constant, iter_chunks
 from mixprec.analysis.plan import Precision, PrecisionPlan, Storage
-from mixprec.graphs import all_graphs, subgraphs_of, walk_nodes
+from mixprec.graphs import all_graphs_with_functions, all_nodes, function_graphs, subgraphs_of
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 
 logger = logging.getLogger(__name__)
@@ -91,13 +91,14 @@ class _Rewriter:
         self.low = plan.target.ir_dtype
         self.stats = RewriteStats()
         self.cache: dict[tuple[ir.Value, ir.DataType], ir.Value] = {}
+        self.created: set[ir.Value] = set()  # outputs of the Casts this rewrite inserted
         self.value_names: set[str] = set()
         self.node_names: set[str] = set()
-        for node in walk_nodes(model.graph):
+        for node in all_nodes(model):
             if node.name:
                 self.node_names.add(node.name)
             self.value_names.update(v.name for v in node.outputs if v.name)
-        for graph in all_graphs(model):
+        for graph in all_graphs_with_functions(model):
             self.value_names.update(v.name for v in graph.inputs if v.name)
             self.value_names.update(graph.initializers)
         # FP32 values of the original model, and which of them end up 16-bit.
@@ -116,7 +117,7 @@ class _Rewriter:
     # -- analysis of final types ----------------------------------------------------------
     def _collect(self) -> None:
         plan = self.plan
-        for graph in all_graphs(self.model):
+        for graph in all_graphs_with_functions(self.model):
             for value in (*graph.inputs, *graph.initializers.values()):
                 if is_fp32_tensor(value):
                     self.fp32.add(value)
@@ -144,28 +145,14 @@ class _Rewriter:
             return cached
         short = "fp32" if dtype == FLOAT else self.target.short_name
         base = value.name or "value"
-        tensor = constant_tensor(value) if value.const_value is not None else None
-        if (
-            tensor is not None
-            and dtype == self.low
-            and value.graph is not None
-            and tensor.nbytes <= _DUPLICATE_MAX_BYTES
-        ):
-            # Small shared constant: keep a 16-bit copy instead of casting at run time.
-            copy = ir.Value(
-                name=self._unique(f"{base}_{short}", self.value_names),
-                type=ir.TensorType(dtype),
-                shape=ir.Shape(tensor.shape),
-                const_value=cast_tensor_lazily(
-                    tensor, self.target, saturate=value in self.plan.saturated
-                ),
-            )
-            copy.const_value = ir.Tensor(copy.const_value.numpy(), name=copy.name)  # type: ignore[union-attr]
-            value.graph.register_initializer(copy)
-            self.stats.constants_duplicated += 1
-            self.stats.casts.append(CastRecord(base, short, tensor.size, runtime=False))
-            self.cache[key] = copy
-            return copy
+        tensor = constant_tensor(value) if is_constant(value) else None
+        if tensor is not None and dtype == self.low and tensor.nbytes <= _DUPLICATE_MAX_BYTES:
+            copy = self._duplicate_constant(value, tensor, f"{base}_{short}")
+            if copy is not None:
+                self.stats.constants_duplicated += 1
+                self.stats.casts.append(CastRecord(base, short, tensor.size, runtime=False))
+                self.cache[key] = copy
+                return copy
         out = ir.Value(
             name=self._unique(f"{base}_{short}", self.value_names),
             type=ir.TensorType(dtype),
@@ -179,19 +166,72 @@ class _Rewriter:
             outputs=[out],
             name=self._unique(f"{base}_cast_{short}", self.node_names),
         )
+        self._place_after_definition(value, node)
+        self.stats.casts.append(CastRecord(base, short, _numel(value.shape), runtime=True))
+        self.cache[key] = out
+        self.created.add(out)
+        return out
+
+    def _duplicate_constant(self, value: ir.Value, tensor: ir.TensorProtocol, name: str) -> ir.Value | None:
+        """A 16-bit copy of a small shared constant, instead of a Cast at run time."""
+        array = cast_tensor_lazily(tensor, self.target, saturate=value in self.plan.saturated).numpy()
+        copy_tensor = ir.Tensor(array, name=self._unique(name, self.value_names))
+        if value.const_value is not None and value.graph is not None:
+            copy = ir.Value(
+                name=copy_tensor.name,
+                type=ir.TensorType(self.low),
+                shape=ir.Shape(tensor.shape),
+                const_value=copy_tensor,
+            )
+            value.graph.register_initializer(copy)
+            return copy
+        producer = value.producer()
+        if producer is None or producer.graph is None:
+            return None
+        copy = ir.Value(name=copy_tensor.name, type=ir.TensorType(self.low), shape=ir.Shape(tensor.shape))
+        node = ir.Node(
+            "",
+            "Constant",
+            [],
+            attributes=[ir.AttrTensor("value", copy_tensor)],
+            outputs=[copy],
+            name=self._unique(f"{copy_tensor.name}_constant", self.node_names),
+        )
+        producer.graph.insert_after(producer, node)
+        return copy
+
+    def _seed_cache_with_existing_casts(self) -> None:
+        """The model's own Casts of converted values serve as the shared Cast for that type."""
+        for node in self.plan.order:
+            if node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or not node.inputs:
+                continue
+            source, out = node.inputs[0], node.outputs[0]
+            to = node.attributes.get("to")
+            if source is None or to is None or source not in self.lowered:
+                continue
+            if ir.DataType(to.as_int()) != FLOAT or out in self.lowered or (source, FLOAT) in self.cache:
+                continue
+            producer = source.producer()
+            home = producer.graph if producer is not None else source.graph
+            if home is None or node.graph is not home:
+                continue
+            # Move it next to its input so that every consumer of the input can use it.
+            home.remove(node)
+            self._place_after_definition(source, node)
+            self.cache[(source, FLOAT)] = out
+
+    def _place_after_definition(self, value: ir.Value, node: ir.Node) -> None:
+        """Insert `node` right after the producer of `value` (or first, for graph inputs)."""
         producer = value.producer()
         if producer is not None and producer.graph is not None:
             producer.graph.insert_after(producer, node)
+            return
+        graph = value.graph or self.model.graph
+        first = next(iter(graph), None)
+        if first is None:
+            graph.append(node)
         else:
-            graph = value.graph or self.model.graph
-            first = next(iter(graph), None)
-            if first is None:
-                graph.append(node)
-            else:
-                graph.insert_before(first, node)
-        self.stats.casts.append(CastRecord(base, short, _numel(value.shape), runtime=True))
-        self.cache[key] = out
-        return out
+            graph.insert_before(first, node)
 
     def _actual(self, value: ir.Value) -> ir.DataType:
         return self.low if value in self.lowered else FLOAT
@@ -276,6 +316,11 @@ class _Rewriter:
                 continue
             name = value.name
             cast = self.cast_of(value, required)
+            if cast not in self.created or cast.is_graph_output():
+                # The shared Cast is the model's own or already names an output: this output
+                # gets a Cast of its own.
+                del self.cache[(value, required)]
+                cast = self.cast_of(value, required)
             if cast.producer() is None:
                 continue
             # The Cast's output takes over the model-facing name.
@@ -285,7 +330,7 @@ class _Rewriter:
 
     def _remove_noop_casts(self) -> None:
         """Rule 6."""
-        for node in list(walk_nodes(self.model.graph)):
+        for node in all_nodes(self.model):
             if node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or not node.inputs:
                 continue
             source, out = node.inputs[0], node.outputs[0]
@@ -301,8 +346,14 @@ class _Rewriter:
 
     def _ensure_default_opset(self) -> None:
         """Inserted Casts live in the default domain; models of other domains may lack it."""
-        if self.stats.casts and "" not in self.model.opset_imports and "ai.onnx" not in self.model.opset_imports:
-            self.model.opset_imports[""] = 13 if self.model.ir_version >= 7 else 9
+        if not self.stats.casts:
+            return
+        default = 13 if self.model.ir_version >= 7 else 9
+        if "" not in self.model.opset_imports and "ai.onnx" not in self.model.opset_imports:
+            self.model.opset_imports[""] = default
+        for function in self.model.functions.values():
+            if "" not in function.opset_imports and "ai.onnx" not in function.opset_imports:
+                function.opset_imports[""] = self.model.opset_imports.get("", default)
 
     def run(self) -> RewriteStats:
         self._collect()
@@ -313,12 +364,19 @@ class _Rewriter:
         for value in self.lowered:
             if value.const_value is None:
                 value.dtype = self.low
+            elif value.is_graph_input() and value.dtype == FLOAT:
+                # An overridable initializer of a model whose inputs become 16-bit.
+                value.const_value = cast_tensor_lazily(value.const_value, self.target, name=value.name)
+                value.dtype = self.low
+        self._seed_cache_with_existing_casts()
         for node in plan.order:
             self._fix_inputs(node)
         self._fix_outputs(self.model.graph, FLOAT if plan.keep_io_types else self.low)
         for node in plan.order:
             for sub in subgraphs_of(node):
                 self._fix_outputs(sub, FLOAT)
+        for body in function_graphs(self.model):
+            self._fix_outputs(body, FLOAT)
         self._remove_noop_casts()
         self._ensure_default_opset()
         return self.stats
