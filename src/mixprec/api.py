@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from mixprec.analysis.integer_semantics import integer_semantics
 from mixprec.analysis.plan import NodeMatcher, PrecisionPlan, plan_precision
 from mixprec.graphs import walk_nodes
 from mixprec.analysis.typeinfo import infer_types
@@ -32,6 +35,9 @@ logger = logging.getLogger(__name__)
 # loading dominate otherwise); above them it runs the checker only.
 _RUN_MAX_WEIGHT_BYTES = 1 << 30
 _RUN_MAX_NODES = 5000
+# Up to this many nodes auto validation at least creates an onnxruntime session (graph
+# optimizations off: about 0.2 ms per node here) to prove the model loads.
+_LOAD_MAX_NODES = 50000
 
 Batch = Mapping[str, np.ndarray]
 
@@ -109,11 +115,29 @@ def _resolve_validation(validate: bool | str, model: ir.Model, weights: int) -> 
     if validate is False or validate == "none":
         return "none"
     if validate is True or validate == "auto":
+        if weights > _RUN_MAX_WEIGHT_BYTES:
+            return "checker"
         nodes = sum(1 for _ in walk_nodes(model.graph))
-        return "run" if weights <= _RUN_MAX_WEIGHT_BYTES and nodes <= _RUN_MAX_NODES else "checker"
-    if validate in ("checker", "run"):
+        if nodes <= _RUN_MAX_NODES:
+            return "run"
+        return "load" if nodes <= _LOAD_MAX_NODES else "checker"
+    if validate in ("checker", "load", "run"):
         return str(validate)
-    raise InputError(f"unknown validation level {validate!r}: use auto, run, checker or none")
+    raise InputError(f"unknown validation level {validate!r}: use auto, run, load, checker or none")
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector: graph passes allocate millions of small objects, and
+    full collections over a 100k-node graph would otherwise dominate (reference counting still
+    frees everything; cycles are collected once the collector is back on)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def convert(
@@ -133,6 +157,7 @@ def convert(
     tolerance: tuple[float, float] | None = None,
     external_data: bool | None = None,
     opset: int | None = None,
+    progress: bool | None = False,
 ) -> ConversionResult:
     """Convert an FP32 ONNX model to mixed precision.
 
@@ -148,14 +173,17 @@ def convert(
         exclude_nodes: Node names or regular expressions (`re.search`) of nodes kept in FP32.
         keep_io_types: Keep FP32 model inputs and outputs in FP32.
         policy_file: A TOML policy table to use instead of the shipped one.
-        validate: "auto"/True (checker always; run and compare with onnxruntime for models of
-            moderate size), "run", "checker", or "none"/False.
+        validate: "auto"/True: the ONNX checker always; for models with at most 1 GiB of
+            weights, onnxruntime runs and compares both models (up to 5,000 nodes) or creates
+            a session to prove the model loads (up to 50,000 nodes). Or force "run", "load",
+            "checker", or "none"/False.
         data: Input batches for the numeric check: a `.npz` file, a folder of them or of ONNX
             `test_data_set_N`, or an iterable of dicts. Default: generated inputs.
         max_batches: At most this many batches are used for the numeric check.
         tolerance: (atol, rtol) that every output must meet, else `ConversionError`.
         external_data: Force (True) or forbid (False) external data for the output; default:
             when weights exceed 1 GiB or the input used external data.
+        progress: Show progress lines for long steps on stderr (None: when it is a terminal).
         opset: Upgrade the model to this default-domain opset first (with the ONNX version
             converter), e.g. 22 so that Conv and pooling admit bfloat16.
 
@@ -165,6 +193,35 @@ def convert(
     Raises:
         MixprecError: A bad argument or model, or a converted model that fails validation.
     """
+    with _gc_paused():
+        return _convert(
+            model, output, target_dtype=target_dtype, low_precision_ops=low_precision_ops,
+            fp32_ops=fp32_ops, follow_ops=follow_ops, exclude_nodes=exclude_nodes,
+            keep_io_types=keep_io_types, policy_file=policy_file, validate=validate, data=data,
+            max_batches=max_batches, tolerance=tolerance, external_data=external_data,
+            opset=opset, progress=progress,
+        )
+
+
+def _convert(
+    model: str | os.PathLike | onnx.ModelProto | ir.Model,
+    output: str | os.PathLike | None,
+    *,
+    target_dtype: str | LowPrecision,
+    low_precision_ops: Iterable[str],
+    fp32_ops: Iterable[str],
+    follow_ops: Iterable[str],
+    exclude_nodes: Sequence[str],
+    keep_io_types: bool,
+    policy_file: str | os.PathLike | None,
+    validate: bool | str,
+    data: str | os.PathLike | Iterable[Batch] | None,
+    max_batches: int,
+    tolerance: tuple[float, float] | None,
+    external_data: bool | None,
+    opset: int | None,
+    progress: bool | None,
+) -> ConversionResult:
     times: dict[str, float] = {}
     start = time.perf_counter()
     target = parse_low_precision(target_dtype)
@@ -211,7 +268,10 @@ def convert(
         typeinfo = infer_types(ir_model, source=unchanged_source)
         times["types"] = time.perf_counter() - t
         t = time.perf_counter()
-        plan = plan_precision(ir_model, policy, exclude_nodes=matcher, keep_io_types=keep_io_types)
+        forced = integer_semantics(ir_model, target)
+        plan = plan_precision(
+            ir_model, policy, exclude_nodes=matcher, keep_io_types=keep_io_types, forced_fp32=forced
+        )
         unused = matcher.unused()
         if unused:
             raise InputError(f"--exclude-node pattern {unused[0]!r} matches no node in the model")
@@ -242,7 +302,7 @@ def convert(
 
         t = time.perf_counter()
         if output is not None:
-            save_model(ir_model, output, external_data=external_data, check=check)
+            save_model(ir_model, output, external_data=external_data, check=check, progress=progress)
         elif level != "none":
             with tempfile.TemporaryDirectory(prefix="mixprec-out-") as tmp:
                 save_model(ir_model, Path(tmp) / "model.onnx", external_data=external_data, check=check)
@@ -277,7 +337,21 @@ def _validate(
     else:
         result.checker = "fails as the FP32 model does"
         result.notes.append(f"the FP32 model fails the ONNX checker the same way: {inherited}")
-    if level != "run":
+    if level == "checker":
+        result.notes.append(
+            "onnxruntime load check skipped for a model of this size (validate='load' or 'run' forces it)"
+        )
+        return result
+    if level == "load":
+        if target is LowPrecision.BFLOAT16:
+            result.notes.append("no load check for bfloat16: onnxruntime's CPU provider lacks bf16 kernels")
+            return result
+        try:
+            runner.make_session(path, graph_optimization="disable")
+        except ValidationError as e:
+            _blame_reference(reference, e, result)
+            return result
+        result.runtime = "loaded"
         return result
     candidate_path = path
     if target is LowPrecision.BFLOAT16:

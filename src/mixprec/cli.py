@@ -62,8 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--opset", type=int, metavar="N",
                          help="upgrade the model to opset N first (bfloat16 Conv needs 22)")
     convert.add_argument("--policy", metavar="TOML", help="use this policy table instead of the default")
-    convert.add_argument("--validate", default="auto", choices=["auto", "run", "checker", "none"],
-                         help="auto: checker, plus an onnxruntime run for models of moderate size")
+    convert.add_argument("--validate", default="auto", choices=["auto", "run", "load", "checker", "none"],
+                         help="auto (default): checker always; onnxruntime run for models of moderate "
+                              "size, session load for larger graphs")
     convert.add_argument("--data", metavar="PATH",
                          help="inputs for the numeric check: .npz, a folder of .npz, or test_data_set_N")
     convert.add_argument("--tolerance", type=_tolerance, metavar="ATOL[,RTOL]",
@@ -105,6 +106,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         tolerance=args.tolerance,
         external_data=external,
         opset=args.opset,
+        progress=None,
     )
     report = result.report
     if args.report:

@@ -22,6 +22,7 @@ from mixprec.graphs import all_graphs
 from google.protobuf.message import DecodeError
 
 from mixprec.errors import InputError, ModelLoadError
+from mixprec.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -113,22 +114,39 @@ def uses_external_data(model: ir.Model) -> bool:
     )
 
 
-def _write(model: ir.Model, path: Path, external: bool) -> None:
+def _write(model: ir.Model, path: Path, external: bool, progress: bool | None) -> None:
     if external:
+        sizes = {
+            v.name: v.const_value.nbytes
+            for graph in all_graphs(model)
+            for v in graph.initializers.values()
+            if v.const_value is not None and v.const_value.nbytes >= _EXTERNAL_TENSOR_MIN_BYTES
+        }
+        bar = Progress.auto("writing weights", float(sum(sizes.values())), unit="B", enabled=progress)
+
+        def callback(tensor: ir.TensorProtocol, info: ir.external_data.CallbackInfo) -> None:
+            bar.advance(float(tensor.nbytes))
+
         ir.save(
             model,
             path,
             external_data=f"{path.name}.data",
             size_threshold_bytes=_EXTERNAL_TENSOR_MIN_BYTES,
             max_in_flight_bytes=256 << 20,
+            callback=callback,
         )
+        bar.close()
     else:
         ir.save(model, path)
 
 
 @contextlib.contextmanager
 def staged_save(
-    model: ir.Model, destination: str | os.PathLike, *, external_data: bool | None = None
+    model: ir.Model,
+    destination: str | os.PathLike,
+    *,
+    external_data: bool | None = None,
+    progress: bool | None = False,
 ) -> Iterator[Path]:
     """Save `model` into a staging folder beside `destination`; publish on clean exit.
 
@@ -140,6 +158,7 @@ def staged_save(
         destination: Final path of the .onnx file.
         external_data: Save weights to `<name>.data`; default: when the weights exceed 1 GiB or
             the model already used external data.
+        progress: Show a progress line while writing weights (None: when stderr is a terminal).
     """
     destination = Path(destination)
     parent = destination.parent if str(destination.parent) else Path(".")
@@ -152,7 +171,7 @@ def staged_save(
     staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=parent))
     staged = staging / destination.name
     try:
-        _write(model, staged, external_data)
+        _write(model, staged, external_data, progress)
         yield staged
         data = staging / f"{destination.name}.data"
         if data.exists():
@@ -168,9 +187,10 @@ def save_model(
     *,
     external_data: bool | None = None,
     check: Callable[[Path], None] | None = None,
+    progress: bool | None = False,
 ) -> Path:
     """Save atomically; `check(staged_path)` may raise to prevent publishing."""
-    with staged_save(model, destination, external_data=external_data) as staged:
+    with staged_save(model, destination, external_data=external_data, progress=progress) as staged:
         if check is not None:
             check(staged)
     return Path(destination)

@@ -140,18 +140,20 @@ def constant_range(value: ir.Value, target: LowPrecision) -> ConstantRange | Non
         if chunk.size == 0:
             continue
         magnitude = np.abs(chunk)
-        finite = np.isfinite(magnitude)
-        if not finite.all():
-            magnitude = np.where(finite, magnitude, 0.0)
         chunk_max = float(magnitude.max())
+        if not np.isfinite(chunk_max):
+            finite = np.isfinite(magnitude)
+            magnitude = np.where(finite, magnitude, 0.0)
+            chunk_max = float(magnitude.max())
         absmax = max(absmax, chunk_max)
         if chunk_max >= limits.max:
             with np.errstate(over="ignore"):
-                cast = chunk[finite].astype(target.numpy_dtype)
+                cast = chunk[np.isfinite(chunk)].astype(target.numpy_dtype)
             overflow += int(np.count_nonzero(np.isinf(cast.astype(np.float32))))
-        nonzero = magnitude[magnitude > 0]
-        if nonzero.size and float(nonzero.min()) <= half_subnormal:
-            tiny = nonzero[nonzero <= half_subnormal]
+        if float(magnitude.min()) > half_subnormal:
+            continue  # fast path: nothing can flush (no zeros, no tiny values)
+        tiny = magnitude[(magnitude > 0) & (magnitude <= half_subnormal)]
+        if tiny.size:
             tiny_cast = tiny.astype(target.numpy_dtype).astype(np.float32)
             lost = tiny[tiny_cast == 0]
             flushed += int(lost.size)

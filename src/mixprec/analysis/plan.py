@@ -34,7 +34,7 @@ import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_range, is_constant, small_constant_array
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
-from mixprec.graphs import all_graphs, all_nodes, function_graphs, subgraphs_of
+from mixprec.graphs import all_nodes, function_graphs, subgraphs_of
 from mixprec.errors import InputError
 from mixprec.policy.conditions import CONDITIONS
 from mixprec.policy.schemas import Signature, signature
@@ -146,6 +146,7 @@ class PrecisionPlan:
     constant_notes: dict[ir.Value, str]
     saturated: set[ir.Value]
     order: list[ir.Node]
+    graphs: list[ir.Graph]
 
     def input_is_lowered(self, node: ir.Node, index: int) -> bool:
         """Whether input `index` of `node` is computed in the 16-bit type."""
@@ -250,6 +251,8 @@ class _Planner:
         self.main_outputs = frozenset(model.graph.outputs)
         self.sub_outputs: set[ir.Value] = set()
         self.order = all_nodes(model)
+        self.graphs = [model.graph, *function_graphs(model)]
+        self.graphs.extend(sub for node in self.order if node.attributes for sub in subgraphs_of(node))
         self.opsets = dict(model.opset_imports)
         self._templates: dict[tuple, tuple[OpRule | None, Signature | None, frozenset[str]]] = {}
 
@@ -368,12 +371,10 @@ class _Planner:
     def run(self) -> PrecisionPlan:
         self.exclude.prepare({node.name for node in self.order if node.name})
         self._init_graph(self.model.graph, main=True)
-        for body in function_graphs(self.model):
-            # A function keeps its signature: its inputs are flexible, its outputs stay FP32.
-            self._init_graph(body, main=False)
-        for node in self.order:
-            for sub in subgraphs_of(node):
-                self._init_graph(sub, main=False)
+        for graph in self.graphs[1:]:
+            # Subgraphs and function bodies keep their signatures: inputs are flexible, outputs
+            # stay FP32.
+            self._init_graph(graph, main=False)
         seen_graphs: set[int] = set()
         for node in self.order:
             graph = node.graph
@@ -392,6 +393,7 @@ class _Planner:
             constant_notes=self.constant_notes,
             saturated=self.saturated,
             order=self.order,
+            graphs=self.graphs,
         )
 
     def _keep(self, node: ir.Node, category: Category, reason: str, out_state: State) -> None:
@@ -439,7 +441,7 @@ class _Planner:
         facts = self._facts(node)
         self.facts[node] = facts
         name = node.name or ""
-        if subgraphs_of(node):
+        if node.attributes and subgraphs_of(node):
             self._keep(node, Category.CONTROL_FLOW, "boundary keeps its types; subgraphs are converted inside", State.HIGH)
             return
         rule = facts.rule
@@ -699,7 +701,7 @@ class _Planner:
         return constant_elements >= 4 * output_elements
 
     def _decide_storage(self) -> None:
-        for graph in all_graphs(self.model):
+        for graph in self.graphs:
             for value in graph.initializers.values():
                 if not is_fp32_tensor(value) or value.is_graph_input():
                     continue

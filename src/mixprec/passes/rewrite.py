@@ -26,7 +26,6 @@ import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_tensor, is_constant, iter_chunks
 from mixprec.analysis.plan import Precision, PrecisionPlan, Storage
-from mixprec.graphs import all_graphs_with_functions, all_nodes, function_graphs, subgraphs_of
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 
 logger = logging.getLogger(__name__)
@@ -94,11 +93,11 @@ class _Rewriter:
         self.created: set[ir.Value] = set()  # outputs of the Casts this rewrite inserted
         self.value_names: set[str] = set()
         self.node_names: set[str] = set()
-        for node in all_nodes(model):
+        for node in plan.order:
             if node.name:
                 self.node_names.add(node.name)
             self.value_names.update(v.name for v in node.outputs if v.name)
-        for graph in all_graphs_with_functions(model):
+        for graph in plan.graphs:
             self.value_names.update(v.name for v in graph.inputs if v.name)
             self.value_names.update(graph.initializers)
         # FP32 values of the original model, and which of them end up 16-bit.
@@ -117,7 +116,7 @@ class _Rewriter:
     # -- analysis of final types ----------------------------------------------------------
     def _collect(self) -> None:
         plan = self.plan
-        for graph in all_graphs_with_functions(self.model):
+        for graph in plan.graphs:
             for value in (*graph.inputs, *graph.initializers.values()):
                 if is_fp32_tensor(value):
                     self.fp32.add(value)
@@ -330,7 +329,7 @@ class _Rewriter:
 
     def _remove_noop_casts(self) -> None:
         """Rule 6."""
-        for node in all_nodes(self.model):
+        for node in self.plan.order:
             if node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or not node.inputs:
                 continue
             source, out = node.inputs[0], node.outputs[0]
@@ -372,11 +371,8 @@ class _Rewriter:
         for node in plan.order:
             self._fix_inputs(node)
         self._fix_outputs(self.model.graph, FLOAT if plan.keep_io_types else self.low)
-        for node in plan.order:
-            for sub in subgraphs_of(node):
-                self._fix_outputs(sub, FLOAT)
-        for body in function_graphs(self.model):
-            self._fix_outputs(body, FLOAT)
+        for graph in plan.graphs[1:]:
+            self._fix_outputs(graph, FLOAT)
         self._remove_noop_casts()
         self._ensure_default_opset()
         return self.stats

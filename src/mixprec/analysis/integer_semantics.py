@@ -1,0 +1,591 @@
+"""Integer semantics: float values that carry integer meaning stay FP32.
+
+Exporters of audio and speech models compute sequence lengths in float, e.g.
+``Cast(Shape(x)[1] -> float) - 400) / 160 -> Floor -> Cast(-> int64)``. Integers are exact only
+up to 2048 in float16 and 256 in bfloat16, so in 16 bits a length of 1500 frames becomes 1504.
+This analysis finds such values from the graph alone (no data) and names the nodes the planner
+must keep FP32 (category ``INTEGER``).
+
+The rule, on FP32 values:
+
+* **Sources** (forward taint): ``Cast`` from an integer or bool type (which covers Shape and
+  Size results, length inputs, integer Range) and small constants (at most 4,096 elements)
+  whose values are all integers, one beyond ``exact_int_max``.
+* **Carriers**: arithmetic and data movement (Add, Sub, Mul, Div, Floor, Ceil, Round, Neg, Abs,
+  Max, Min, Mod, Sum, Relu, Clip, Reshape, Concat, Gather, Slice, Squeeze, Unsqueeze, Identity,
+  Expand, Tile, Transpose, Split, Where, Cast, and MatMul/Gemm for outer products such as
+  positions times inverse frequencies). The taint goes forward only when *every* FP32 input
+  is tainted or a constant: an activation mixed with an integer (``mask * x``, ``x / length``)
+  is ordinary data and stops it.
+* **Sinks** (backward taint): the input of a Cast to an integer type, every input of Range,
+  Resize/Upsample scales, OneHot indices and depth, and the operands of comparisons between
+  integer values (every FP32 operand tainted or constant). Backward taint goes through the same
+  carriers, when their output is tainted forward, into all their FP32 inputs, so Floor/Ceil/
+  Round on integer values feeding such a Cast are sinks too.
+* **Kept FP32**: a node with a tainted FP32 output that (a) lies on a path from a source to a
+  sink (output tainted both ways), or (b) descends from a Cast of an integer, *unless* every
+  tainted value it reads or writes is provably exact in the 16-bit type.
+* **Bounds**: intervals, with an "all integral" flag, go through Shape of static dimensions,
+  constants, Gather/Slice/Concat of them and the arithmetic above; anything else is unbounded.
+  A value is exact when it is integral with magnitude at most ``exact_int_max``, or a single
+  known value representable in the target type (``Shape(x)[-1] / 2`` with a static 64 converts).
+
+Left alone on purpose: activations that end in Floor/Round and a Cast (quantised outputs,
+argmax-like flows) have no integer source; large constants that meet activations (-1e4 mask
+fills, a RoPE base) are no integer arithmetic; large weights are never read. Conservative by
+design: an integer tensor of unknown range cast to float (say an int64 attention mask) keeps
+its few elementwise nodes FP32 until they meet an activation.
+
+Subgraphs and functions: a subgraph's formal inputs are tainted when an FP32 input of the node
+owning it is, and backward taint on them reaches the owner's inputs; outputs of subgraphs and
+function bodies count as sinks; an owner's outputs are tainted when a subgraph output is.
+
+One forward and one backward pass over the topological order: linear in the model size.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from mixprec.analysis.constants import constant_tensor, is_constant
+from mixprec.analysis.plan import Category
+from mixprec.dtypes import LowPrecision, is_fp32_tensor
+from mixprec.graphs import subgraphs_of, walk_nodes
+
+logger = logging.getLogger(__name__)
+
+# Constants larger than this are weights, not index arithmetic: their values are not read.
+_MAX_CONSTANT_ELEMENTS = 4096
+# Per-element bounds are kept for 1-D values up to this length (shapes, small index vectors).
+_MAX_ELEMS = 64
+_INF = math.inf
+
+_ARITHMETIC = frozenset(
+    {"Add", "Sub", "Mul", "Div", "Floor", "Ceil", "Round", "Neg", "Abs", "Max", "Min", "Mod",
+     "Sum", "Relu", "Clip"}
+)
+_MOVEMENT = frozenset(
+    {"Reshape", "Concat", "Gather", "GatherElements", "GatherND", "Slice", "Squeeze", "Unsqueeze",
+     "Identity", "Flatten", "Expand", "Tile", "Transpose", "Split", "Where", "Cast"}
+)
+_CARRIERS = _ARITHMETIC | _MOVEMENT | {"MatMul", "Gemm"}
+# Integer-valued outputs of these ops inherit the origin of their inputs (for the evidence).
+_INT_CARRIERS = _CARRIERS | {"Range", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceSum", "CumSum"}
+_COMPARISONS = frozenset({"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual"})
+# Float inputs read as integers: op -> (input indices, description).
+_SINK_INPUTS: dict[str, tuple[tuple[int, ...], str]] = {
+    "Range": ((0, 1, 2), "Range"),
+    "Resize": ((2,), "Resize scales"),
+    "Upsample": ((1,), "Upsample scales"),
+    "OneHot": ((0, 1), "OneHot indices and depth"),
+}
+
+Interval = tuple[float, float]
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """What is known of a value's elements: an interval, integrality, per-element intervals."""
+
+    lo: float
+    hi: float
+    integral: bool
+    elems: tuple[Interval, ...] | None = None
+
+    @property
+    def magnitude(self) -> float:
+        return max(abs(self.lo), abs(self.hi))
+
+    def whole(self) -> _Bound:
+        return _Bound(self.lo, self.hi, self.integral)
+
+
+_UNKNOWN = _Bound(-_INF, _INF, False)
+_UNKNOWN_INT = _Bound(-_INF, _INF, True)
+_BOOL = _Bound(0.0, 1.0, True)
+
+
+@dataclass(frozen=True)
+class _Taint:
+    """Forward taint: where an integer-meaning float value comes from."""
+
+    origin: str
+    from_cast: bool  # descends from a Cast of an integer (else only from integer constants)
+
+
+def _clean(lo: float, hi: float) -> Interval:
+    if math.isnan(lo) or math.isnan(hi):
+        return (-_INF, _INF)
+    return (lo, hi)
+
+
+def _mul(a: Interval, b: Interval) -> Interval:
+    products = [0.0 if math.isnan(p) else p for p in (a[0] * b[0], a[0] * b[1], a[1] * b[0], a[1] * b[1])]
+    return (min(products), max(products))
+
+
+def _div(a: Interval, b: Interval) -> Interval:
+    if b[0] <= 0.0 <= b[1]:
+        return (-_INF, _INF)
+    return _mul(a, (1.0 / b[1], 1.0 / b[0]))
+
+
+def _floor(x: float) -> float:
+    return x if math.isinf(x) else float(math.floor(x))
+
+
+def _ceil(x: float) -> float:
+    return x if math.isinf(x) else float(math.ceil(x))
+
+
+def _abs(a: Interval) -> Interval:
+    if a[0] >= 0:
+        return a
+    if a[1] <= 0:
+        return (-a[1], -a[0])
+    return (0.0, max(-a[0], a[1]))
+
+
+def _mod(a: Interval, b: Interval) -> Interval:
+    m = max(abs(b[0]), abs(b[1]))
+    return (0.0, m) if a[0] >= 0 and b[0] > 0 else (-m, m)
+
+
+_BINARY: dict[str, Callable[[Interval, Interval], Interval]] = {
+    "Add": lambda a, b: (a[0] + b[0], a[1] + b[1]),
+    "Sub": lambda a, b: (a[0] - b[1], a[1] - b[0]),
+    "Mul": _mul,
+    "Div": _div,
+    "Max": lambda a, b: (max(a[0], b[0]), max(a[1], b[1])),
+    "Min": lambda a, b: (min(a[0], b[0]), min(a[1], b[1])),
+    "Sum": lambda a, b: (a[0] + b[0], a[1] + b[1]),
+    "Mod": _mod,
+}
+_UNARY: dict[str, Callable[[Interval], Interval]] = {
+    "Neg": lambda a: (-a[1], -a[0]),
+    "Abs": _abs,
+    "Floor": lambda a: (_floor(a[0]), _floor(a[1])),
+    "Ceil": lambda a: (_ceil(a[0]), _ceil(a[1])),
+    "Round": lambda a: (_floor(a[0]), _ceil(a[1])),
+    "Relu": lambda a: (max(a[0], 0.0), max(a[1], 0.0)),
+}
+
+
+def _from_elems(elems: Sequence[Interval], integral: bool) -> _Bound:
+    if not elems:
+        return _Bound(0.0, 0.0, integral, ())
+    lo = min(e[0] for e in elems)
+    hi = max(e[1] for e in elems)
+    return _Bound(lo, hi, integral, tuple(elems) if len(elems) <= _MAX_ELEMS else None)
+
+
+def _elementwise(fn: Callable[..., Interval], bounds: Sequence[_Bound], integral: bool) -> _Bound:
+    """Apply an interval function elementwise (per element when every operand has elements)."""
+    lengths = {len(b.elems) for b in bounds if b.elems is not None}
+    if all(b.elems is not None for b in bounds) and len(lengths - {1}) <= 1:
+        count = max(lengths)
+        elems = [
+            _clean(*fn(*[b.elems[0 if len(b.elems) == 1 else i] for b in bounds]))  # type: ignore[index]
+            for i in range(count)
+        ]
+        return _from_elems(elems, integral)
+    lo, hi = _clean(*fn(*[(b.lo, b.hi) for b in bounds]))
+    return _Bound(lo, hi, integral)
+
+
+def _singletons_integral(bound: _Bound) -> bool:
+    pairs = bound.elems if bound.elems is not None else ((bound.lo, bound.hi),)
+    return all(lo == hi and math.isfinite(lo) and float(lo).is_integer() for lo, hi in pairs)
+
+
+def _is_std(node: ir.Node) -> bool:
+    return node.domain in ("", "ai.onnx")
+
+
+def _attr_int(node: ir.Node, name: str, default: int | None) -> int | None:
+    attr = node.attributes.get(name)
+    return default if attr is None else int(attr.as_int())
+
+
+def _is_integer_type(dtype: ir.DataType | None) -> bool:
+    return dtype is not None and dtype.is_integer()
+
+
+def _fp32_values(values: Sequence[ir.Value | None]) -> list[ir.Value]:
+    return [v for v in values if v is not None and is_fp32_tensor(v)]
+
+
+class _Analysis:
+    def __init__(self, model: ir.Model, target: LowPrecision) -> None:
+        self.target = target
+        self.limit = target.limits.exact_int_max
+        self.order: list[ir.Node] = []
+        for function in model.functions.values():
+            self.order.extend(walk_nodes(function))
+        self.order.extend(walk_nodes(model.graph))
+        self.bounds: dict[ir.Value, _Bound] = {}
+        self.taint: dict[ir.Value, _Taint | None] = {}
+        self.int_origin: dict[ir.Value, str] = {}
+        self.sink: dict[ir.Value, str] = {}
+        self.formal_owner: dict[ir.Value, ir.Node] = {}
+        self.boundary_outputs: dict[ir.Value, str] = {}
+        for node in self.order:
+            for sub in subgraphs_of(node):
+                for value in sub.inputs:
+                    self.formal_owner[value] = node
+                for value in sub.outputs:
+                    self.boundary_outputs.setdefault(value, f"an output of a {node.op_type} subgraph")
+        for function in model.functions.values():
+            for value in function.outputs:
+                self.boundary_outputs.setdefault(value, f"an output of function {function.name!r}")
+
+    # -- bounds -------------------------------------------------------------------------
+    def constant_array(self, value: ir.Value) -> np.ndarray | None:
+        tensor = constant_tensor(value) if is_constant(value) else None
+        if tensor is None or tensor.size > _MAX_CONSTANT_ELEMENTS:
+            return None
+        try:
+            return np.asarray(tensor.numpy())
+        except Exception:  # noqa: BLE001 - unreadable or exotic types: no bound
+            return None
+
+    def bound(self, value: ir.Value | None) -> _Bound:
+        if value is None:
+            return _UNKNOWN
+        known = self.bounds.get(value)
+        if known is not None:
+            return known
+        result = _UNKNOWN_INT if _is_integer_type(value.dtype) else _UNKNOWN
+        if value.dtype == ir.DataType.BOOL:
+            result = _BOOL
+        array = self.constant_array(value)
+        if array is not None and array.dtype.kind in "iufb":
+            flat = array.astype(np.float64).reshape(-1)
+            if flat.size == 0:
+                result = _Bound(0.0, 0.0, True, ())
+            elif np.isfinite(flat).all():
+                integral = bool((flat == np.round(flat)).all())
+                if array.ndim <= 1 and flat.size <= _MAX_ELEMS:
+                    result = _from_elems([(float(x), float(x)) for x in flat], integral)
+                else:
+                    result = _Bound(float(flat.min()), float(flat.max()), integral)
+        self.bounds[value] = result
+        return result
+
+    def _shape_bound(self, node: ir.Node) -> _Bound:
+        shape = node.inputs[0].shape if node.inputs and node.inputs[0] is not None else None
+        if shape is None:
+            return _Bound(0.0, _INF, True)
+        dims = [(float(d), float(d)) if isinstance(d, int) else (0.0, _INF) for d in shape.dims]
+        if node.op_type == "Size":
+            if all(lo == hi for lo, hi in dims):
+                size = float(math.prod(lo for lo, _ in dims))
+                return _Bound(size, size, True, ((size, size),))
+            return _Bound(0.0, _INF, True)
+        start = _attr_int(node, "start", 0)
+        end = _attr_int(node, "end", None)
+        return _from_elems(dims[start:end], True)
+
+    def _select(self, node: ir.Node, data: _Bound) -> _Bound:
+        """Gather or Slice of a 1-D value with constant indices; else the data's interval."""
+        if data.elems is None:
+            return data.whole()
+        elems = list(data.elems)
+        arrays = [self.constant_array(v) if v is not None else None for v in node.inputs[1:]]
+        if node.op_type == "Gather":
+            indices = arrays[0] if arrays else None
+            if indices is None or _attr_int(node, "axis", 0) not in (0, -1):
+                return data.whole()
+            picked = []
+            for index in indices.reshape(-1).tolist():
+                index = int(index) + (len(elems) if index < 0 else 0)
+                if not 0 <= index < len(elems):
+                    return data.whole()
+                picked.append(elems[index])
+            return _from_elems(picked, data.integral)
+        starts, ends = (arrays + [None, None])[:2]
+        axes = arrays[2] if len(arrays) > 2 else None
+        steps = arrays[3] if len(arrays) > 3 else None
+        present = [len(node.inputs) > i and node.inputs[i] is not None for i in (3, 4)]
+        if starts is None or ends is None or starts.size != 1 or ends.size != 1:
+            return data.whole()
+        if (present[0] and (axes is None or int(axes.reshape(-1)[0]) not in (0, -1))) or (
+            present[1] and (steps is None or int(steps.reshape(-1)[0]) == 0)
+        ):
+            return data.whole()
+        step = int(steps.reshape(-1)[0]) if steps is not None else 1
+        picked = elems[int(starts.reshape(-1)[0]) : int(ends.reshape(-1)[0]) : step]
+        return _from_elems(picked, data.integral)
+
+    def _output_bounds(self, node: ir.Node) -> list[_Bound] | None:
+        op = node.op_type
+        inputs = node.inputs
+        if not _is_std(node):
+            return None
+        if op in ("Shape", "Size"):
+            return [self._shape_bound(node)]
+        operands = [self.bound(v) for v in inputs if v is not None]
+        if not operands:
+            return None
+        first = self.bound(inputs[0])
+        if op in ("Identity", "Squeeze", "Unsqueeze", "Reshape", "Flatten"):
+            return [first]
+        if op in ("Expand", "Tile", "Transpose", "GatherElements", "GatherND", "Split"):
+            return [first.whole()] * len(node.outputs)
+        if op in ("Gather", "Slice"):
+            return [self._select(node, first)]
+        if op == "Concat":
+            if all(b.elems is not None for b in operands):
+                elems = [e for b in operands for e in b.elems]  # type: ignore[union-attr]
+                return [_from_elems(elems, all(b.integral for b in operands))]
+            return [_elementwise(lambda *xs: (min(x[0] for x in xs), max(x[1] for x in xs)),
+                                 [b.whole() for b in operands], all(b.integral for b in operands))]
+        if op == "Cast":
+            to = _attr_int(node, "to", None)
+            if to == ir.DataType.BOOL:
+                return [_BOOL]
+            return [first]  # integer targets are widened to integers below
+        integral = all(b.integral for b in operands)
+        if op in _UNARY:
+            return [_elementwise(_UNARY[op], [first], integral or op in ("Floor", "Ceil", "Round"))]
+        if op in _BINARY:
+            fn = _BINARY[op]
+            bound = operands[0]
+            for other in operands[1:]:
+                bound = _elementwise(fn, [bound, other], integral)
+            if op == "Div" and not _singletons_integral(bound):
+                bound = _Bound(bound.lo, bound.hi, False, bound.elems)
+            return [bound]
+        if op == "Where" and len(inputs) == 3:
+            a, b = self.bound(inputs[1]), self.bound(inputs[2])
+            return [_Bound(min(a.lo, b.lo), max(a.hi, b.hi), a.integral and b.integral)]
+        if op == "Clip":
+            lo, hi = first.lo, first.hi
+            if len(inputs) > 1 and inputs[1] is not None:
+                lo = max(lo, self.bound(inputs[1]).lo)
+            if len(inputs) > 2 and inputs[2] is not None:
+                hi = min(hi, self.bound(inputs[2]).hi)
+            return [_Bound(min(lo, hi), max(lo, hi), integral)]
+        if op == "Range" and len(inputs) == 3:
+            start, limit = self.bound(inputs[0]), self.bound(inputs[1])
+            return [_Bound(min(start.lo, limit.lo), max(start.hi, limit.hi), integral)]
+        return None
+
+    def _record_bounds(self, node: ir.Node) -> None:
+        bounds = self._output_bounds(node)
+        for index, out in enumerate(node.outputs):
+            if out is None:
+                continue
+            bound = bounds[index] if bounds is not None and index < len(bounds) else None
+            if out.dtype == ir.DataType.BOOL:
+                bound = _BOOL
+            elif bound is None:
+                if is_constant(out):
+                    continue  # read lazily from the constant
+                bound = _UNKNOWN_INT if _is_integer_type(out.dtype) else _UNKNOWN
+            elif _is_integer_type(out.dtype):
+                elems = None
+                if bound.elems is not None:
+                    elems = tuple((_floor(lo), _ceil(hi)) for lo, hi in bound.elems)
+                bound = _Bound(_floor(bound.lo), _ceil(bound.hi), True, elems)
+            if bound.elems is not None and (out.shape is None or out.shape.rank() > 1):
+                bound = bound.whole()
+            self.bounds[out] = bound
+
+    def exact(self, value: ir.Value) -> bool:
+        """Whether every element of `value` is provably exact in the 16-bit type."""
+        bound = self.bound(value)
+        if bound.integral and bound.magnitude <= self.limit:
+            return True
+        if bound.lo == bound.hi and math.isfinite(bound.lo):
+            rounded = np.array(bound.lo, dtype=np.float64).astype(self.target.numpy_dtype)
+            return float(rounded.astype(np.float64)) == bound.lo
+        return False
+
+    # -- forward: integer-meaning sources -----------------------------------------------
+    def taint_of(self, value: ir.Value) -> _Taint | None:
+        if value in self.taint:
+            return self.taint[value]
+        result: _Taint | None = None
+        owner = self.formal_owner.get(value)
+        if owner is not None and is_fp32_tensor(value):
+            outer = [self.taint_of(v) for v in _fp32_values(owner.inputs)]
+            found = next((t for t in outer if t is not None), None)
+            if found is not None:
+                result = _Taint(found.origin, any(t is not None and t.from_cast for t in outer))
+        elif is_fp32_tensor(value) and is_constant(value):
+            bound = self.bound(value)
+            if self.constant_array(value) is not None and bound.integral and bound.magnitude > self.limit:
+                result = _Taint(f"integer constant {value.name!r} (up to {bound.magnitude:g})", False)
+        self.taint[value] = result
+        return result
+
+    def origin_of_int(self, value: ir.Value) -> str:
+        known = self.int_origin.get(value)
+        if known is not None:
+            return known
+        kind = value.dtype.name.lower() if value.dtype is not None else "integer"
+        producer = value.producer()
+        if is_constant(value):
+            origin = f"{kind} constant {value.name!r}"
+        elif producer is None:
+            origin = f"{kind} input {value.name!r}"
+        else:
+            origin = f"{producer.op_type} output {value.name!r}"
+        self.int_origin[value] = origin
+        return origin
+
+    def _record_int_origin(self, node: ir.Node) -> None:
+        outs = [o for o in node.outputs if o is not None and not is_fp32_tensor(o)]
+        if not outs or not _is_std(node):
+            return
+        origin: str | None = None
+        if node.op_type in ("Shape", "Size") and node.inputs and node.inputs[0] is not None:
+            origin = f"{node.op_type} of {node.inputs[0].name!r}"
+        elif node.op_type in _INT_CARRIERS:
+            for value in node.inputs:
+                if value is None:
+                    continue
+                if is_fp32_tensor(value):
+                    taint = self.taint_of(value)
+                    if taint is not None:
+                        origin = taint.origin
+                        break
+                elif _is_integer_type(value.dtype) and not is_constant(value):
+                    origin = self.origin_of_int(value)
+                    break
+        if origin is not None:
+            for out in outs:
+                self.int_origin[out] = origin
+
+    def integer_operands(self, node: ir.Node) -> bool:
+        """Every FP32 input is tainted or a constant, and at least one is tainted."""
+        values = _fp32_values(node.inputs)
+        taints = [self.taint_of(v) for v in values]
+        return any(taints) and all(t is not None or is_constant(v) for t, v in zip(taints, values))
+
+    def _record_taint(self, node: ir.Node) -> None:
+        outs = _fp32_values(node.outputs)
+        if not outs:
+            return
+        result: _Taint | None = None
+        subgraphs = subgraphs_of(node)
+        if subgraphs:
+            inner = [self.taint_of(v) for sub in subgraphs for v in _fp32_values(sub.outputs)]
+            found = next((t for t in inner if t is not None), None)
+            if found is not None:
+                result = _Taint(found.origin, any(t is not None and t.from_cast for t in inner))
+        elif not _is_std(node):
+            result = None
+        elif node.op_type == "Cast" and node.inputs and node.inputs[0] is not None:
+            source = node.inputs[0]
+            if source.dtype == ir.DataType.BOOL:
+                result = _Taint(f"bool {source.name!r}", True)
+            elif _is_integer_type(source.dtype):
+                result = _Taint(self.origin_of_int(source), True)
+            elif is_fp32_tensor(source):
+                result = self.taint_of(source)
+        elif node.op_type in _CARRIERS and self.integer_operands(node):
+            taints = [self.taint_of(v) for v in _fp32_values(node.inputs)]
+            first = next(t for t in taints if t is not None)
+            result = _Taint(first.origin, any(t is not None and t.from_cast for t in taints))
+        for out in outs:
+            if is_constant(out):
+                self.taint_of(out)
+            else:
+                self.taint[out] = result
+
+    # -- backward: integer-meaning sinks ------------------------------------------------
+    def mark_sink(self, value: ir.Value | None, why: str) -> None:
+        if value is None or not is_fp32_tensor(value) or value in self.sink:
+            return
+        self.sink[value] = why
+        owner = self.formal_owner.get(value)
+        if owner is not None:
+            for outer in _fp32_values(owner.inputs):
+                self.mark_sink(outer, why)
+
+    def _propagate_sinks(self, node: ir.Node) -> None:
+        if not _is_std(node):
+            return
+        op = node.op_type
+        inputs = node.inputs
+        if op == "Cast" and inputs and inputs[0] is not None:
+            to = _attr_int(node, "to", None)
+            if to is not None and to != ir.DataType.BOOL and ir.DataType(to).is_integer():
+                self.mark_sink(inputs[0], f"Cast to {ir.DataType(to).name.lower()}")
+        if op in _SINK_INPUTS:
+            indices, why = _SINK_INPUTS[op]
+            for index in indices:
+                if index < len(inputs):
+                    self.mark_sink(inputs[index], why)
+        if op in _COMPARISONS and self.integer_operands(node):
+            for value in inputs:
+                self.mark_sink(value, f"{op} of integers")
+        if op in _CARRIERS:
+            # Only along integer paths: a carrier whose output is tainted forward.
+            why = next(
+                (self.sink[o] for o in node.outputs if o in self.sink and self.taint_of(o) is not None),
+                None,
+            )
+            if why is not None:
+                for value in inputs:
+                    self.mark_sink(value, why)
+
+    # -- decision -----------------------------------------------------------------------
+    def run(self) -> dict[ir.Node, tuple[Category, str]]:
+        for node in self.order:
+            self._record_bounds(node)
+            self._record_taint(node)
+            self._record_int_origin(node)
+        for value, why in self.boundary_outputs.items():
+            self.mark_sink(value, why)
+        for node in reversed(self.order):
+            self._propagate_sinks(node)
+        forced: dict[ir.Node, tuple[Category, str]] = {}
+        limit = f"integers exact only to {self.limit} in {self.target.value}"
+        for node in self.order:
+            if subgraphs_of(node):
+                continue
+            outs = [(o, t) for o in _fp32_values(node.outputs) if (t := self.taint_of(o)) is not None]
+            if not outs:
+                continue
+            sink = next((self.sink[o] for o, _ in outs if o in self.sink), None)
+            from_cast = any(t.from_cast for _, t in outs)
+            if sink is None and not from_cast:
+                continue
+            touched = [o for o, _ in outs] + [v for v in _fp32_values(node.inputs) if self.taint_of(v)]
+            if all(self.exact(v) for v in touched):
+                continue
+            origin = outs[0][1].origin
+            if sink is not None:
+                forced[node] = (Category.INTEGER, f"computes integers from {origin} for {sink} ({limit})")
+            else:
+                forced[node] = (
+                    Category.INTEGER,
+                    f"carries integers from {origin}, not provably within {self.limit} ({limit})",
+                )
+        return forced
+
+
+def integer_semantics(model: ir.Model, target: LowPrecision) -> dict[ir.Node, tuple[Category, str]]:
+    """Find the nodes whose float values carry integer meaning that 16 bits would round.
+
+    Args:
+        model: A typed FP32 model (see `infer_types`). Not modified.
+        target: The 16-bit type; its `exact_int_max` is the largest safe integer.
+
+    Returns:
+        Node -> (`Category.INTEGER`, evidence) for the nodes to keep FP32; pass it to
+        `plan_precision(..., forced_fp32=...)`.
+    """
+    forced = _Analysis(model, target).run()
+    if forced:
+        logger.debug("integer semantics: %d node(s) kept FP32", len(forced))
+    return forced
