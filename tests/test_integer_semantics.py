@@ -90,7 +90,6 @@ def _audio_model() -> onnx.ModelProto:
 
 _LENGTH_NODES = {
     "cast_n", "sub_win", "div_hop", "floor_n", "add_one", "cast_len", "div_len", "floor_len",
-    "unsqueeze_len",
 }
 
 
@@ -344,3 +343,94 @@ def test_positions_through_matmul_stay_fp32() -> None:
     forced = integer_semantics(_typed(model), LowPrecision.BFLOAT16)
     assert {n.name for n in forced} == {"pos_f", "pos_col", "freqs"}
     assert all("Shape of 'x'" in why for _, why in forced.values())
+
+
+def test_scale_only_uses_convert() -> None:
+    """A dynamic head size or length that only scales activations is left to 16 bits."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["head"], name="head_size", start=-1),
+        helper.make_node("Cast", ["head"], ["head_f"], name="head_f", to=FLOAT),
+        helper.make_node("Sqrt", ["head_f"], ["root"], name="root"),
+        helper.make_node("Div", ["one", "root"], ["scale"], name="inv_root"),
+        helper.make_node("Shape", ["x"], ["seq"], name="seq_len", start=1, end=2),
+        helper.make_node("Cast", ["seq"], ["seq_f"], name="seq_f", to=FLOAT),
+        helper.make_node("Transpose", ["x"], ["xt"], name="xt", perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["x", "xt"], ["s"], name="scores"),
+        helper.make_node("Mul", ["s", "scale"], ["ss"], name="scale_scores"),
+        helper.make_node("Div", ["ss", "seq_f"], ["sn"], name="per_length"),
+        helper.make_node("Softmax", ["sn"], ["y"], name="softmax", axis=-1),
+    ]
+    model = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", FLOAT, [1, "T", "D"])],
+        [helper.make_tensor_value_info("y", FLOAT, [1, "T", "T"])],
+        [_const("one", 1.0)],
+    )
+    for target in TARGETS:
+        assert integer_semantics(_typed(model), target) == {}
+        result = mixprec.convert(model, target_dtype=target, validate="none")
+        decisions = {n.name: d for n, d in result.plan.decisions.items()}
+        assert decisions["scale_scores"].precision is Precision.LOW
+        assert decisions["per_length"].precision is Precision.LOW
+
+
+@pytest.mark.parametrize(("dtype", "forced"), [(TensorProto.INT8, False), (TensorProto.INT16, True)])
+def test_integer_type_ranges_bound_casts(dtype: int, forced: bool) -> None:
+    """int8 values (at most 128 in magnitude, 256 after doubling) are exact even in bfloat16."""
+    nodes = [
+        helper.make_node("Cast", ["q"], ["q_f"], name="q_f", to=FLOAT),
+        helper.make_node("Mul", ["q_f", "two"], ["q2"], name="double"),
+        helper.make_node("Cast", ["q2"], ["y"], name="y", to=INT64),
+    ]
+    model = _model(
+        nodes,
+        [helper.make_tensor_value_info("q", dtype, ["n"])],
+        [helper.make_tensor_value_info("y", INT64, ["n"])],
+        [_const("two", 2.0)],
+    )
+    names = {n.name for n in integer_semantics(_typed(model), LowPrecision.BFLOAT16)}
+    assert names == ({"q_f", "double"} if forced else set())
+
+
+def test_subgraph_arithmetic_on_outer_lengths() -> None:
+    """A branch computing frames from an outer length stays FP32, like the main graph would."""
+    then_branch = helper.make_graph(
+        [
+            helper.make_node("Div", ["n_f", "hop"], ["d"], name="then_div"),
+            helper.make_node("Floor", ["d"], ["frames_then"], name="then_floor"),
+        ],
+        "then",
+        [],
+        [helper.make_tensor_value_info("frames_then", FLOAT, [])],
+    )
+    else_branch = helper.make_graph(
+        [helper.make_node("Identity", ["n_f"], ["frames_else"], name="else_identity")],
+        "else",
+        [],
+        [helper.make_tensor_value_info("frames_else", FLOAT, [])],
+    )
+    nodes = [
+        helper.make_node("Shape", ["audio"], ["shape"], name="shape"),
+        helper.make_node("Gather", ["shape", "one_i"], ["n"], name="gather", axis=0),
+        helper.make_node("Cast", ["n"], ["n_f"], name="cast_n", to=FLOAT),
+        helper.make_node("If", ["flag"], ["frames_f"], name="branch", then_branch=then_branch, else_branch=else_branch),
+        helper.make_node("Cast", ["frames_f"], ["frames"], name="cast_frames", to=INT64),
+    ]
+    model = _model(
+        nodes,
+        [
+            helper.make_tensor_value_info("audio", FLOAT, [1, "N"]),
+            helper.make_tensor_value_info("flag", TensorProto.BOOL, []),
+        ],
+        [helper.make_tensor_value_info("frames", INT64, [])],
+        [_const("one_i", 1, INT64), _const("hop", 160.0)],
+    )
+    forced = integer_semantics(_typed(model), LowPrecision.BFLOAT16)
+    assert {n.name for n in forced} == {"cast_n", "then_div", "then_floor", "else_identity"}
+    session_ref = _session(model)
+    result = mixprec.convert(model, target_dtype="bf16", validate="none")
+    emulated = _session(emulate_low_precision(ir.to_proto(result.model)))
+    for n in (24_000, 240_000, 240_159):
+        for flag in (True, False):
+            feeds = {"audio": np.zeros((1, n), np.float32), "flag": np.array(flag)}
+            assert emulated.run(None, feeds)[0] == session_ref.run(None, feeds)[0]

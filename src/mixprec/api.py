@@ -17,12 +17,13 @@ import onnx
 import onnx_ir as ir
 
 from mixprec.analysis.integer_semantics import integer_semantics
+from mixprec.analysis.calibrate import BatchSource, RangeTable, wide_values_from_ranges
 from mixprec.analysis.plan import NodeMatcher, PrecisionPlan, plan_precision
 from mixprec.graphs import walk_nodes
 from mixprec.analysis.typeinfo import infer_types
 from mixprec.dtypes import LowPrecision, parse_low_precision
 from mixprec.errors import ConversionError, InputError, ValidationError
-from mixprec.io import load_model, save_model, uses_external_data, weight_bytes
+from mixprec.io import graph_only_proto, load_model, save_model, uses_external_data, weight_bytes
 from mixprec.passes.rewrite import apply_plan
 from mixprec.policy.schemas import op_exists
 from mixprec.policy.table import Policy, load_policy, parse_op_name
@@ -50,6 +51,7 @@ class ConversionResult:
     report: Report
     plan: PrecisionPlan
     output_path: Path | None
+    ranges: RangeTable | None = None  # FP32 ranges measured on `data` (calibration)
 
 
 def build_policy(
@@ -115,10 +117,8 @@ def _resolve_validation(validate: bool | str, model: ir.Model, weights: int) -> 
     if validate is False or validate == "none":
         return "none"
     if validate is True or validate == "auto":
-        if weights > _RUN_MAX_WEIGHT_BYTES:
-            return "checker"
         nodes = sum(1 for _ in walk_nodes(model.graph))
-        if nodes <= _RUN_MAX_NODES:
+        if nodes <= _RUN_MAX_NODES and weights <= _RUN_MAX_WEIGHT_BYTES:
             return "run"
         return "load" if nodes <= _LOAD_MAX_NODES else "checker"
     if validate in ("checker", "load", "run"):
@@ -154,6 +154,7 @@ def convert(
     validate: bool | str = True,
     data: str | os.PathLike | Iterable[Batch] | None = None,
     max_batches: int = 8,
+    calibrate: bool = True,
     tolerance: tuple[float, float] | None = None,
     external_data: bool | None = None,
     opset: int | None = None,
@@ -177,9 +178,13 @@ def convert(
             weights, onnxruntime runs and compares both models (up to 5,000 nodes) or creates
             a session to prove the model loads (up to 50,000 nodes). Or force "run", "load",
             "checker", or "none"/False.
-        data: Input batches for the numeric check: a `.npz` file, a folder of them or of ONNX
-            `test_data_set_N`, or an iterable of dicts. Default: generated inputs.
-        max_batches: At most this many batches are used for the numeric check.
+        data: Input batches for calibration and the numeric check: a `.npz` file, a folder of
+            them or of ONNX `test_data_set_N`, a list of such paths, or an iterable of dicts
+            (or a callable returning one). Default: generated inputs, no calibration.
+        max_batches: At most this many batches are used for calibration and the numeric check.
+        calibrate: With `data`, first measure the range of every FP32 value on it (one FP32
+            run, see `mixprec.analysis.calibrate`); values that leave the 16-bit range keep
+            their producers in FP32 (category "range measured on data").
         tolerance: (atol, rtol) that every output must meet, else `ConversionError`.
         external_data: Force (True) or forbid (False) external data for the output; default:
             when weights exceed 1 GiB or the input used external data.
@@ -199,7 +204,7 @@ def convert(
             fp32_ops=fp32_ops, follow_ops=follow_ops, exclude_nodes=exclude_nodes,
             keep_io_types=keep_io_types, policy_file=policy_file, validate=validate, data=data,
             max_batches=max_batches, tolerance=tolerance, external_data=external_data,
-            opset=opset, progress=progress,
+            opset=opset, progress=progress, calibrate=calibrate,
         )
 
 
@@ -221,6 +226,7 @@ def _convert(
     external_data: bool | None,
     opset: int | None,
     progress: bool | None,
+    calibrate: bool = True,
 ) -> ConversionResult:
     times: dict[str, float] = {}
     start = time.perf_counter()
@@ -257,7 +263,12 @@ def _convert(
     reference_path = source_path
     weights_before = weight_bytes(ir_model)
     level = _resolve_validation(level_requested, ir_model, weights_before)
-    if level == "run" and reference_path is None:
+    calibrating = data is not None and calibrate
+    if data is not None:
+        # One re-iterable source for calibration and validation (paths are re-read per pass).
+        inputs = [v.name for v in ir_model.graph.inputs if v.name not in ir_model.graph.initializers]
+        data = BatchSource(data, inputs, max_batches)
+    if (level == "run" or calibrating) and reference_path is None:
         # In-memory input: keep an FP32 copy on disk for the reference run.
         reference_dir = tempfile.TemporaryDirectory(prefix="mixprec-ref-")
         reference_path = Path(reference_dir.name) / "reference.onnx"
@@ -267,10 +278,16 @@ def _convert(
         t = time.perf_counter()
         typeinfo = infer_types(ir_model, source=unchanged_source)
         times["types"] = time.perf_counter() - t
+        ranges, wide_values = None, None
+        if calibrating:
+            t = time.perf_counter()
+            ranges, wide_values = _calibrate(reference_path, data, ir_model, target, progress, notes)
+            times["calibrate"] = time.perf_counter() - t
         t = time.perf_counter()
         forced = integer_semantics(ir_model, target)
         plan = plan_precision(
-            ir_model, policy, exclude_nodes=matcher, keep_io_types=keep_io_types, forced_fp32=forced
+            ir_model, policy, exclude_nodes=matcher, keep_io_types=keep_io_types, forced_fp32=forced,
+            wide_values=wide_values,
         )
         unused = matcher.unused()
         if unused:
@@ -296,7 +313,7 @@ def _convert(
             t0 = time.perf_counter()
             report.validation = _validate(
                 staged, reference_path, target, level, data, max_batches, tolerance,
-                original_checker_error,
+                original_checker_error, weights_large=weights_before > _RUN_MAX_WEIGHT_BYTES,
             )
             report.validation.seconds = time.perf_counter() - t0
 
@@ -312,7 +329,9 @@ def _convert(
             reference_dir.cleanup()
     times["total"] = time.perf_counter() - start
     report.seconds = {k: round(v, 4) for k, v in times.items()}
-    return ConversionResult(ir_model, report, plan, Path(output) if output is not None else None)
+    return ConversionResult(
+        ir_model, report, plan, Path(output) if output is not None else None, ranges=ranges
+    )
 
 
 def _validate(
@@ -324,6 +343,8 @@ def _validate(
     max_batches: int,
     tolerance: tuple[float, float] | None,
     original_checker_error: Callable[[], str | None] | None = None,
+    *,
+    weights_large: bool = False,
 ) -> Validation:
     """Check a staged converted model; raise ConversionError to stop it being published."""
     from mixprec.validate import compare, data as data_mod, runner  # noqa: PLC0415
@@ -346,8 +367,14 @@ def _validate(
         if target is LowPrecision.BFLOAT16:
             result.notes.append("no load check for bfloat16: onnxruntime's CPU provider lacks bf16 kernels")
             return result
+        load_path = path
+        if weights_large:
+            # Prove the graph loads without reading gigabytes of weights: they become inputs.
+            load_path = path.with_name("graph_only.onnx")
+            onnx.save(graph_only_proto(path), str(load_path))
+            result.notes.append("onnxruntime load check on the graph with weights as inputs")
         try:
-            runner.make_session(path, graph_optimization="disable")
+            runner.make_session(load_path, graph_optimization="disable")
         except ValidationError as e:
             _blame_reference(reference, e, result)
             return result
@@ -378,6 +405,7 @@ def _validate(
         result.runtime = "loaded" if result.runtime == "skipped" else result.runtime
         return result
     merged: list | None = None
+    nonfinite_feeds = None  # the first batch with new non-finite outputs
     batches = _batches(data, reference, reference_session, data_mod, max_batches)
     for feeds in batches:
         try:
@@ -391,6 +419,8 @@ def _validate(
         except ValidationError as e:
             raise ConversionError(f"the converted model fails to run in onnxruntime: {e}") from e
         comparison = compare.compare_outputs(expected, actual)
+        if nonfinite_feeds is None and any(c.new_nonfinite for c in comparison):
+            nonfinite_feeds = feeds
         merged = comparison if merged is None else compare.merge(merged, comparison)
         result.batches += 1
     if result.runtime == "skipped":
@@ -404,12 +434,16 @@ def _validate(
             result.notes.append(
                 f"output {c.name!r} has {c.new_nonfinite} non-finite value(s) where the FP32 model has none"
             )
+    origin = None
+    if nonfinite_feeds is not None and reference is not None:
+        origin = _nan_origin_note(reference, path, nonfinite_feeds, target)
+        result.notes.append(origin)
     if tolerance is not None:
         failing = [o.name for o in result.outputs if o.within_tolerance is False]
         if failing:
             raise ConversionError(
                 f"output {failing[0]!r} differs from the FP32 model beyond atol={tolerance[0]}, "
-                f"rtol={tolerance[1]}"
+                f"rtol={tolerance[1]}" + (f"; {origin}" if origin else "")
             )
     return result
 
@@ -438,3 +472,41 @@ def _blame_reference(reference: Path | None, error: ValidationError, result: Val
             result.notes.append("neither the FP32 nor the converted model loads in onnxruntime")
             return
     raise ConversionError(f"the converted model does not load in onnxruntime: {error}") from error
+
+
+def _calibrate(
+    reference: Path,
+    data: BatchSource,
+    model: ir.Model,
+    target: LowPrecision,
+    progress: bool | None,
+    notes: list[str],
+) -> tuple[RangeTable | None, dict[ir.Value, str] | None]:
+    """Measure FP32 ranges on `data`; the values that leave the 16-bit range, with evidence."""
+    from mixprec.analysis.calibrate import calibrate  # noqa: PLC0415
+
+    try:
+        table = calibrate(reference, data, progress=progress)
+    except ValidationError as e:
+        notes.append(f"calibration skipped: the FP32 model does not run in onnxruntime: {e}")
+        return None, None
+    wide = wide_values_from_ranges(model, table, target)
+    notes.append(
+        f"calibration: {len(table)} FP32 values measured on {table.batches} batch(es) in "
+        f"{table.runs} run(s); {len(wide)} leave the {target.value} range and stay FP32"
+    )
+    return table, wide
+
+
+def _nan_origin_note(reference: Path, converted: Path, feeds: Batch, target: LowPrecision) -> str:
+    """A note naming the node where new non-finite values start (see `find_nan_origin`)."""
+    from mixprec.errors import MixprecError  # noqa: PLC0415
+    from mixprec.validate.nan_origin import find_nan_origin  # noqa: PLC0415
+
+    try:
+        origin = find_nan_origin(reference, converted, feeds, target=target)
+    except MixprecError as e:
+        return f"could not locate where the non-finite values start: {e}"
+    if origin is None:
+        return "the non-finite values could not be traced to a main-graph node"
+    return f"non-finite values start at {origin.describe()}"

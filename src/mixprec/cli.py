@@ -65,8 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--validate", default="auto", choices=["auto", "run", "load", "checker", "none"],
                          help="auto (default): checker always; onnxruntime run for models of moderate "
                               "size, session load for larger graphs")
-    convert.add_argument("--data", metavar="PATH",
-                         help="inputs for the numeric check: .npz, a folder of .npz, or test_data_set_N")
+    convert.add_argument("--data", metavar="PATH", action="append",
+                         help="input batches (.npz, a folder of .npz, or test_data_set_N; repeatable): "
+                              "FP32 ranges are measured on them first, values beyond the 16-bit "
+                              "range stay FP32, then the numeric check runs on them")
+    convert.add_argument("--no-calibrate", action="store_true",
+                         help="use --data only for the numeric check, not to measure ranges")
     convert.add_argument("--tolerance", type=_tolerance, metavar="ATOL[,RTOL]",
                          help="fail (exit 3, nothing written) when an output differs more")
     convert.add_argument("--report", metavar="JSON", help="write the report as JSON")
@@ -103,6 +107,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         policy_file=args.policy,
         validate=args.validate,
         data=args.data,
+        calibrate=not args.no_calibrate,
         tolerance=args.tolerance,
         external_data=external,
         opset=args.opset,

@@ -95,6 +95,30 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> tuple[
     return model, path
 
 
+def graph_only_proto(path: str | os.PathLike, max_inline_bytes: int = 1024) -> onnx.ModelProto:
+    """A model file's graph without large initializer data: those become typed graph inputs.
+
+    Reads the graph (never external data); enough for shape inference and for an onnxruntime
+    session that proves the graph loads, at a fraction of the memory of the weights.
+    """
+    proto = onnx.load(str(path), load_external_data=False)
+    graph = proto.graph
+    inputs = {i.name for i in graph.input}
+    kept = []
+    for tensor in graph.initializer:
+        external = tensor.data_location == onnx.TensorProto.EXTERNAL
+        if not external and len(tensor.raw_data) <= max_inline_bytes:
+            kept.append(tensor)
+            continue
+        if tensor.name not in inputs:
+            graph.input.append(
+                onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
+            )
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return proto
+
+
 def weight_bytes(model: ir.Model) -> int:
     """Total bytes of all initializers (subgraphs included)."""
     return sum(

@@ -15,7 +15,7 @@ so a model with N float values costs ``ceil(N / max_outputs_per_run)`` passes ov
 Raise ``max_outputs_per_run`` when memory allows (``0`` = no limit, one pass).
 
 The temporary copy never holds the weights in its protobuf: the model is read without its
-external data, embedded weights of 1 KiB or more are moved once into a data file in a
+external data, embedded float weights of 1 KiB or more are moved once into a data file in a
 temporary folder, and the original external data files are hard-linked into that folder
 (copied when a link is impossible, e.g. across file systems and with a read-only model
 folder), because onnxruntime only reads external data that lies beside the model file. Each
@@ -343,6 +343,33 @@ def _link_all(model_dir: Path, locations: Sequence[str], folder: Path) -> bool:
     return True
 
 
+def elem_types(model: onnx.ModelProto, *, source: str = "model") -> dict[str, int | None]:
+    """Element type of every main-graph tensor: ONNX type, 0 for non-tensors, None if unknown.
+
+    Runs ONNX shape inference on `model`; pass a proto without large embedded weights.
+    """
+    graph = model.graph
+    types: dict[str, int | None] = {}
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+        infos = [*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input]
+    except Exception as e:  # noqa: BLE001 - shape inference raises assorted types
+        logger.debug("%s: shape inference failed (%s); types come from the run", source, e)
+        infos = [*graph.value_info, *graph.output, *graph.input]
+    for info in infos:
+        if info.type.HasField("tensor_type") and info.type.tensor_type.elem_type:
+            types[info.name] = info.type.tensor_type.elem_type
+        elif info.type.WhichOneof("value") is not None:
+            types[info.name] = 0  # a sequence, map or optional: not a tensor
+    for tensor in graph.initializer:
+        types[tensor.name] = tensor.data_type
+    for node in graph.node:
+        for out in node.output:
+            if out and out not in types:
+                types[out] = None
+    return types
+
+
 class IntermediateRunner:
     """Runs a model file with chosen intermediate values of its main graph as outputs.
 
@@ -418,7 +445,7 @@ class IntermediateRunner:
         return workdir
 
     def _externalize_embedded(self) -> None:
-        """Move large embedded weights to one data file, so chunk models stay small."""
+        """Move large embedded float weights to one data file, so chunk models stay small."""
         name = _EMBEDDED_FILE
         taken = {_location(t) for t in _all_tensors(self.proto)}
         while name in taken:
@@ -428,6 +455,8 @@ class IntermediateRunner:
             for tensor in _graph_tensors(self.proto.graph):
                 if tensor.data_location == onnx.TensorProto.EXTERNAL:
                     continue
+                if tensor.data_type not in _FLOAT_TYPES:
+                    continue  # integer tensors may be shapes that inference must read
                 if not tensor.HasField("raw_data") or len(tensor.raw_data) < _EMBEDDED_MIN_BYTES:
                     continue
                 data = tensor.raw_data
@@ -443,26 +472,7 @@ class IntermediateRunner:
             (self.workdir / name).unlink()
 
     def _infer_elem_types(self) -> dict[str, int | None]:
-        graph = self.proto.graph
-        types: dict[str, int | None] = {}
-        try:
-            inferred = onnx.shape_inference.infer_shapes(self.proto, strict_mode=False)
-            infos = [*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input]
-        except Exception as e:  # noqa: BLE001 - shape inference raises assorted types
-            logger.debug("%s: shape inference failed (%s); types come from the run", self.path, e)
-            infos = [*graph.value_info, *graph.output, *graph.input]
-        for info in infos:
-            if info.type.HasField("tensor_type") and info.type.tensor_type.elem_type:
-                types[info.name] = info.type.tensor_type.elem_type
-            elif info.type.WhichOneof("value") is not None:
-                types[info.name] = 0  # a sequence, map or optional: not a tensor
-        for tensor in graph.initializer:
-            types[tensor.name] = tensor.data_type
-        for node in graph.node:
-            for out in node.output:
-                if out and out not in types:
-                    types[out] = None
-        return types
+        return elem_types(self.proto, source=str(self.path))
 
     # -- queries ------------------------------------------------------------------------------
     def node_outputs(self, elem_types: frozenset[int] = frozenset({onnx.TensorProto.FLOAT})) -> list[str]:

@@ -9,36 +9,43 @@ must keep FP32 (category ``INTEGER``).
 The rule, on FP32 values:
 
 * **Sources** (forward taint): ``Cast`` from an integer or bool type (which covers Shape and
-  Size results, length inputs, integer Range) and small constants (at most 4,096 elements)
-  whose values are all integers, one beyond ``exact_int_max``.
+  Size results, length inputs, integer Range), float Range over tainted bounds, and small
+  constants (at most 4,096 elements) whose values are all integers, one beyond
+  ``exact_int_max``.
 * **Carriers**: arithmetic and data movement (Add, Sub, Mul, Div, Floor, Ceil, Round, Neg, Abs,
   Max, Min, Mod, Sum, Relu, Clip, Reshape, Concat, Gather, Slice, Squeeze, Unsqueeze, Identity,
   Expand, Tile, Transpose, Split, Where, Cast, and MatMul/Gemm for outer products such as
-  positions times inverse frequencies). The taint goes forward only when *every* FP32 input
-  is tainted or a constant: an activation mixed with an integer (``mask * x``, ``x / length``)
-  is ordinary data and stops it.
-* **Sinks** (backward taint): the input of a Cast to an integer type, every input of Range,
-  Resize/Upsample scales, OneHot indices and depth, and the operands of comparisons between
-  integer values (every FP32 operand tainted or constant). Backward taint goes through the same
-  carriers, when their output is tainted forward, into all their FP32 inputs, so Floor/Ceil/
-  Round on integer values feeding such a Cast are sinks too.
-* **Kept FP32**: a node with a tainted FP32 output that (a) lies on a path from a source to a
-  sink (output tainted both ways), or (b) descends from a Cast of an integer, *unless* every
-  tainted value it reads or writes is provably exact in the 16-bit type.
+  positions times inverse frequencies). The taint goes forward only when every FP32 input is
+  tainted or *data-free* (computed from constants and shapes only): an activation mixed with
+  an integer (``mask * x``, ``x / length``) is ordinary data and stops it.
+* **Integer sinks** (backward taint): the input of a Cast to an integer type, every input of
+  Range, Resize/Upsample scales, OneHot indices and depth, and the operands of comparisons
+  between integer values. Backward taint goes through carriers whose output is tainted forward,
+  so Floor/Ceil/Round on integer values feeding such a Cast are sinks too.
+* **Exact uses**: any other use of a value tainted from a Cast of an integer, except uses that
+  need only its relative precision (Mul, Div, MatMul, Gemm, Sqrt, Reciprocal, the base of Pow)
+  and shape-only readers: Sin/Cos of positions, Add to activations, comparisons with
+  activations, model outputs, unknown ops. Backward through tainted carriers like sinks.
+* **Kept FP32**: a node with a tainted FP32 output that (a) lies on a path from a source to an
+  integer sink, or (b) descends from a Cast of an integer and reaches an exact use, *unless*
+  every tainted value it reads or writes is provably exact in the 16-bit type.
 * **Bounds**: intervals, with an "all integral" flag, go through Shape of static dimensions,
-  constants, Gather/Slice/Concat of them and the arithmetic above; anything else is unbounded.
-  A value is exact when it is integral with magnitude at most ``exact_int_max``, or a single
-  known value representable in the target type (``Shape(x)[-1] / 2`` with a static 64 converts).
+  integer type ranges (int8, uint8, int4 ...), constants, Gather/Slice/Concat of them and the
+  arithmetic above; anything else is unbounded. A value is exact when it is integral with
+  magnitude at most ``exact_int_max``, or a single known value representable in the target
+  type (``Shape(x)[1] / 2`` with a static 64 converts).
 
 Left alone on purpose: activations that end in Floor/Round and a Cast (quantised outputs,
 argmax-like flows) have no integer source; large constants that meet activations (-1e4 mask
-fills, a RoPE base) are no integer arithmetic; large weights are never read. Conservative by
-design: an integer tensor of unknown range cast to float (say an int64 attention mask) keeps
-its few elementwise nodes FP32 until they meet an activation.
+fills, a RoPE base) are no integer arithmetic; a length or head size that only scales
+activations (``x / length``, ``q * rsqrt(head_size)``) loses no more than any 16-bit value, and
+keeping it FP32 would drag the activations it scales to FP32 too; large weights are never read.
+Conservative on purpose: an integer tensor of unknown range cast to float and added to
+activations (an int64 attention mask) keeps its few elementwise nodes FP32.
 
 Subgraphs and functions: a subgraph's formal inputs are tainted when an FP32 input of the node
 owning it is, and backward taint on them reaches the owner's inputs; outputs of subgraphs and
-function bodies count as sinks; an owner's outputs are tainted when a subgraph output is.
+function bodies count as integer sinks; an owner's outputs are tainted when a subgraph output is.
 
 One forward and one backward pass over the topological order: linear in the model size.
 """
@@ -78,6 +85,19 @@ _CARRIERS = _ARITHMETIC | _MOVEMENT | {"MatMul", "Gemm"}
 # Integer-valued outputs of these ops inherit the origin of their inputs (for the evidence).
 _INT_CARRIERS = _CARRIERS | {"Range", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceSum", "CumSum"}
 _COMPARISONS = frozenset({"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual"})
+# Uses of an integer value that need only its relative precision: rounding it to 16 bits costs
+# what rounding any 16-bit value costs (a length that normalises features, a head size that
+# scales scores): op -> input indices (None: all).
+_RELATIVE_USES: dict[str, tuple[int, ...] | None] = {
+    "Mul": None, "Div": None, "MatMul": None, "Gemm": (0, 1), "Sqrt": None, "Reciprocal": None,
+    "Pow": (0,),
+}
+# Ops that read only the shape or type of their input.
+_SHAPE_READERS = frozenset({"Shape", "Size", "CastLike", "EyeLike", "RandomNormalLike", "RandomUniformLike"})
+# Ops whose outputs depend on more than their inputs.
+_NONDETERMINISTIC = frozenset(
+    {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
+)
 # Float inputs read as integers: op -> (input indices, description).
 _SINK_INPUTS: dict[str, tuple[tuple[int, ...], str]] = {
     "Range": ((0, 1, 2), "Range"),
@@ -107,7 +127,6 @@ class _Bound:
 
 
 _UNKNOWN = _Bound(-_INF, _INF, False)
-_UNKNOWN_INT = _Bound(-_INF, _INF, True)
 _BOOL = _Bound(0.0, 1.0, True)
 
 
@@ -221,6 +240,18 @@ def _fp32_values(values: Sequence[ir.Value | None]) -> list[ir.Value]:
     return [v for v in values if v is not None and is_fp32_tensor(v)]
 
 
+def _type_bound(dtype: ir.DataType | None) -> _Bound:
+    """The range of an integer or bool element type."""
+    if dtype == ir.DataType.BOOL:
+        return _BOOL
+    if not _is_integer_type(dtype):
+        return _UNKNOWN
+    bits = dtype.bitwidth  # type: ignore[union-attr]
+    if dtype.is_signed():  # type: ignore[union-attr]
+        return _Bound(-float(2 ** (bits - 1)), float(2 ** (bits - 1) - 1), True)
+    return _Bound(0.0, float(2**bits - 1), True)
+
+
 class _Analysis:
     def __init__(self, model: ir.Model, target: LowPrecision) -> None:
         self.target = target
@@ -233,6 +264,8 @@ class _Analysis:
         self.taint: dict[ir.Value, _Taint | None] = {}
         self.int_origin: dict[ir.Value, str] = {}
         self.sink: dict[ir.Value, str] = {}
+        self.exact_use: dict[ir.Value, str] = {}
+        self.data_free: dict[ir.Value, bool] = {}
         self.formal_owner: dict[ir.Value, ir.Node] = {}
         self.boundary_outputs: dict[ir.Value, str] = {}
         for node in self.order:
@@ -244,6 +277,7 @@ class _Analysis:
         for function in model.functions.values():
             for value in function.outputs:
                 self.boundary_outputs.setdefault(value, f"an output of function {function.name!r}")
+        self.model_outputs = [v for v in model.graph.outputs if v is not None]
 
     # -- bounds -------------------------------------------------------------------------
     def constant_array(self, value: ir.Value) -> np.ndarray | None:
@@ -261,9 +295,7 @@ class _Analysis:
         known = self.bounds.get(value)
         if known is not None:
             return known
-        result = _UNKNOWN_INT if _is_integer_type(value.dtype) else _UNKNOWN
-        if value.dtype == ir.DataType.BOOL:
-            result = _BOOL
+        result = _type_bound(value.dtype)
         array = self.constant_array(value)
         if array is not None and array.dtype.kind in "iufb":
             flat = array.astype(np.float64).reshape(-1)
@@ -388,12 +420,20 @@ class _Analysis:
             elif bound is None:
                 if is_constant(out):
                     continue  # read lazily from the constant
-                bound = _UNKNOWN_INT if _is_integer_type(out.dtype) else _UNKNOWN
+                bound = _type_bound(out.dtype)
             elif _is_integer_type(out.dtype):
+                # Integer results: whole numbers, within the type's range (the bound is a claim
+                # about correct, non-wrapping arithmetic).
+                limits = _type_bound(out.dtype)
                 elems = None
                 if bound.elems is not None:
-                    elems = tuple((_floor(lo), _ceil(hi)) for lo, hi in bound.elems)
-                bound = _Bound(_floor(bound.lo), _ceil(bound.hi), True, elems)
+                    elems = tuple(
+                        (max(_floor(lo), limits.lo), min(_ceil(hi), limits.hi)) for lo, hi in bound.elems
+                    )
+                if elems is not None and any(lo > hi for lo, hi in elems):
+                    elems = None
+                lo, hi = max(_floor(bound.lo), limits.lo), min(_ceil(bound.hi), limits.hi)
+                bound = _Bound(lo, hi, True, elems) if lo <= hi else limits
             if bound.elems is not None and (out.shape is None or out.shape.rank() > 1):
                 bound = bound.whole()
             self.bounds[out] = bound
@@ -464,11 +504,30 @@ class _Analysis:
             for out in outs:
                 self.int_origin[out] = origin
 
+    def is_data_free(self, value: ir.Value) -> bool:
+        """Whether the value is computed from constants and shapes only (no input data)."""
+        known = self.data_free.get(value)
+        if known is None:
+            known = is_constant(value)
+            self.data_free[value] = known
+        return known
+
+    def _record_data_free(self, node: ir.Node) -> None:
+        if node.op_type in ("Shape", "Size") and _is_std(node):
+            free = True
+        elif subgraphs_of(node) or node.op_type in _NONDETERMINISTIC or not _is_std(node):
+            free = False
+        else:
+            free = all(self.is_data_free(v) for v in node.inputs if v is not None)
+        for out in node.outputs:
+            if out is not None:
+                self.data_free[out] = free or is_constant(out)
+
     def integer_operands(self, node: ir.Node) -> bool:
-        """Every FP32 input is tainted or a constant, and at least one is tainted."""
+        """At least one FP32 input is tainted, and every other is tainted or data-free."""
         values = _fp32_values(node.inputs)
         taints = [self.taint_of(v) for v in values]
-        return any(taints) and all(t is not None or is_constant(v) for t, v in zip(taints, values))
+        return any(taints) and all(t is not None or self.is_data_free(v) for t, v in zip(taints, values))
 
     def _record_taint(self, node: ir.Node) -> None:
         outs = _fp32_values(node.outputs)
@@ -491,6 +550,10 @@ class _Analysis:
                 result = _Taint(self.origin_of_int(source), True)
             elif is_fp32_tensor(source):
                 result = self.taint_of(source)
+        elif node.op_type == "Range":
+            # Float positions from integer bounds: integers themselves.
+            taints = [self.taint_of(v) for v in _fp32_values(node.inputs)]
+            result = next((t for t in taints if t is not None), None)
         elif node.op_type in _CARRIERS and self.integer_operands(node):
             taints = [self.taint_of(v) for v in _fp32_values(node.inputs)]
             first = next(t for t in taints if t is not None)
@@ -501,53 +564,65 @@ class _Analysis:
             else:
                 self.taint[out] = result
 
-    # -- backward: integer-meaning sinks ------------------------------------------------
-    def mark_sink(self, value: ir.Value | None, why: str) -> None:
-        if value is None or not is_fp32_tensor(value) or value in self.sink:
+    # -- backward: integer-meaning sinks and uses that need exact values ----------------
+    def _mark(self, table: dict[ir.Value, str], value: ir.Value | None, why: str) -> None:
+        if value is None or not is_fp32_tensor(value) or value in table:
             return
-        self.sink[value] = why
+        table[value] = why
         owner = self.formal_owner.get(value)
         if owner is not None:
             for outer in _fp32_values(owner.inputs):
-                self.mark_sink(outer, why)
+                self._mark(table, outer, why)
 
-    def _propagate_sinks(self, node: ir.Node) -> None:
-        if not _is_std(node):
-            return
-        op = node.op_type
+    def _propagate(self, node: ir.Node) -> None:
+        op = node.op_type if _is_std(node) else f"{node.domain}::{node.op_type}"
         inputs = node.inputs
         if op == "Cast" and inputs and inputs[0] is not None:
             to = _attr_int(node, "to", None)
             if to is not None and to != ir.DataType.BOOL and ir.DataType(to).is_integer():
-                self.mark_sink(inputs[0], f"Cast to {ir.DataType(to).name.lower()}")
+                self._mark(self.sink, inputs[0], f"Cast to {ir.DataType(to).name.lower()}")
         if op in _SINK_INPUTS:
             indices, why = _SINK_INPUTS[op]
             for index in indices:
                 if index < len(inputs):
-                    self.mark_sink(inputs[index], why)
+                    self._mark(self.sink, inputs[index], why)
         if op in _COMPARISONS and self.integer_operands(node):
             for value in inputs:
-                self.mark_sink(value, f"{op} of integers")
-        if op in _CARRIERS:
+                self._mark(self.sink, value, f"{op} of integers")
+        carrying = op in _CARRIERS and any(
+            self.taint_of(o) is not None for o in _fp32_values(node.outputs)
+        )
+        if carrying:
             # Only along integer paths: a carrier whose output is tainted forward.
-            why = next(
-                (self.sink[o] for o in node.outputs if o in self.sink and self.taint_of(o) is not None),
-                None,
-            )
-            if why is not None:
-                for value in inputs:
-                    self.mark_sink(value, why)
+            for table in (self.sink, self.exact_use):
+                why = next((table[o] for o in node.outputs if o is not None and o in table), None)
+                if why is not None:
+                    for value in inputs:
+                        self._mark(table, value, why)
+            return
+        if op in _SHAPE_READERS:
+            return
+        relative = _RELATIVE_USES.get(op, ())
+        for index, value in enumerate(inputs):
+            if value is None or relative is None or index in relative:
+                continue
+            if self.taint_of(value) is None:
+                continue
+            self._mark(self.exact_use, value, f"{op} {node.name!r}" if node.name else op)
 
     # -- decision -----------------------------------------------------------------------
     def run(self) -> dict[ir.Node, tuple[Category, str]]:
         for node in self.order:
             self._record_bounds(node)
+            self._record_data_free(node)
             self._record_taint(node)
             self._record_int_origin(node)
         for value, why in self.boundary_outputs.items():
-            self.mark_sink(value, why)
+            self._mark(self.sink, value, why)
+        for value in self.model_outputs:
+            self._mark(self.exact_use, value, f"model output {value.name!r}")
         for node in reversed(self.order):
-            self._propagate_sinks(node)
+            self._propagate(node)
         forced: dict[ir.Node, tuple[Category, str]] = {}
         limit = f"integers exact only to {self.limit} in {self.target.value}"
         for node in self.order:
@@ -557,8 +632,8 @@ class _Analysis:
             if not outs:
                 continue
             sink = next((self.sink[o] for o, _ in outs if o in self.sink), None)
-            from_cast = any(t.from_cast for _, t in outs)
-            if sink is None and not from_cast:
+            use = next((self.exact_use[o] for o, t in outs if t.from_cast and o in self.exact_use), None)
+            if sink is None and use is None:
                 continue
             touched = [o for o, _ in outs] + [v for v in _fp32_values(node.inputs) if self.taint_of(v)]
             if all(self.exact(v) for v in touched):
@@ -569,7 +644,7 @@ class _Analysis:
             else:
                 forced[node] = (
                     Category.INTEGER,
-                    f"carries integers from {origin}, not provably within {self.limit} ({limit})",
+                    f"carries integers from {origin} into {use}, not provably within {self.limit} ({limit})",
                 )
         return forced
 

@@ -19,6 +19,7 @@ import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_node_tensor
 from mixprec.graphs import all_graphs, walk_nodes
+from mixprec.io import graph_only_proto
 
 logger = logging.getLogger(__name__)
 
@@ -141,24 +142,6 @@ def _apply(graph: ir.Graph, proto: onnx.GraphProto, shapes: _ShapeCache) -> int:
     return count
 
 
-def _source_proto(path: Path) -> onnx.ModelProto:
-    """The model file's graph without large initializer data (they become typed inputs)."""
-    proto = onnx.load(str(path), load_external_data=False)
-    graph = proto.graph
-    inputs = {i.name for i in graph.input}
-    kept = []
-    for tensor in graph.initializer:
-        large = tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.raw_data) > _INLINE_INITIALIZER_BYTES
-        if not large:
-            kept.append(tensor)
-            continue
-        if tensor.name not in inputs:
-            graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    return proto
-
-
 def infer_types(model: ir.Model, source: Path | None = None) -> TypeInfo:
     """Fill in element types and shapes of all values of `model` in place.
 
@@ -173,7 +156,7 @@ def infer_types(model: ir.Model, source: Path | None = None) -> TypeInfo:
     warning = None
     inferred = 0
     try:
-        proto = _source_proto(source) if source is not None else _weight_free_proto(model)
+        proto = graph_only_proto(source) if source is not None else _weight_free_proto(model)
         proto = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False)
     except Exception as e:  # noqa: BLE001 - inference is best effort; the planner copes
         warning = str(e).splitlines()[0] if str(e) else type(e).__name__

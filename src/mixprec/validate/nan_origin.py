@@ -1,17 +1,25 @@
 """Where non-finite values start: the first node of a converted model that overflows.
 
-:func:`find_nan_origin` runs the FP32 reference and the converted model (for bfloat16 its
-emulated version, see :mod:`mixprec.validate.emulate`) on one batch, exposing intermediate
-values a chunk at a time (see :class:`mixprec.analysis.calibrate.IntermediateRunner`), and
-walks the converted model's main graph in topological order. The origin is the first node
-whose output holds a non-finite value at a position where the FP32 value is finite.
+:func:`find_nan_origin` runs the FP32 reference and the converted model on one batch,
+exposing intermediate values a chunk at a time (see
+:class:`mixprec.analysis.calibrate.IntermediateRunner`), and walks the converted model's main
+graph in topological order. The origin is the first node whose output holds a non-finite value
+at a position where the FP32 value is finite.
+
+By default the converted model runs *emulated* (:mod:`mixprec.validate.emulate`: every 16-bit
+value computed in FP32 and rounded through its 16-bit type). onnxruntime's CPU provider has no
+bfloat16 kernels, and for most float16 ops (MatMul, Gemm, Mul, Add, ...) it computes in FP32
+and drops the float16 round trip between them, so a float16 overflow often does not show
+there, or shows only where a value is materialized in float16 (a graph output, a data-movement
+op such as Reshape); the emulation rounds every 16-bit value as a 16-bit runtime does.
 
 Values are paired by node name (conversion and emulation keep node names; a node output
 renamed by the emulation pairs with the reference node's output), then by value name; an
 inserted ``Cast`` pairs with the value it casts. When the first offending node is such an
-inserted Cast, the origin is the node that produced the cast value: its output overflows when
-cast (or, emulated, rounded) to 16 bits. Only nodes upstream of the graph outputs that gained
-non-finite values are considered, so a harmless infinity elsewhere is not blamed.
+inserted Cast (or an emulation rounding), the origin is the node that produced the value; if
+that node computes in FP32 in the converted model, its output overflows when *cast* to 16 bits
+(``via_cast``). Only nodes upstream of the graph outputs that gained non-finite values are
+considered, so a harmless infinity elsewhere is not blamed.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,9 +36,9 @@ from typing import Any
 import numpy as np
 import onnx
 
-from mixprec.analysis.calibrate import IntermediateRunner
+from mixprec.analysis.calibrate import IntermediateRunner, elem_types
 from mixprec.dtypes import LowPrecision, parse_low_precision
-from mixprec.errors import InputError
+from mixprec.errors import InputError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +56,12 @@ class NanOrigin:
         node: Node name (in the FP32 model when it exists there).
         op_type: Its op type.
         output: The FP32 model's name of the offending output.
-        dtype: The type the converted model holds it in (the 16-bit type when emulated).
+        dtype: The type of that output in the converted model (before a cast, if any).
         new_nonfinite: Elements non-finite in the converted run but finite in FP32.
         fp32_absmax: Largest finite magnitude of that output in the FP32 run.
         inputs: (input name, FP32 abs-max or None when unknown) for the node's inputs.
-        via_cast: The node's own output is fine; it overflows when cast (or rounded) to the
-            16-bit type for its consumers.
+        via_cast: The node computes in FP32; its output overflows when cast to the 16-bit
+            type for its consumers.
         target: The 16-bit type.
     """
 
@@ -194,7 +202,7 @@ def find_nan_origin(
     feeds: Mapping[str, np.ndarray],
     *,
     target: str | LowPrecision,
-    emulate: bool | None = None,
+    emulate: bool = True,
     max_outputs_per_run: int = 256,
     providers: Sequence[str] = ("CPUExecutionProvider",),
 ) -> NanOrigin | None:
@@ -205,9 +213,8 @@ def find_nan_origin(
         converted_path: The converted model file.
         feeds: One input batch on which the converted model produces non-finite outputs.
         target: The 16-bit type of the conversion.
-        emulate: Run the emulated version of the converted model (default: for bfloat16, which
-            onnxruntime's CPU provider cannot run). Pass False when `converted_path` already is
-            an emulation model.
+        emulate: Run the emulated version of the converted model (default; see the module
+            docstring for why). False runs the converted model itself.
         max_outputs_per_run: At most this many intermediate values are outputs of one session.
         providers: onnxruntime execution providers.
 
@@ -221,8 +228,6 @@ def find_nan_origin(
         ValidationError: onnxruntime cannot load or run a model.
     """
     target = parse_low_precision(target)
-    if emulate is None:
-        emulate = target is LowPrecision.BFLOAT16
     tmp = Path(tempfile.mkdtemp(prefix="mixprec-nan-"))
     try:
         candidate_path = Path(converted_path)
@@ -233,8 +238,12 @@ def find_nan_origin(
         with IntermediateRunner(reference_path, providers=providers) as ref_runner, IntermediateRunner(
             candidate_path, providers=providers
         ) as cand_runner:
+            converted_types = (
+                _node_output_types(converted_path) if emulate else _types_of(cand_runner)
+            )
             return _search(
-                _Graph(ref_runner), _Graph(cand_runner), feeds, target, emulate, max_outputs_per_run
+                _Graph(ref_runner), _Graph(cand_runner), feeds, target, converted_types,
+                max_outputs_per_run,
             )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -245,7 +254,7 @@ def _search(
     cand: _Graph,
     feeds: Mapping[str, np.ndarray],
     target: LowPrecision,
-    emulated: bool,
+    converted_types: dict[str, list[int | None]],
     max_outputs: int,
 ) -> NanOrigin | None:
     # 1. Which graph outputs gain non-finite values?
@@ -317,8 +326,10 @@ def _search(
                 continue
             count = _new_nonfinite(reference, cand_values[cand_name])
             if count:
-                dtype = target.value if emulated else str(cand_values[cand_name].dtype)
-                return _origin(ref, cand, index, ref_name, dtype, count, ref_absmax, feeds, target, counterpart)
+                return _origin(
+                    ref, cand, index, ref_name, count, ref_absmax, feeds, target, counterpart,
+                    converted_types,
+                )
     return None
 
 
@@ -327,30 +338,33 @@ def _origin(
     cand: _Graph,
     index: int,
     ref_output: str,
-    dtype: str,
     count: int,
     ref_absmax: dict[str, float],
     feeds: Mapping[str, np.ndarray],
     target: LowPrecision,
-    counterpart: Any,
+    counterpart: Callable[[str], str | None],
+    converted_types: dict[str, list[int | None]],
 ) -> NanOrigin:
     """Build the origin for candidate node `index`, walking up through inserted Casts."""
     node = cand.nodes[index]
-    via_cast = False
-    current = node
+    slot = 0
+    current, walked = node, False
     while ref.by_name.get(current.name) is None and current.op_type == "Cast" and current.input:
         producer = cand.producer.get(current.input[0])
         if producer is None:
             break
-        current = cand.nodes[producer[0]]
-        via_cast = True
+        current, slot, walked = cand.nodes[producer[0]], producer[1], True
     ref_index = ref.by_name.get(current.name) if current.name else None
     if ref_index is not None and ref.nodes[ref_index].op_type == current.op_type:
         origin = ref.nodes[ref_index]
         input_names = [n for n in origin.input if n]
     else:
-        origin, via_cast = node, False
+        origin, walked, slot = node, False, 0
         input_names = [p for n in node.input if n and (p := counterpart(n)) is not None]
+    types = converted_types.get(origin.name, [])
+    elem = types[slot] if slot < len(types) else None
+    via_cast = walked and elem == onnx.TensorProto.FLOAT
+    dtype = _type_name(elem) if elem else target.value
     missing = [n for n in input_names if n not in ref_absmax and n in ref.producer]
     if missing:
         values = _run_once(ref.runner, missing, feeds)
@@ -367,6 +381,40 @@ def _origin(
         via_cast=via_cast,
         target=target.value,
     )
+
+
+def _type_name(elem: int) -> str:
+    try:
+        return onnx.helper.tensor_dtype_to_string(elem).removeprefix("TensorProto.").lower()
+    except (KeyError, ValueError):
+        return str(elem)
+
+
+def _types_of(runner: IntermediateRunner) -> dict[str, list[int | None]]:
+    """Node name -> element types of its outputs (None: unknown)."""
+    return {
+        node.name: [runner.elem_types.get(o) if o else None for o in node.output]
+        for node in runner.proto.graph.node
+        if node.name
+    }
+
+
+def _node_output_types(path: str | os.PathLike) -> dict[str, list[int | None]]:
+    """Node name -> output element types of a model file (read without its weights)."""
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # noqa: BLE001 - protobuf raises assorted types
+        raise ModelLoadError(f"{path}: cannot be loaded: {e}") from e
+    for tensor in proto.graph.initializer:  # types only: drop the data
+        tensor.ClearField("raw_data")
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        del tensor.external_data[:]
+    known = elem_types(proto, source=str(path))
+    return {
+        node.name: [known.get(o) if o else None for o in node.output]
+        for node in proto.graph.node
+        if node.name
+    }
 
 
 def _constant_absmax(ref: _Graph, name: str) -> float | None:
