@@ -26,10 +26,17 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize(("emulate", "chunk"), [(True, 256), (True, 1), (False, 2)])
-def test_origin_is_the_overflowing_matmul(plain: tuple[Path, Path], emulate: bool, chunk: int) -> None:
+def test_origin_is_the_overflowing_matmul(
+    plain: tuple[Path, Path], emulate: bool, chunk: int
+) -> None:
     model, converted = plain
     origin = find_nan_origin(
-        model, converted, attention_batch(1), target="fp16", emulate=emulate, max_outputs_per_run=chunk
+        model,
+        converted,
+        attention_batch(1),
+        target="fp16",
+        emulate=emulate,
+        max_outputs_per_run=chunk,
     )
     assert origin is not None
     assert (origin.node, origin.op_type, origin.output) == ("attn/scores", "MatMul", "scores")
@@ -76,7 +83,12 @@ def test_origin_through_an_inserted_cast(tmp_path: Path) -> None:
     x[1, 3] = 12.0  # exp(12) = 1.6e5 > 65504
     origin = find_nan_origin(model, converted, {"x": x}, target="fp16")
     assert origin is not None
-    assert (origin.node, origin.op_type, origin.output, origin.via_cast) == ("act/exp", "Exp", "e", True)
+    assert (origin.node, origin.op_type, origin.output, origin.via_cast) == (
+        "act/exp",
+        "Exp",
+        "e",
+        True,
+    )
     assert origin.dtype == "float" and dict(origin.inputs) == {"x": 12.0}
     assert "becomes non-finite when cast to float16" in origin.describe()
 
@@ -91,5 +103,10 @@ def test_validation_note_names_the_origin(tmp_path: Path) -> None:
     assert any(n.startswith("non-finite values start at MatMul node 'attn/scores'") for n in notes)
     assert "non-finite values start at" in result.report.format_text()
     with pytest.raises(ConversionError, match="attn/scores"):
-        mixprec.convert(attention_model(), target_dtype="fp16", data=data, calibrate=False,
-                        tolerance=(1e-2, 1e-2))
+        mixprec.convert(
+            attention_model(),
+            target_dtype="fp16",
+            data=data,
+            calibrate=False,
+            tolerance=(1e-2, 1e-2),
+        )

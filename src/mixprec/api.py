@@ -272,7 +272,8 @@ def _convert(
         # In-memory input: keep an FP32 copy on disk for the reference run.
         reference_dir = tempfile.TemporaryDirectory(prefix="mixprec-ref-")
         reference_path = Path(reference_dir.name) / "reference.onnx"
-        ir.save(ir_model, reference_path)
+        big = weights_before > _RUN_MAX_WEIGHT_BYTES  # calibration runs at any size
+        ir.save(ir_model, reference_path, external_data="reference.onnx.data" if big else None)
 
     try:
         t = time.perf_counter()

@@ -50,8 +50,12 @@ logger = logging.getLogger(__name__)
 
 Batch = Mapping[str, np.ndarray]
 BatchesLike = (
-    str | os.PathLike | Sequence[str | os.PathLike] | Mapping[str, np.ndarray]
-    | Iterable[Batch] | Callable[[], Iterable[Batch]]
+    str
+    | os.PathLike
+    | Sequence[str | os.PathLike]
+    | Mapping[str, np.ndarray]
+    | Iterable[Batch]
+    | Callable[[], Iterable[Batch]]
 )
 
 _FORMAT = "mixprec.ranges/1"
@@ -59,7 +63,12 @@ _FORMAT = "mixprec.ranges/1"
 _EMBEDDED_MIN_BYTES = 1024
 _EMBEDDED_FILE = "mixprec-embedded-weights.bin"
 _FLOAT_TYPES = frozenset(
-    {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+    {
+        onnx.TensorProto.FLOAT,
+        onnx.TensorProto.FLOAT16,
+        onnx.TensorProto.BFLOAT16,
+        onnx.TensorProto.DOUBLE,
+    }
 )
 
 
@@ -264,7 +273,9 @@ class BatchSource:
             return
         produced = self._factory()
         if not isinstance(produced, Iterable):
-            raise InputError(f"the batch callable returned {type(produced).__name__}, not an iterable")
+            raise InputError(
+                f"the batch callable returned {type(produced).__name__}, not an iterable"
+            )
         yield from produced
 
     def _replay(self) -> Iterator[Batch]:
@@ -398,7 +409,6 @@ class IntermediateRunner:
         graph = self.proto.graph
         initializers = {t.name for t in graph.initializer}
         self.input_names = [v.name for v in graph.input if v.name not in initializers]
-        self.initializer_names = initializers
         self.workdir = self._make_workdir()
         try:
             self._externalize_embedded()
@@ -412,7 +422,9 @@ class IntermediateRunner:
     def _make_workdir(self) -> Path:
         """A temporary folder holding the original external data files (linked or copied)."""
         model_dir = self.path.parent
-        locations = sorted({loc for t in _all_tensors(self.proto) if (loc := _location(t)) is not None})
+        locations = sorted(
+            {loc for t in _all_tensors(self.proto) if (loc := _location(t)) is not None}
+        )
         for location in locations:
             if not (model_dir / location).is_file():
                 raise ModelLoadError(f"{self.path}: external data file {location!r} is missing")
@@ -438,9 +450,14 @@ class IntermediateRunner:
                 size += destination.stat().st_size
         except OSError as e:
             shutil.rmtree(workdir, ignore_errors=True)
-            raise ModelLoadError(f"{self.path}: cannot prepare its external data for a run: {e}") from e
+            raise ModelLoadError(
+                f"{self.path}: cannot prepare its external data for a run: {e}"
+            ) from e
         logger.warning(
-            "%s: external data could not be linked; copied %.1f MB to %s", self.path, size / 1e6, workdir
+            "%s: external data could not be linked; copied %.1f MB to %s",
+            self.path,
+            size / 1e6,
+            workdir,
         )
         return workdir
 
@@ -462,7 +479,11 @@ class IntermediateRunner:
                 data = tensor.raw_data
                 f.write(data)
                 del tensor.external_data[:]
-                for key, value in (("location", name), ("offset", str(offset)), ("length", str(len(data)))):
+                for key, value in (
+                    ("location", name),
+                    ("offset", str(offset)),
+                    ("length", str(len(data))),
+                ):
                     entry = tensor.external_data.add()
                     entry.key, entry.value = key, value
                 tensor.data_location = onnx.TensorProto.EXTERNAL
@@ -475,7 +496,7 @@ class IntermediateRunner:
         return elem_types(self.proto, source=str(self.path))
 
     # -- queries ------------------------------------------------------------------------------
-    def node_outputs(self, elem_types: frozenset[int] = frozenset({onnx.TensorProto.FLOAT})) -> list[str]:
+    def node_outputs(self, types: frozenset[int] = frozenset({onnx.TensorProto.FLOAT})) -> list[str]:
         """Main-graph node outputs (graph order) of these element types or of unknown type.
 
         Outputs of ``Constant`` nodes are left out: constants are analysed exactly elsewhere.
@@ -490,7 +511,7 @@ class IntermediateRunner:
                     continue
                 seen.add(out)
                 elem = self.elem_types.get(out)
-                if elem is None or elem in elem_types:
+                if elem is None or elem in types:
                     names.append(out)
         return names
 
@@ -540,7 +561,9 @@ class IntermediateRunner:
             return
         path = self._write_chunk_model(names)
         try:
-            session = runner.make_session(path, providers=self.providers, graph_optimization="disable")
+            session = runner.make_session(
+                path, providers=self.providers, graph_optimization="disable"
+            )
             try:
                 for feeds in batches:
                     results = runner.run_session(session, feeds)
@@ -634,16 +657,20 @@ def calibrate(
                         raise InputError(f"no calibration batches in {source.description}")
                 elif seen != batch_count:
                     raise InputError(
-                        f"calibration data {source.description} gave {batch_count} batches on the "
-                        f"first run and {seen} on run {index + 1}: pass a path, a list or a callable "
-                        "that yields the same batches every time"
+                        f"calibration data {source.description} gave {batch_count} batches on "
+                        f"the first run and {seen} on run {index + 1}: pass a path, a list or a "
+                        "callable that yields the same batches every time"
                     )
         finally:
             bar.close()
     ordered = {name: stats[name] for name in stats if name in measured}
     logger.info(
         "calibrated %d float32 tensors of %s on %d batch(es) in %d run(s), %.2f s",
-        len(ordered), model_path, batch_count, len(parts), time.perf_counter() - start,
+        len(ordered),
+        model_path,
+        batch_count,
+        len(parts),
+        time.perf_counter() - start,
     )
     return RangeTable(ordered, batch_count, len(parts))
 

@@ -14,18 +14,17 @@ The rule, on FP32 values:
   ``exact_int_max``.
 * **Carriers**: arithmetic and data movement (Add, Sub, Mul, Div, Floor, Ceil, Round, Neg, Abs,
   Max, Min, Mod, Sum, Relu, Clip, Reshape, Concat, Gather, Slice, Squeeze, Unsqueeze, Identity,
-  Expand, Tile, Transpose, Split, Where, Cast, and MatMul/Gemm for outer products such as
-  positions times inverse frequencies). The taint goes forward only when every FP32 input is
+  Expand, Tile, Transpose, Split, Where, Cast, and MatMul/Gemm that contract over a static
+  dimension of 1: outer products such as positions times inverse frequencies). The taint goes forward only when every FP32 input is
   tainted or *data-free* (computed from constants and shapes only): an activation mixed with
   an integer (``mask * x``, ``x / length``) is ordinary data and stops it.
 * **Integer sinks** (backward taint): the input of a Cast to an integer type, every input of
   Range, Resize/Upsample scales, OneHot indices and depth, and the operands of comparisons
   between integer values. Backward taint goes through carriers whose output is tainted forward,
   so Floor/Ceil/Round on integer values feeding such a Cast are sinks too.
-* **Exact uses**: any other use of a value tainted from a Cast of an integer, except uses that
-  need only its relative precision (Mul, Div, MatMul, Gemm, Sqrt, Reciprocal, the base of Pow)
-  and shape-only readers: Sin/Cos of positions, Add to activations, comparisons with
-  activations, model outputs, unknown ops. Backward through tainted carriers like sinks.
+* **Exact uses**: uses that need the absolute value of an integer tainted from a Cast even
+  where it meets activations: Sin/Cos/Tan (positions), comparisons, Mod, model outputs, control
+  flow and ops outside the standard domain. Backward through tainted carriers like sinks.
 * **Kept FP32**: a node with a tainted FP32 output that (a) lies on a path from a source to an
   integer sink, or (b) descends from a Cast of an integer and reaches an exact use, *unless*
   every tainted value it reads or writes is provably exact in the 16-bit type.
@@ -37,11 +36,11 @@ The rule, on FP32 values:
 
 Left alone on purpose: activations that end in Floor/Round and a Cast (quantised outputs,
 argmax-like flows) have no integer source; large constants that meet activations (-1e4 mask
-fills, a RoPE base) are no integer arithmetic; a length or head size that only scales
-activations (``x / length``, ``q * rsqrt(head_size)``) loses no more than any 16-bit value, and
-keeping it FP32 would drag the activations it scales to FP32 too; large weights are never read.
-Conservative on purpose: an integer tensor of unknown range cast to float and added to
-activations (an int64 attention mask) keeps its few elementwise nodes FP32.
+fills, a RoPE base) are no integer arithmetic; an integer that is mixed into activations by
+other ops (a length that normalises features, ``q * rsqrt(head_size)``, an int64 attention
+mask turned into an additive bias, a Cast of indices fed to a MatMul with weights) loses no
+more there than any 16-bit value, and keeping it FP32 would drag the activations it meets to
+FP32 too; large weights are never read.
 
 Subgraphs and functions: a subgraph's formal inputs are tainted when an FP32 input of the node
 owning it is, and backward taint on them reaches the owner's inputs; outputs of subgraphs and
@@ -81,19 +80,14 @@ _MOVEMENT = frozenset(
     {"Reshape", "Concat", "Gather", "GatherElements", "GatherND", "Slice", "Squeeze", "Unsqueeze",
      "Identity", "Flatten", "Expand", "Tile", "Transpose", "Split", "Where", "Cast"}
 )
-_CARRIERS = _ARITHMETIC | _MOVEMENT | {"MatMul", "Gemm"}
+_CARRIERS = _ARITHMETIC | _MOVEMENT | {"MatMul", "Gemm"}  # products: outer products only
 # Integer-valued outputs of these ops inherit the origin of their inputs (for the evidence).
 _INT_CARRIERS = _CARRIERS | {"Range", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceSum", "CumSum"}
 _COMPARISONS = frozenset({"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual"})
-# Uses of an integer value that need only its relative precision: rounding it to 16 bits costs
-# what rounding any 16-bit value costs (a length that normalises features, a head size that
-# scales scores): op -> input indices (None: all).
-_RELATIVE_USES: dict[str, tuple[int, ...] | None] = {
-    "Mul": None, "Div": None, "MatMul": None, "Gemm": (0, 1), "Sqrt": None, "Reciprocal": None,
-    "Pow": (0,),
-}
-# Ops that read only the shape or type of their input.
-_SHAPE_READERS = frozenset({"Shape", "Size", "CastLike", "EyeLike", "RandomNormalLike", "RandomUniformLike"})
+# Uses that need an integer's absolute value even where it meets activations: periodic functions
+# of positions, comparisons, remainders. Other standard ops mix it into data, where its 16-bit
+# rounding costs what rounding any 16-bit value costs.
+_EXACT_USES = frozenset({"Sin", "Cos", "Tan", "Mod"}) | _COMPARISONS
 # Ops whose outputs depend on more than their inputs.
 _NONDETERMINISTIC = frozenset(
     {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
@@ -238,6 +232,16 @@ def _is_integer_type(dtype: ir.DataType | None) -> bool:
 
 def _fp32_values(values: Sequence[ir.Value | None]) -> list[ir.Value]:
     return [v for v in values if v is not None and is_fp32_tensor(v)]
+
+
+def _is_outer_product(node: ir.Node) -> bool:
+    """Whether a MatMul/Gemm contracts over a static dimension of 1 (no sums: an outer product)."""
+    first = node.inputs[0] if node.inputs else None
+    shape = first.shape if first is not None else None
+    if shape is None or len(shape) == 0:
+        return False
+    transposed = node.op_type == "Gemm" and _attr_int(node, "transA", 0)
+    return shape[0 if transposed else -1] == 1
 
 
 def _type_bound(dtype: ir.DataType | None) -> _Bound:
@@ -525,6 +529,8 @@ class _Analysis:
 
     def integer_operands(self, node: ir.Node) -> bool:
         """At least one FP32 input is tainted, and every other is tainted or data-free."""
+        if node.op_type in ("MatMul", "Gemm") and not _is_outer_product(node):
+            return False
         values = _fp32_values(node.inputs)
         taints = [self.taint_of(v) for v in values]
         return any(taints) and all(t is not None or self.is_data_free(v) for t, v in zip(taints, values))
@@ -600,15 +606,11 @@ class _Analysis:
                     for value in inputs:
                         self._mark(table, value, why)
             return
-        if op in _SHAPE_READERS:
+        if _is_std(node) and op not in _EXACT_USES and not subgraphs_of(node):
             return
-        relative = _RELATIVE_USES.get(op, ())
-        for index, value in enumerate(inputs):
-            if value is None or relative is None or index in relative:
-                continue
-            if self.taint_of(value) is None:
-                continue
-            self._mark(self.exact_use, value, f"{op} {node.name!r}" if node.name else op)
+        for value in inputs:
+            if value is not None and self.taint_of(value) is not None:
+                self._mark(self.exact_use, value, f"{op} {node.name!r}" if node.name else op)
 
     # -- decision -----------------------------------------------------------------------
     def run(self) -> dict[ir.Node, tuple[Category, str]]:

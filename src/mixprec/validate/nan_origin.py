@@ -43,7 +43,12 @@ from mixprec.errors import InputError, ModelLoadError
 logger = logging.getLogger(__name__)
 
 _FLOAT_ELEM_TYPES = frozenset(
-    {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+    {
+        onnx.TensorProto.FLOAT,
+        onnx.TensorProto.FLOAT16,
+        onnx.TensorProto.BFLOAT16,
+        onnx.TensorProto.DOUBLE,
+    }
 )
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
@@ -84,7 +89,8 @@ class NanOrigin:
             else f"output {self.output!r} ({self.dtype}) is non-finite"
         )
         ins = ", ".join(
-            f"{name!r} {'?' if absmax is None else format(absmax, '.3g')}" for name, absmax in self.inputs
+            f"{name!r} {'?' if absmax is None else format(absmax, '.3g')}"
+            for name, absmax in self.inputs
         )
         return (
             f"{self.op_type} node {self.node!r}: {where} at {self.new_nonfinite} position(s) where "
@@ -235,14 +241,19 @@ def find_nan_origin(
             from mixprec.validate.emulate import emulate_low_precision_file  # noqa: PLC0415
 
             candidate_path = emulate_low_precision_file(converted_path, tmp / "emulated.onnx")
-        with IntermediateRunner(reference_path, providers=providers) as ref_runner, IntermediateRunner(
-            candidate_path, providers=providers
-        ) as cand_runner:
+        with (
+            IntermediateRunner(reference_path, providers=providers) as ref_runner,
+            IntermediateRunner(candidate_path, providers=providers) as cand_runner,
+        ):
             converted_types = (
                 _node_output_types(converted_path) if emulate else _types_of(cand_runner)
             )
             return _search(
-                _Graph(ref_runner), _Graph(cand_runner), feeds, target, converted_types,
+                _Graph(ref_runner),
+                _Graph(cand_runner),
+                feeds,
+                target,
+                converted_types,
                 max_outputs_per_run,
             )
     finally:
@@ -264,7 +275,9 @@ def _search(
     ref_out = _run_once(ref.runner, shared_outputs, feeds)
     cand_out = _run_once(cand.runner, shared_outputs, feeds)
     affected = [
-        o for o in shared_outputs if o in ref_out and o in cand_out and _new_nonfinite(ref_out[o], cand_out[o])
+        o
+        for o in shared_outputs
+        if o in ref_out and o in cand_out and _new_nonfinite(ref_out[o], cand_out[o])
     ]
     if not affected:
         logger.debug("no output gains non-finite values; nothing to locate")
@@ -285,11 +298,20 @@ def _search(
             node = cand.nodes[producer[0]]
             ref_index = ref.by_name.get(node.name) if node.name else None
             ref_node = ref.nodes[ref_index] if ref_index is not None else None
-            if ref_node is not None and ref_node.op_type == node.op_type and producer[1] < len(ref_node.output):
+            if (
+                ref_node is not None
+                and ref_node.op_type == node.op_type
+                and producer[1] < len(ref_node.output)
+            ):
                 result = ref_node.output[producer[1]] or None
             elif name in ref.producer:
                 result = name
-            elif node.op_type == "Cast" and node.domain in _DEFAULT_DOMAINS and node.input and depth < 64:
+            elif (
+                node.op_type == "Cast"
+                and node.domain in _DEFAULT_DOMAINS
+                and node.input
+                and depth < 64
+            ):
                 result = counterpart(node.input[0], depth + 1)
         memo[name] = result
         return result
@@ -302,11 +324,17 @@ def _search(
         for out in node.output:
             if out in float_values:
                 partner = counterpart(out)
-                if partner is not None and ref.runner.elem_types.get(partner, onnx.TensorProto.FLOAT) == onnx.TensorProto.FLOAT:
+                if (
+                    partner is not None
+                    and ref.runner.elem_types.get(partner, onnx.TensorProto.FLOAT)
+                    == onnx.TensorProto.FLOAT
+                ):
                     entries.append((index, out, partner))
 
     # 3. Compare chunk by chunk, in topological order; stop at the first hit.
-    ref_absmax: dict[str, float] = {n: _absmax(np.asarray(feeds[n])) for n in ref.inputs if n in feeds}
+    ref_absmax: dict[str, float] = {
+        n: _absmax(np.asarray(feeds[n])) for n in ref.inputs if n in feeds
+    }
     step = max_outputs if max_outputs > 0 else len(entries) or 1
     for start in range(0, len(entries), step):
         part = entries[start : start + step]
@@ -327,7 +355,15 @@ def _search(
             count = _new_nonfinite(reference, cand_values[cand_name])
             if count:
                 return _origin(
-                    ref, cand, index, ref_name, count, ref_absmax, feeds, target, counterpart,
+                    ref,
+                    cand,
+                    index,
+                    ref_name,
+                    count,
+                    ref_absmax,
+                    feeds,
+                    target,
+                    counterpart,
                     converted_types,
                 )
     return None
@@ -428,7 +464,9 @@ def _constant_absmax(ref: _Graph, name: str) -> float | None:
         if producer is not None:
             node = ref.nodes[producer[0]]
             if node.op_type == "Constant":
-                tensor = next((a.t for a in node.attribute if a.name == "value" and a.HasField("t")), None)
+                tensor = next(
+                    (a.t for a in node.attribute if a.name == "value" and a.HasField("t")), None
+                )
     if tensor is None or tensor.data_type not in _FLOAT_ELEM_TYPES:
         return None
     try:
