@@ -381,15 +381,24 @@ def _validate(
             return result
         result.runtime = "loaded"
         return result
-    candidate_path = path
-    if target is LowPrecision.BFLOAT16:
-        from mixprec.validate.emulate import emulate_low_precision  # noqa: PLC0415
+    from mixprec.validate.emulate import emulate_low_precision  # noqa: PLC0415
 
-        emulated = emulate_low_precision(onnx.load(str(path)))
-        candidate_path = path.with_name("emulated.onnx")
-        onnx.save(emulated, str(candidate_path))
-        result.runtime = "emulated"
-        result.notes.append("bfloat16 numerics measured on an emulated model (FP32 compute, bf16 rounding)")
+    # Numerics are measured on the emulated model (each 16-bit value computed in FP32 and
+    # rounded): onnxruntime's CPU provider has no bfloat16 kernels, and runs most float16 ops
+    # in FP32 internally, which would hide float16 overflow. A float16 model also runs for real.
+    real_session = None
+    if target is LowPrecision.FLOAT16:
+        try:
+            real_session = runner.make_session(path, graph_optimization="disable")
+        except ValidationError as e:
+            _blame_reference(reference, e, result)
+            return result
+    candidate_path = path.with_name("emulated.onnx")
+    onnx.save(emulate_low_precision(onnx.load(str(path))), str(candidate_path))
+    result.runtime = "emulated"
+    result.notes.append(
+        f"{target.value} numerics measured on an emulated model (FP32 compute, {target.short_name} rounding)"
+    )
     try:
         candidate = runner.make_session(candidate_path, graph_optimization="disable")
     except ValidationError as e:
@@ -416,6 +425,9 @@ def _validate(
             result.notes.append(f"the FP32 model fails to run: {e}")
             return result
         try:
+            if real_session is not None and result.batches == 0:
+                runner.run_session(real_session, feeds)
+                result.runtime = "ran and emulated"
             actual = runner.run_session(candidate, feeds)
         except ValidationError as e:
             raise ConversionError(f"the converted model fails to run in onnxruntime: {e}") from e

@@ -272,8 +272,12 @@ class _Analysis:
         self.data_free: dict[ir.Value, bool] = {}
         self.formal_owner: dict[ir.Value, ir.Node] = {}
         self.boundary_outputs: dict[ir.Value, str] = {}
+        self.owners: set[ir.Node] = set()  # nodes with subgraphs
         for node in self.order:
-            for sub in subgraphs_of(node):
+            subgraphs = subgraphs_of(node) if node.attributes else []
+            if subgraphs:
+                self.owners.add(node)
+            for sub in subgraphs:
                 for value in sub.inputs:
                     self.formal_owner[value] = node
                 for value in sub.outputs:
@@ -414,6 +418,11 @@ class _Analysis:
         return None
 
     def _record_bounds(self, node: ir.Node) -> None:
+        if all(
+            v is None or (is_fp32_tensor(v) and self.taint.get(v) is None and not is_constant(v))
+            for v in node.inputs
+        ):
+            return  # computed from activations only: unbounded floats, typed integers (lazily)
         bounds = self._output_bounds(node)
         for index, out in enumerate(node.outputs):
             if out is None:
@@ -519,7 +528,7 @@ class _Analysis:
     def _record_data_free(self, node: ir.Node) -> None:
         if node.op_type in ("Shape", "Size") and _is_std(node):
             free = True
-        elif subgraphs_of(node) or node.op_type in _NONDETERMINISTIC or not _is_std(node):
+        elif node in self.owners or node.op_type in _NONDETERMINISTIC or not _is_std(node):
             free = False
         else:
             free = all(self.is_data_free(v) for v in node.inputs if v is not None)
@@ -540,8 +549,8 @@ class _Analysis:
         if not outs:
             return
         result: _Taint | None = None
-        subgraphs = subgraphs_of(node)
-        if subgraphs:
+        if node in self.owners:
+            subgraphs = subgraphs_of(node)
             inner = [self.taint_of(v) for sub in subgraphs for v in _fp32_values(sub.outputs)]
             found = next((t for t in inner if t is not None), None)
             if found is not None:
@@ -606,7 +615,7 @@ class _Analysis:
                     for value in inputs:
                         self._mark(table, value, why)
             return
-        if _is_std(node) and op not in _EXACT_USES and not subgraphs_of(node):
+        if _is_std(node) and op not in _EXACT_USES and node not in self.owners:
             return
         for value in inputs:
             if value is not None and self.taint_of(value) is not None:
@@ -628,7 +637,7 @@ class _Analysis:
         forced: dict[ir.Node, tuple[Category, str]] = {}
         limit = f"integers exact only to {self.limit} in {self.target.value}"
         for node in self.order:
-            if subgraphs_of(node):
+            if node in self.owners:
                 continue
             outs = [(o, t) for o in _fp32_values(node.outputs) if (t := self.taint_of(o)) is not None]
             if not outs:

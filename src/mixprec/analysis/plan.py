@@ -525,9 +525,10 @@ class _Planner:
             # Data movement and elementwise ops pass large values on; tiny ones do not matter
             # once the node computes in FP32.
             carries_wide = op_class is OpClass.FOLLOW and any(st is State.WIDE for _, st in wide_inputs)
+            measured = any(v in self.wide_values for v, _ in wide_inputs)
             self._keep(
                 node,
-                Category.CONSTANT_RANGE,
+                Category.DATA_RANGE if measured else Category.CONSTANT_RANGE,
                 "; ".join(facts.pinned_evidence),
                 State.WIDE if carries_wide else State.HIGH,
             )
