@@ -14,9 +14,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import mixprec
 from mixprec.analysis.integer_semantics import integer_semantics
-from mixprec.analysis.plan import Category, Precision, plan_precision
+from mixprec.analysis.plan import Category, Precision
 from mixprec.analysis.typeinfo import infer_types
-from mixprec.api import build_policy
 from mixprec.dtypes import LowPrecision
 from mixprec.validate.emulate import emulate_low_precision
 
@@ -89,7 +88,14 @@ def _audio_model() -> onnx.ModelProto:
 
 
 _LENGTH_NODES = {
-    "cast_n", "sub_win", "div_hop", "floor_n", "add_one", "cast_len", "div_len", "floor_len",
+    "cast_n",
+    "sub_win",
+    "div_hop",
+    "floor_n",
+    "add_one",
+    "cast_len",
+    "div_len",
+    "floor_len",
 }
 
 
@@ -102,7 +108,9 @@ def _typed(model: onnx.ModelProto) -> ir.Model:
 def _session(model: onnx.ModelProto) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
 
 
 def _run_lengths(session: ort.InferenceSession) -> tuple[list[int], np.ndarray]:
@@ -284,12 +292,24 @@ def _transformer_like() -> onnx.ModelProto:
         helper.make_node("Cast", ["yfloor"], ["ybins"], name="big_cast", to=INT64),
     ]
     initializers = [
-        weight("wq", d, d), weight("wk", d, d), weight("wv", d, d), weight("w1", d, 4 * d),
-        weight("w2", 4 * d, d), numpy_helper.from_array(np.ones(d, np.float32), "g"),
-        numpy_helper.from_array(np.zeros(d, np.float32), "b"), _const("sqrt_d", 4.0),
-        _const("zero", 0.0), _const("neg", -10000.0), _const("sqrt2", 1.4142135),
-        _const("one", 1.0), _const("half", 0.5), _const("q255", 255.0), _const("big", 4096.0),
-        _const("s0", [0], INT64), _const("s2", [2], INT64), _const("dd", [d], INT64),
+        weight("wq", d, d),
+        weight("wk", d, d),
+        weight("wv", d, d),
+        weight("w1", d, 4 * d),
+        weight("w2", 4 * d, d),
+        numpy_helper.from_array(np.ones(d, np.float32), "g"),
+        numpy_helper.from_array(np.zeros(d, np.float32), "b"),
+        _const("sqrt_d", 4.0),
+        _const("zero", 0.0),
+        _const("neg", -10000.0),
+        _const("sqrt2", 1.4142135),
+        _const("one", 1.0),
+        _const("half", 0.5),
+        _const("q255", 255.0),
+        _const("big", 4096.0),
+        _const("s0", [0], INT64),
+        _const("s2", [2], INT64),
+        _const("dd", [d], INT64),
     ]
     inputs = [
         helper.make_tensor_value_info("x", FLOAT, ["B", "T", d]),
@@ -330,7 +350,9 @@ def test_positions_through_matmul_stay_fp32() -> None:
     ]
     inv_freq = (1.0 / 10000 ** (np.arange(0, 8, 2) / 8)).astype(np.float32).reshape(1, 4)
     initializers = [
-        _const("zero_i", 0, INT64), _const("one_i", 1, INT64), _const("ax1", [1], INT64),
+        _const("zero_i", 0, INT64),
+        _const("one_i", 1, INT64),
+        _const("ax1", [1], INT64),
         numpy_helper.from_array(inv_freq, "inv_freq"),
         numpy_helper.from_array(np.ones((8, 4), np.float32), "w"),
     ]
@@ -374,7 +396,9 @@ def test_scale_only_uses_convert() -> None:
         assert decisions["per_length"].precision is Precision.LOW
 
 
-@pytest.mark.parametrize(("dtype", "forced"), [(TensorProto.INT8, False), (TensorProto.INT16, True)])
+@pytest.mark.parametrize(
+    ("dtype", "forced"), [(TensorProto.INT8, False), (TensorProto.INT16, True)]
+)
 def test_integer_type_ranges_bound_casts(dtype: int, forced: bool) -> None:
     """int8 values (at most 128 in magnitude, 256 after doubling) are exact even in bfloat16."""
     nodes = [
@@ -413,7 +437,14 @@ def test_subgraph_arithmetic_on_outer_lengths() -> None:
         helper.make_node("Shape", ["audio"], ["shape"], name="shape"),
         helper.make_node("Gather", ["shape", "one_i"], ["n"], name="gather", axis=0),
         helper.make_node("Cast", ["n"], ["n_f"], name="cast_n", to=FLOAT),
-        helper.make_node("If", ["flag"], ["frames_f"], name="branch", then_branch=then_branch, else_branch=else_branch),
+        helper.make_node(
+            "If",
+            ["flag"],
+            ["frames_f"],
+            name="branch",
+            then_branch=then_branch,
+            else_branch=else_branch,
+        ),
         helper.make_node("Cast", ["frames_f"], ["frames"], name="cast_frames", to=INT64),
     ]
     model = _model(

@@ -159,6 +159,7 @@ def convert(
     external_data: bool | None = None,
     opset: int | None = None,
     progress: bool | None = False,
+    plan: str | os.PathLike | Mapping[str, object] | None = None,
 ) -> ConversionResult:
     """Convert an FP32 ONNX model to mixed precision.
 
@@ -191,6 +192,9 @@ def convert(
         progress: Show progress lines for long steps on stderr (None: when it is a terminal).
         opset: Upgrade the model to this default-domain opset first (with the ONNX version
             converter), e.g. 22 so that Conv and pooling admit bfloat16.
+        plan: A plan file (`mixprec.plan_file.save_plan`) or its dict: its `fp32` nodes are
+            kept FP32 ("set by plan"), its `low` nodes are left to the planner (a note lists
+            those it keeps FP32). A node name absent from the model is an `InputError`.
 
     Returns:
         The converted model, the plan and the report.
@@ -204,7 +208,7 @@ def convert(
             fp32_ops=fp32_ops, follow_ops=follow_ops, exclude_nodes=exclude_nodes,
             keep_io_types=keep_io_types, policy_file=policy_file, validate=validate, data=data,
             max_batches=max_batches, tolerance=tolerance, external_data=external_data,
-            opset=opset, progress=progress, calibrate=calibrate,
+            opset=opset, progress=progress, calibrate=calibrate, plan_source=plan,
         )
 
 
@@ -227,6 +231,7 @@ def _convert(
     opset: int | None,
     progress: bool | None,
     calibrate: bool = True,
+    plan_source: str | os.PathLike | Mapping[str, object] | None = None,
 ) -> ConversionResult:
     times: dict[str, float] = {}
     start = time.perf_counter()
@@ -286,6 +291,12 @@ def _convert(
             times["calibrate"] = time.perf_counter() - t
         t = time.perf_counter()
         forced = integer_semantics(ir_model, target)
+        requested = None
+        if plan_source is not None:
+            from mixprec.plan_file import load_plan  # noqa: PLC0415
+
+            requested = load_plan(plan_source)
+            forced = {**requested.forced_fp32(ir_model), **forced}
         plan = plan_precision(
             ir_model, policy, exclude_nodes=matcher, keep_io_types=keep_io_types, forced_fp32=forced,
             wide_values=wide_values,
@@ -293,6 +304,10 @@ def _convert(
         unused = matcher.unused()
         if unused:
             raise InputError(f"--exclude-node pattern {unused[0]!r} matches no node in the model")
+        if requested is not None:
+            for note in requested.notes(ir_model, plan):
+                logger.warning("%s", note)
+                notes.append(note)
         times["plan"] = time.perf_counter() - t
         t = time.perf_counter()
         stats = apply_plan(ir_model, plan)

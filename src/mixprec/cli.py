@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
                          help="fail (exit 3, nothing written) when an output differs more")
     convert.add_argument("--report", metavar="JSON", help="write the report as JSON")
     convert.add_argument("--json", action="store_true", help="print the JSON report on stdout")
+    convert.add_argument("--html", metavar="HTML",
+                         help="write the report as a self-contained HTML page (nodes by precision, "
+                              "errors, FP32 nodes with reasons)")
     convert.add_argument("--external-data", choices=["auto", "yes", "no"], default="auto",
                          help="store weights in OUTPUT.data (auto: above 1 GiB or if the input did)")
 
@@ -116,6 +119,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     report = result.report
     if args.report:
         _write_text(Path(args.report), report.to_json())
+    if args.html:
+        from mixprec.report_html import write_html_report  # noqa: PLC0415
+
+        write_html_report(report, args.html)
     if args.json:
         print(report.to_json())
     else:

@@ -277,7 +277,8 @@ def node_graph(plan: PrecisionPlan) -> NodeGraph:
                 preds.append(source)
         inputs.append(preds)
     return NodeGraph(
-        names, op_types, "".join(precision), category, reason, inputs, list(categories), list(reasons)
+        names, op_types, "".join(precision), category, reason, inputs,
+        categories=list(categories), reasons=list(reasons),
     )
 
 

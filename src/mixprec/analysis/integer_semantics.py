@@ -15,13 +15,16 @@ The rule, on FP32 values:
 * **Carriers**: arithmetic and data movement (Add, Sub, Mul, Div, Floor, Ceil, Round, Neg, Abs,
   Max, Min, Mod, Sum, Relu, Clip, Reshape, Concat, Gather, Slice, Squeeze, Unsqueeze, Identity,
   Expand, Tile, Transpose, Split, Where, Cast, and MatMul/Gemm that contract over a static
-  dimension of 1: outer products such as positions times inverse frequencies). The taint goes forward only when every FP32 input is
-  tainted or *data-free* (computed from constants and shapes only): an activation mixed with
-  an integer (``mask * x``, ``x / length``) is ordinary data and stops it.
-* **Integer sinks** (backward taint): the input of a Cast to an integer type, every input of
-  Range, Resize/Upsample scales, OneHot indices and depth, and the operands of comparisons
-  between integer values. Backward taint goes through carriers whose output is tainted forward,
-  so Floor/Ceil/Round on integer values feeding such a Cast are sinks too.
+  dimension of 1: outer products such as positions times inverse frequencies). The taint goes
+  forward only when every FP32 input is tainted or *data-free* (computed from constants and
+  shapes only): an activation mixed with an integer (``mask * x``, ``x / length``) is
+  ordinary data and stops it.
+* **Integer sinks** (backward taint): the input of a Cast to an integer type (which covers the
+  integer shape arguments of Reshape, Expand, Tile, ConstantOfShape, Slice, TopK, Resize
+  sizes ...), every input of Range, Resize/Upsample scales, OneHot indices and depth, and the
+  operands of comparisons between integer values. Backward taint goes through carriers whose
+  output is tainted forward, so Floor/Ceil/Round on integer values feeding such a Cast are
+  sinks too.
 * **Exact uses**: uses that need the absolute value of an integer tainted from a Cast even
   where it meets activations: Sin/Cos/Tan (positions), comparisons, Mod, model outputs, control
   flow and ops outside the standard domain. Backward through tainted carriers like sinks.
@@ -72,14 +75,16 @@ _MAX_CONSTANT_ELEMENTS = 4096
 _MAX_ELEMS = 64
 _INF = math.inf
 
-_ARITHMETIC = frozenset(
-    {"Add", "Sub", "Mul", "Div", "Floor", "Ceil", "Round", "Neg", "Abs", "Max", "Min", "Mod",
-     "Sum", "Relu", "Clip"}
-)
-_MOVEMENT = frozenset(
-    {"Reshape", "Concat", "Gather", "GatherElements", "GatherND", "Slice", "Squeeze", "Unsqueeze",
-     "Identity", "Flatten", "Expand", "Tile", "Transpose", "Split", "Where", "Cast"}
-)
+# fmt: off
+_ARITHMETIC = frozenset({
+    "Add", "Sub", "Mul", "Div", "Floor", "Ceil", "Round", "Neg", "Abs", "Max", "Min", "Mod", "Sum",
+    "Relu", "Clip",
+})
+_MOVEMENT = frozenset({
+    "Reshape", "Concat", "Gather", "GatherElements", "GatherND", "Slice", "Squeeze", "Unsqueeze",
+    "Identity", "Flatten", "Expand", "Tile", "Transpose", "Split", "Where", "Cast",
+})
+# fmt: on
 _CARRIERS = _ARITHMETIC | _MOVEMENT | {"MatMul", "Gemm"}  # products: outer products only
 # Integer-valued outputs of these ops inherit the origin of their inputs (for the evidence).
 _INT_CARRIERS = _CARRIERS | {"Range", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceSum", "CumSum"}
@@ -89,9 +94,10 @@ _COMPARISONS = frozenset({"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrE
 # rounding costs what rounding any 16-bit value costs.
 _EXACT_USES = frozenset({"Sin", "Cos", "Tan", "Mod"}) | _COMPARISONS
 # Ops whose outputs depend on more than their inputs.
-_NONDETERMINISTIC = frozenset(
-    {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
-)
+_NONDETERMINISTIC = frozenset({
+    "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+    "Bernoulli",
+})  # fmt: skip
 # Float inputs read as integers: op -> (input indices, description).
 _SINK_INPUTS: dict[str, tuple[tuple[int, ...], str]] = {
     "Range": ((0, 1, 2), "Range"),
@@ -139,7 +145,9 @@ def _clean(lo: float, hi: float) -> Interval:
 
 
 def _mul(a: Interval, b: Interval) -> Interval:
-    products = [0.0 if math.isnan(p) else p for p in (a[0] * b[0], a[0] * b[1], a[1] * b[0], a[1] * b[1])]
+    products = [
+        0.0 if math.isnan(p) else p for p in (a[0] * b[0], a[0] * b[1], a[1] * b[0], a[1] * b[1])
+    ]
     return (min(products), max(products))
 
 
@@ -198,15 +206,17 @@ def _from_elems(elems: Sequence[Interval], integral: bool) -> _Bound:
     return _Bound(lo, hi, integral, tuple(elems) if len(elems) <= _MAX_ELEMS else None)
 
 
+def _element(bound: _Bound, index: int) -> Interval:
+    elems = bound.elems or ()
+    return elems[0 if len(elems) == 1 else index]
+
+
 def _elementwise(fn: Callable[..., Interval], bounds: Sequence[_Bound], integral: bool) -> _Bound:
     """Apply an interval function elementwise (per element when every operand has elements)."""
     lengths = {len(b.elems) for b in bounds if b.elems is not None}
     if all(b.elems is not None for b in bounds) and len(lengths - {1}) <= 1:
         count = max(lengths)
-        elems = [
-            _clean(*fn(*[b.elems[0 if len(b.elems) == 1 else i] for b in bounds]))  # type: ignore[index]
-            for i in range(count)
-        ]
+        elems = [_clean(*fn(*[_element(b, i) for b in bounds])) for i in range(count)]
         return _from_elems(elems, integral)
     lo, hi = _clean(*fn(*[(b.lo, b.hi) for b in bounds]))
     return _Bound(lo, hi, integral)
@@ -281,7 +291,9 @@ class _Analysis:
                 for value in sub.inputs:
                     self.formal_owner[value] = node
                 for value in sub.outputs:
-                    self.boundary_outputs.setdefault(value, f"an output of a {node.op_type} subgraph")
+                    self.boundary_outputs.setdefault(
+                        value, f"an output of a {node.op_type} subgraph"
+                    )
         for function in model.functions.values():
             for value in function.outputs:
                 self.boundary_outputs.setdefault(value, f"an output of function {function.name!r}")
@@ -384,8 +396,13 @@ class _Analysis:
             if all(b.elems is not None for b in operands):
                 elems = [e for b in operands for e in b.elems]  # type: ignore[union-attr]
                 return [_from_elems(elems, all(b.integral for b in operands))]
-            return [_elementwise(lambda *xs: (min(x[0] for x in xs), max(x[1] for x in xs)),
-                                 [b.whole() for b in operands], all(b.integral for b in operands))]
+            return [
+                _elementwise(
+                    lambda *xs: (min(x[0] for x in xs), max(x[1] for x in xs)),
+                    [b.whole() for b in operands],
+                    all(b.integral for b in operands),
+                )
+            ]
         if op == "Cast":
             to = _attr_int(node, "to", None)
             if to == ir.DataType.BOOL:
@@ -418,11 +435,16 @@ class _Analysis:
         return None
 
     def _record_bounds(self, node: ir.Node) -> None:
-        if all(
-            v is None or (is_fp32_tensor(v) and self.taint.get(v) is None and not is_constant(v))
+        if node.op_type not in ("Shape", "Size") and not any(
+            v is not None
+            and (
+                self.taint.get(v) is not None
+                or _is_integer_type(v.dtype)
+                or v.dtype == ir.DataType.BOOL
+            )
             for v in node.inputs
         ):
-            return  # computed from activations only: unbounded floats, typed integers (lazily)
+            return  # no integer chain: unbounded floats, typed integers (both read lazily)
         bounds = self._output_bounds(node)
         for index, out in enumerate(node.outputs):
             if out is None:
@@ -441,7 +463,8 @@ class _Analysis:
                 elems = None
                 if bound.elems is not None:
                     elems = tuple(
-                        (max(_floor(lo), limits.lo), min(_ceil(hi), limits.hi)) for lo, hi in bound.elems
+                        (max(_floor(lo), limits.lo), min(_ceil(hi), limits.hi))
+                        for lo, hi in bound.elems
                     )
                 if elems is not None and any(lo > hi for lo, hi in elems):
                     elems = None
@@ -474,8 +497,14 @@ class _Analysis:
                 result = _Taint(found.origin, any(t is not None and t.from_cast for t in outer))
         elif is_fp32_tensor(value) and is_constant(value):
             bound = self.bound(value)
-            if self.constant_array(value) is not None and bound.integral and bound.magnitude > self.limit:
-                result = _Taint(f"integer constant {value.name!r} (up to {bound.magnitude:g})", False)
+            if (
+                self.constant_array(value) is not None
+                and bound.integral
+                and bound.magnitude > self.limit
+            ):
+                result = _Taint(
+                    f"integer constant {value.name!r} (up to {bound.magnitude:g})", False
+                )
         self.taint[value] = result
         return result
 
@@ -541,8 +570,10 @@ class _Analysis:
         if node.op_type in ("MatMul", "Gemm") and not _is_outer_product(node):
             return False
         values = _fp32_values(node.inputs)
-        taints = [self.taint_of(v) for v in values]
-        return any(taints) and all(t is not None or self.is_data_free(v) for t, v in zip(taints, values))
+        # Activations first: constants are read only when every other input qualifies.
+        if any(not self.is_data_free(v) and self.taint_of(v) is None for v in values):
+            return False
+        return any(self.taint_of(v) is not None for v in values)
 
     def _record_taint(self, node: ir.Node) -> None:
         outs = _fp32_values(node.outputs)
@@ -639,24 +670,28 @@ class _Analysis:
         for node in self.order:
             if node in self.owners:
                 continue
-            outs = [(o, t) for o in _fp32_values(node.outputs) if (t := self.taint_of(o)) is not None]
+            outs = [
+                (o, t) for o in _fp32_values(node.outputs) if (t := self.taint_of(o)) is not None
+            ]
             if not outs:
                 continue
             sink = next((self.sink[o] for o, _ in outs if o in self.sink), None)
-            use = next((self.exact_use[o] for o, t in outs if t.from_cast and o in self.exact_use), None)
+            use = next(
+                (self.exact_use[o] for o, t in outs if t.from_cast and o in self.exact_use), None
+            )
             if sink is None and use is None:
                 continue
-            touched = [o for o, _ in outs] + [v for v in _fp32_values(node.inputs) if self.taint_of(v)]
+            touched = [o for o, _ in outs] + [
+                v for v in _fp32_values(node.inputs) if self.taint_of(v)
+            ]
             if all(self.exact(v) for v in touched):
                 continue
             origin = outs[0][1].origin
             if sink is not None:
-                forced[node] = (Category.INTEGER, f"computes integers from {origin} for {sink} ({limit})")
+                why = f"computes integers from {origin} for {sink} ({limit})"
             else:
-                forced[node] = (
-                    Category.INTEGER,
-                    f"carries integers from {origin} into {use}, not provably within {self.limit} ({limit})",
-                )
+                why = f"carries integers from {origin} into {use}, not provably exact ({limit})"
+            forced[node] = (Category.INTEGER, why)
         return forced
 
 

@@ -72,6 +72,7 @@ class Category(str, enum.Enum):
     DATA_RANGE = "range measured on data"
     INTEGER = "integer semantics"
     NO_FLOAT = "no FP32 compute"
+    PLAN = "set by plan"
 
 
 @dataclass(frozen=True)
