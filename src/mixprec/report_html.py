@@ -159,7 +159,7 @@ vertical-align:top}
 table.data th{background:#eef1f4;position:sticky;top:0}
 table.sortable th{cursor:pointer;user-select:none}
 table.sortable th:after{content:" \\2195";color:#9aa3ad;font-size:11px}
-table .n{text-align:right;font-variant-numeric:tabular-nums}
+table.data .n,.card .n{text-align:right;font-variant-numeric:tabular-nums}
 tr.bad td{background:#fdecea}
 .scroll{overflow:auto;max-height:78vh;border:1px solid #e5e8ec;border-radius:4px;background:#fff}
 .scroll>svg{display:block;margin:0 auto}
@@ -325,7 +325,7 @@ def _tooltip(graph: NodeGraph, i: int, page: _Page) -> str:
     )
 
 
-def layer_of(graph: NodeGraph) -> list[int]:
+def _layer_of(graph: NodeGraph) -> list[int]:
     """Longest-path layer of every node (0 for nodes fed only by graph inputs and constants)."""
     layers = [0] * len(graph)
     for i, preds in enumerate(graph.inputs):
@@ -340,6 +340,9 @@ def layer_of(graph: NodeGraph) -> list[int]:
 def _graph_section(report: Report, page: _Page) -> str:
     graph = page.graph
     out = ['<section id="graph"><h2>Graph: nodes by precision</h2>']
+    if graph is None and report.graph is not None:
+        out.append("<p class=\"note\">The model has no nodes.</p></section>")
+        return "".join(out)
     if graph is None:
         out.append(
             '<p class="note">This report has no per-node listing (reports made by '
@@ -349,7 +352,7 @@ def _graph_section(report: Report, page: _Page) -> str:
     n = len(graph)
     full = n <= FULL_GRAPH_MAX_NODES
     out.append(_legend(page, boundary=full))
-    layers = layer_of(graph)
+    layers = _layer_of(graph)
     if full:
         out.append(
             f'<p class="note">{n} nodes in {max(layers) + 1} layers (longest path from the inputs), '
