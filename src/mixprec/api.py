@@ -291,16 +291,21 @@ def _convert(
             times["calibrate"] = time.perf_counter() - t
         t = time.perf_counter()
         forced = integer_semantics(ir_model, target)
+
+        def make_plan(extra: Mapping[ir.Node, tuple] = {}) -> PrecisionPlan:  # noqa: B006
+            return plan_precision(
+                ir_model, policy, exclude_nodes=matcher, keep_io_types=keep_io_types,
+                forced_fp32={**extra, **forced}, wide_values=wide_values,
+            )
+
         requested = None
         if plan_source is not None:
             from mixprec.plan_file import load_plan  # noqa: PLC0415
 
             requested = load_plan(plan_source)
-            forced = {**requested.forced_fp32(ir_model), **forced}
-        plan = plan_precision(
-            ir_model, policy, exclude_nodes=matcher, keep_io_types=keep_io_types, forced_fp32=forced,
-            wide_values=wide_values,
-        )
+            plan = requested.apply(ir_model, make_plan)
+        else:
+            plan = make_plan()
         unused = matcher.unused()
         if unused:
             raise InputError(f"--exclude-node pattern {unused[0]!r} matches no node in the model")

@@ -1,7 +1,8 @@
-"""Command line: `mixprec convert | inspect | policy | demo`.
+"""Command line: `mixprec convert | tune | inspect | policy | demo`.
 
 Exit codes: 0 success; 2 bad arguments or input; 3 the converted model failed validation
-(nothing written); 4 the model file cannot be read.
+(nothing written), or `tune` could not meet the tolerance (model not written, plan written);
+4 the model file cannot be read.
 """
 
 from __future__ import annotations
@@ -80,6 +81,33 @@ def _parser() -> argparse.ArgumentParser:
                               "errors, FP32 nodes with reasons)")
     convert.add_argument("--external-data", choices=["auto", "yes", "no"], default="auto",
                          help="store weights in OUTPUT.data (auto: above 1 GiB or if the input did)")
+    convert.add_argument("--plan", metavar="JSON",
+                         help="apply a plan file (e.g. an edited --plan-out): its fp32 nodes stay FP32")
+    convert.add_argument("--plan-out", metavar="JSON", help="write the plan used as a JSON plan file")
+
+    tune = sub.add_parser("tune", help="keep the fewest nodes FP32 that meet an accuracy target")
+    tune.add_argument("input", help="FP32 .onnx model")
+    tune.add_argument("output", help="where to write the converted model (only if the target is met)")
+    tune.add_argument("--data", metavar="PATH", action="append", required=True,
+                      help="input batches (.npz, a folder of .npz, or test_data_set_N; repeatable)")
+    tune.add_argument("--to", default="fp16", help="fp16 (float16) or bf16 (bfloat16); default fp16")
+    target = tune.add_mutually_exclusive_group(required=True)
+    target.add_argument("--tolerance", type=_tolerance, metavar="ATOL[,RTOL]",
+                        help="every output within allclose(atol, rtol) of the FP32 model")
+    target.add_argument("--min-cosine", type=float, metavar="C",
+                        help="cosine similarity of every output with the FP32 model at least C")
+    target.add_argument("--topk-agreement", type=float, metavar="F",
+                        help="top-1 index (last axis) agrees with the FP32 model on at least F of samples")
+    tune.add_argument("--max-batches", type=int, default=4, metavar="N", help="use at most N batches (default 4)")
+    tune.add_argument("--exclude-node", action="append", default=[], metavar="NAME_OR_REGEX",
+                      help="keep these nodes FP32 from the start; repeatable")
+    tune.add_argument("--fp32-op", action="append", default=[], metavar="OP",
+                      help="keep this op type in FP32; repeatable")
+    tune.add_argument("--opset", type=int, metavar="N", help="upgrade the model to opset N first")
+    tune.add_argument("--io-16bit", action="store_true", help="make the model's FP32 inputs and outputs 16-bit too")
+    tune.add_argument("--plan", metavar="JSON", help="start from this plan file")
+    tune.add_argument("--plan-out", metavar="JSON", help="write the plan found (also when the target is not met)")
+    tune.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
 
     inspect = sub.add_parser("inspect", help="show what runs in which precision")
     inspect.add_argument("model")
@@ -115,8 +143,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         external_data=external,
         opset=args.opset,
         progress=None,
+        plan=args.plan,
     )
     report = result.report
+    if args.plan_out:
+        from mixprec.plan_file import save_plan  # noqa: PLC0415
+
+        save_plan(result.plan, args.plan_out)
     if args.report:
         _write_text(Path(args.report), report.to_json())
     if args.html:
@@ -127,6 +160,47 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         print(report.to_json())
     else:
         print(report.format_text())
+    return EXIT_OK
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from mixprec.tune import Tolerance, tune  # noqa: PLC0415
+
+    if args.tolerance is not None:
+        tolerance = Tolerance(atol=args.tolerance[0], rtol=args.tolerance[1])
+    elif args.min_cosine is not None:
+        tolerance = Tolerance(min_cosine=args.min_cosine)
+    else:
+        tolerance = Tolerance(topk_agreement=args.topk_agreement)
+    kwargs = {"exclude_nodes": args.exclude_node, "fp32_ops": args.fp32_op, "keep_io_types": not args.io_16bit}
+    if args.opset is not None:
+        kwargs["opset"] = args.opset
+    if args.plan:
+        kwargs["plan"] = args.plan
+    result = tune(
+        args.input,
+        args.data if len(args.data) > 1 else args.data[0],
+        target_dtype=args.to,
+        tolerance=tolerance,
+        max_batches=args.max_batches,
+        progress=sys.stderr.isatty() or args.verbose,
+        output=args.output,
+        **kwargs,
+    )
+    if args.plan_out:
+        result.save_plan(args.plan_out)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2, default=str))
+    else:
+        print(result.format_text())
+    if not result.met:
+        print(
+            f"mixprec: error: tolerance not met even with all {result.candidates} candidate node(s) "
+            f"FP32 ({result.evaluations} evaluation(s)); {args.output} not written"
+            + (f", plan written to {args.plan_out}" if args.plan_out else ""),
+            file=sys.stderr,
+        )
+        return EXIT_VALIDATION
     return EXIT_OK
 
 
@@ -202,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "inspect": _cmd_inspect,
         "policy": _cmd_policy,
         "demo": _cmd_demo,
+        "tune": _cmd_tune,
     }
     try:
         return commands[args.command](args)

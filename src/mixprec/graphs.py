@@ -1,40 +1,57 @@
-"""Traversal of a model's graphs: the main graph, subgraphs of control-flow nodes."""
+"""Traversal of a model's graphs: the main graph, subgraphs of control-flow nodes, functions."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import onnx_ir as ir
 
-_GRAPH_ATTRS = (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+_GRAPH = ir.AttributeType.GRAPH
+_GRAPHS = ir.AttributeType.GRAPHS
 
 
 def subgraphs_of(node: ir.Node) -> list[ir.Graph]:
     """The graph attributes of a node."""
     graphs: list[ir.Graph] = []
     for attr in node.attributes.values():
-        if attr.type == ir.AttributeType.GRAPH:
+        kind = attr.type
+        if kind is _GRAPH:
             graphs.append(attr.as_graph())
-        elif attr.type == ir.AttributeType.GRAPHS:
+        elif kind is _GRAPHS:
             graphs.extend(attr.as_graphs())
     return graphs
 
 
-def walk_nodes(graph: ir.Graph | ir.Function) -> Iterator[ir.Node]:
+def _has_subgraphs(node: ir.Node) -> bool:
+    for attr in node.attributes.values():
+        kind = attr.type
+        if kind is _GRAPH or kind is _GRAPHS:
+            return True
+    return False
+
+
+def walk_nodes(graph: ir.Graph | ir.Function) -> list[ir.Node]:
     """Nodes of `graph` and its subgraphs; a subgraph's nodes come before the node owning it."""
+    nodes: list[ir.Node] = []
+    _collect(graph, nodes)
+    return nodes
+
+
+def _collect(graph: ir.Graph | ir.Function, nodes: list[ir.Node]) -> None:
     for node in graph:
-        if node.attributes and any(a.type in _GRAPH_ATTRS for a in node.attributes.values()):
+        if node.attributes and _has_subgraphs(node):
             for sub in subgraphs_of(node):
-                yield from walk_nodes(sub)
-        yield node
+                _collect(sub, nodes)
+        nodes.append(node)
 
 
 def all_graphs(model: ir.Model) -> list[ir.Graph]:
     """The main graph followed by every subgraph, at any depth."""
     graphs = [model.graph]
-    for node in walk_nodes(model.graph):
-        if node.attributes and any(a.type in _GRAPH_ATTRS for a in node.attributes.values()):
-            graphs.extend(subgraphs_of(node))
+    index = 0
+    while index < len(graphs):
+        for node in graphs[index]:
+            if node.attributes and _has_subgraphs(node):
+                graphs.extend(subgraphs_of(node))
+        index += 1
     return graphs
 
 
@@ -47,16 +64,6 @@ def all_nodes(model: ir.Model) -> list[ir.Node]:
     """Every node: function bodies first, then the main graph (subgraphs before their owner)."""
     nodes: list[ir.Node] = []
     for graph in function_graphs(model):
-        nodes.extend(walk_nodes(graph))
-    nodes.extend(walk_nodes(model.graph))
+        _collect(graph, nodes)
+    _collect(model.graph, nodes)
     return nodes
-
-
-def all_graphs_with_functions(model: ir.Model) -> list[ir.Graph]:
-    """Every graph, function bodies and their subgraphs included."""
-    graphs = all_graphs(model)
-    for body in function_graphs(model):
-        graphs.append(body)
-        for node in walk_nodes(body):
-            graphs.extend(subgraphs_of(node))
-    return graphs

@@ -102,6 +102,8 @@ def graph_only_proto(path: str | os.PathLike, max_inline_bytes: int = 1024) -> o
     session that proves the graph loads, at a fraction of the memory of the weights.
     """
     proto = onnx.load(str(path), load_external_data=False)
+    # Before IR 4 an initializer is typed only through a graph input of the same name.
+    proto.ir_version = max(proto.ir_version, 4)
     graph = proto.graph
     inputs = {i.name for i in graph.input}
     kept = []

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -194,9 +194,49 @@ class PlanFile:
         return resolved
 
     def forced_fp32(self, model: ir.Model) -> dict[ir.Node, tuple[Category, str]]:
-        """The nodes the plan keeps FP32, as the planner's `forced_fp32` argument."""
+        """Every node the plan marks `fp32`, as the planner's `forced_fp32` argument."""
         resolved = self.resolve(model)
         return {resolved[name]: (Category.PLAN, PLAN_REASON) for name in self.names(Precision.FP32)}
+
+    def apply(
+        self,
+        model: ir.Model,
+        make_plan: Callable[[Mapping[ir.Node, tuple[Category, str]]], PrecisionPlan],
+    ) -> PrecisionPlan:
+        """Plan `model` with the plan's `fp32` nodes kept FP32.
+
+        Only nodes the planner would not keep FP32 by itself are forced, so a node FP32 by
+        policy keeps its own reason and a saved plan applies to the same plan (the round trip is
+        stable). Entries recorded as following their neighbours ("follows inputs", "decided by
+        consumers") are forced only if they still compute in 16 bits once the others are.
+
+        Args:
+            model: The model (typed, as the planner needs it).
+            make_plan: Runs the planner with extra forced nodes.
+
+        Returns:
+            The plan.
+
+        Raises:
+            InputError: An entry names no node of the model.
+        """
+        resolved = self.resolve(model)
+        wanted = [resolved[name] for name in self.names(Precision.FP32)]
+        plan = make_plan({})
+        if not wanted:
+            return plan
+        following = {Category.FOLLOW.value, Category.CONSUMERS.value}
+        forced: dict[ir.Node, tuple[Category, str]] = {}
+        for name, node in zip(self.names(Precision.FP32), wanted):
+            if plan.decisions[node].precision is Precision.LOW and self.nodes[name].category not in following:
+                forced[node] = (Category.PLAN, PLAN_REASON)
+        if forced:
+            plan = make_plan(forced)
+        more = [node for node in wanted if plan.decisions[node].precision is Precision.LOW]
+        if more:
+            forced.update((node, (Category.PLAN, PLAN_REASON)) for node in more)
+            plan = make_plan(forced)
+        return plan
 
     def notes(self, model: ir.Model, plan: PrecisionPlan) -> list[str]:
         """Warnings about a plan made from this file: settings that differ, `low` nodes kept FP32."""
