@@ -6,7 +6,9 @@ import copy
 import json
 
 import onnx
+import onnx_ir as ir
 import pytest
+from helpers import node_sigs
 from onnx import TensorProto
 from onnx import helper as oh
 
@@ -15,8 +17,6 @@ from mixprec.analysis.plan import Category, Precision
 from mixprec.cli import main
 from mixprec.demo_models import small_cnn
 from mixprec.plan_file import PLAN_REASON, dumps_plan, load_plan, plan_to_dict, save_plan
-
-from helpers import node_sigs
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +56,8 @@ def test_save_edit_reapply_keeps_the_node_fp32(cnn, tmp_path):
     assert decision.precision is Precision.FP32
     assert decision.category is Category.PLAN and decision.reason == PLAN_REASON == "set by plan"
     assert _decision(edited, "block1/Conv").precision is Precision.LOW
-    # The Conv really computes in FP32 in the converted model.
-    sigs = {sig.op_type + str(i): sig for i, sig in enumerate(node_sigs(onnx_ir_to_proto(edited)))}
-    convs = [s for s in sigs.values() if s.op_type == "Conv"]
+    # The Conv really computes in FP32 in the converted model (the other one in float16).
+    convs = [sig for sig in node_sigs(ir.to_proto(edited.model)) if sig.op_type == "Conv"]
     assert sorted(c.inputs[0] for c in convs) == ["float", "float16"]
     # Its neighbours that were `low` only by following it are reported, not silently dropped.
     assert any("follow FP32 neighbours" in note and "block2/Relu" in note for note in edited.report.notes)
@@ -76,12 +75,6 @@ def test_save_edit_reapply_keeps_the_node_fp32(cnn, tmp_path):
     data["nodes"]["block1/Relu"]["precision"] = "fp32"
     decision = _decision(_convert(cnn, plan=data), "block1/Relu")
     assert decision.precision is Precision.FP32 and decision.category is Category.PLAN
-
-
-def onnx_ir_to_proto(result) -> onnx.ModelProto:  # type: ignore[no-untyped-def]
-    import onnx_ir as ir  # noqa: PLC0415
-
-    return ir.to_proto(result.model)
 
 
 def test_round_trip_is_stable(cnn, tmp_path):

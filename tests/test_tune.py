@@ -341,3 +341,23 @@ def test_cli(cnn, tmp_path, capsys):
                  "--io-16bit", "--plan-out", str(plan2)])
     assert code == 3 and not never.exists() and plan2.is_file()
     assert "not written" in capsys.readouterr().err
+
+
+def test_probe_failure_falls_back_to_graph_order(cnn, monkeypatch):
+    import mixprec.tune as tune_module  # noqa: PLC0415
+
+    def fail(self):  # type: ignore[no-untyped-def]
+        raise RuntimeError("no probe today")
+
+    monkeypatch.setattr(tune_module._ProbeBuilder, "build", fail)
+    path, data = cnn
+    result = tune(path, data, tolerance=Tolerance(atol=1e-2))
+    assert result.met and any("probe failed (no probe today)" in note for note in result.notes)
+    assert all(math.isnan(error) for _, _, error in result.contributions)
+    assert result.contributions[0][0] == "normalize/Sub"  # graph order
+    assert result.evaluations <= 2 + math.ceil(math.log2(result.candidates))
+
+
+def test_model_proto_and_generated_data():
+    result = tune(offset_cnn(), None, target_dtype="bf16", tolerance=Tolerance(min_cosine=0.99))
+    assert result.met and any("generated batch" in note for note in result.notes)

@@ -16,8 +16,10 @@ from mixprec.errors import (
 )
 from mixprec.io import load_model, save_model
 from mixprec.passes.rewrite import apply_plan
+from mixprec.plan_file import load_plan, save_plan
 from mixprec.policy.table import OpClass, Policy, load_policy
 from mixprec.report import Report
+from mixprec.tune import Tolerance, TuneResult  # the search itself: mixprec.tune.tune
 
 __version__ = "0.1.0"
 
@@ -35,6 +37,8 @@ __all__ = [
     "Precision",
     "PrecisionPlan",
     "Report",
+    "Tolerance",
+    "TuneResult",
     "ValidationError",
     "__version__",
     "apply_plan",
@@ -42,7 +46,9 @@ __all__ = [
     "convert",
     "infer_types",
     "load_model",
+    "load_plan",
     "load_policy",
     "plan_precision",
     "save_model",
+    "save_plan",
 ]

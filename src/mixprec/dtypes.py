@@ -113,3 +113,14 @@ def is_fp32_tensor(value: ir.Value | None) -> bool:
         return False
     value_type = value.type
     return isinstance(value_type, ir.TensorType) and value_type.dtype == _FLOAT
+
+
+def is_float_dtype(dtype: np.dtype) -> bool:
+    """Whether a NumPy dtype is a floating-point type (ml_dtypes' bfloat16 and float8 included)."""
+    if np.issubdtype(dtype, np.floating):
+        return True
+    try:
+        ml_dtypes.finfo(dtype)
+    except (ValueError, TypeError):
+        return False
+    return True

@@ -54,7 +54,7 @@ import onnx_ir as ir
 
 from mixprec.analysis.plan import Category, Precision, PrecisionPlan
 from mixprec.dtypes import LowPrecision, parse_low_precision
-from mixprec.errors import InputError, MixprecError, ValidationError
+from mixprec.errors import InputError, MixprecError
 from mixprec.graphs import all_nodes, subgraphs_of
 from mixprec.plan_file import PlanFile, fp32_plan, load_plan, node_names, plan_to_dict, save_plan
 
@@ -251,8 +251,11 @@ class TuneResult:
         verdict = "met" if self.met else "NOT met"
         tol = self.tolerance.describe() if self.tolerance else "metric"
         lines = [
-            f"tolerance ({tol}) {verdict} with {len(self.fp32_nodes)} of {self.candidates} candidate "
-            f"node(s) kept FP32; {self.evaluations} evaluation(s) (bound {self.max_evaluations})",
+            (
+                f"tolerance ({tol}) {verdict} with {len(self.fp32_nodes)} of {self.candidates} "
+                f"candidate node(s) kept FP32; {self.evaluations} evaluation(s) "
+                f"(bound {self.max_evaluations})"
+            ),
             f"FP32 share: {_pct(self.fp32_share_nodes)} of nodes"
             + (f", {_pct(self.fp32_share_flops)} of FLOPs" if self.fp32_share_flops is not None else "")
             + f" (default plan: {_pct(self.default_fp32_share_nodes)}"
@@ -476,21 +479,16 @@ class _Search:
         )
 
     def _evaluate(self, conversion: Any) -> _Outcome:
-        from mixprec.validate import compare, runner  # noqa: PLC0415
-        from mixprec.validate.emulate import emulate_low_precision_file  # noqa: PLC0415
-
-        path = conversion.output_path
+        """Run a converted model (emulated unless told otherwise) and compare with the reference."""
         try:
-            if self.emulate:
-                emulated = path.with_name(path.stem + ".emulated.onnx")
-                emulate_low_precision_file(path, emulated)
-                path = emulated
-            session = runner.make_session(path, graph_optimization="disable")
-            candidate = [runner.run_session(session, feeds) for feeds in self.batches]
-            del session
+            candidate = self._run_candidate(conversion.output_path)
         except MixprecError as e:
-            note = f"converted model failed to run: {e}"
-            return _Outcome(False, (), conversion, note)
+            return _Outcome(False, (), conversion, f"converted model failed to run: {e}")
+        finally:
+            for leftover in self.workdir.glob(f"{conversion.output_path.stem}.*"):
+                leftover.unlink(missing_ok=True)
+        from mixprec.validate import compare  # noqa: PLC0415
+
         merged = None
         for ref, cand in zip(self.reference, candidate):
             comparison = compare.compare_outputs(ref, cand)
@@ -499,20 +497,27 @@ class _Search:
         checked = set(self.tolerance.outputs) if self.tolerance and self.tolerance.outputs else None
         metrics = []
         for c in merged or []:
-            is_checked = checked is None or c.name in checked
-            passed = _passes(self.tolerance, c, agreement.get(c.name))
             metrics.append(
                 OutputMetrics(
                     c.name, float(c.max_abs_error), float(c.max_rel_error), float(c.cosine),
-                    agreement.get(c.name), int(c.new_nonfinite), passed, is_checked,
+                    agreement.get(c.name), int(c.new_nonfinite),
+                    passed=_passes(self.tolerance, c, agreement.get(c.name)),
+                    checked=checked is None or c.name in checked,
                 )
             )
         met = all(m.passed for m in metrics if m.checked)
         if met and self.metric is not None:
             met = bool(self.metric(self.reference, candidate))
-        for leftover in self.workdir.glob(f"{conversion.output_path.stem}.*"):
-            leftover.unlink(missing_ok=True)
         return _Outcome(met, tuple(metrics), conversion)
+
+    def _run_candidate(self, path: Path) -> list[dict[str, np.ndarray]]:
+        from mixprec.validate import runner  # noqa: PLC0415
+        from mixprec.validate.emulate import emulate_low_precision_file  # noqa: PLC0415
+
+        if self.emulate:
+            path = emulate_low_precision_file(path, path.with_name(path.stem + ".emulated.onnx"))
+        session = runner.make_session(path, graph_optimization="disable")
+        return [runner.run_session(session, feeds) for feeds in self.batches]
 
     def _step(self, model_path: Path, ranked: Sequence[_Candidate], k: int, bound: int,
               conversion: Any = None) -> _Outcome:
@@ -543,11 +548,13 @@ class _Search:
         candidates = _candidates(default.plan)
         self.say(f"{len(candidates)} candidate node(s); probe run over {len(self.batches)} batch(es)")
         errors, flops = self._probe(model_path, candidates)
+        # Largest own error first; among equal errors the cheaper node (fewer FLOPs) is kept
+        # FP32 first; unprobed nodes last, in graph order.
         ranked = sorted(
             candidates,
             key=lambda c: (
                 _rank_error(errors.get(c.name)),
-                flops.get(c.name) or 0.0,
+                (flops.get(c.name) or 0.0) if c.name in errors else 0.0,
                 c.index,
             ),
         )
@@ -1043,5 +1050,5 @@ def _value_names(model: ir.Model) -> set[str]:
     return names
 
 
-__all__ = ["OutputMetrics", "Tolerance", "TuneResult", "Evaluation", "tune"]
+__all__ = ["Evaluation", "OutputMetrics", "Tolerance", "TuneResult", "tune"]
 

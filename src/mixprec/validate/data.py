@@ -25,6 +25,7 @@ import onnx
 import onnx_ir as ir
 from onnx import numpy_helper
 
+from mixprec.dtypes import is_float_dtype
 from mixprec.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -232,19 +233,9 @@ def _random_array(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Genera
     if dtype == np.dtype(object):  # ONNX STRING
         digits = rng.integers(0, _INT_HIGH, size=shape)
         return digits.astype(str).astype(object)
-    if _is_float(dtype):
+    if is_float_dtype(dtype):
         return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
     raise InputError(f"cannot generate data for input {spec.name!r}: unsupported dtype {dtype}")
-
-
-def _is_float(dtype: np.dtype) -> bool:
-    if np.issubdtype(dtype, np.floating):
-        return True
-    try:
-        ml_dtypes.finfo(dtype)
-    except (ValueError, TypeError):
-        return False
-    return True
 
 
 def _is_ml_int(dtype: np.dtype) -> bool:

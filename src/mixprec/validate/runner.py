@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from mixprec.dtypes import is_float_dtype
 from mixprec.errors import InputError, ModelLoadError, ValidationError
 
 logger = logging.getLogger(__name__)
@@ -149,14 +150,10 @@ def run_session(
 
 def _conform_feed(name: str, array: np.ndarray, ort_type: str) -> np.ndarray:
     target = _FLOAT_TYPES.get(ort_type)
-    if target is not None and array.dtype != target and _is_float_dtype(array.dtype):
+    if target is not None and array.dtype != target and is_float_dtype(array.dtype):
         logger.debug("casting feed %r from %s to %s", name, array.dtype, target)
         return array.astype(target)
     return array
-
-
-def _is_float_dtype(dtype: np.dtype) -> bool:
-    return dtype in _FLOAT_TYPES.values() or np.issubdtype(dtype, np.floating)
 
 
 def _run_with_ort_values(
