@@ -292,10 +292,11 @@ def _convert(
         t = time.perf_counter()
         forced = integer_semantics(ir_model, target)
 
-        def make_plan(extra: Mapping[ir.Node, tuple] = {}) -> PrecisionPlan:  # noqa: B006
+        def make_plan(extra: Mapping[ir.Node, tuple] | None = None) -> PrecisionPlan:
+            # Analyses' reasons (integer semantics) win over a plan's.
             return plan_precision(
                 ir_model, policy, exclude_nodes=matcher, keep_io_types=keep_io_types,
-                forced_fp32={**extra, **forced}, wide_values=wide_values,
+                forced_fp32={**(extra or {}), **forced}, wide_values=wide_values,
             )
 
         requested = None

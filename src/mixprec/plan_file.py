@@ -20,7 +20,8 @@ with subgraph nodes before their owner; see :func:`mixprec.graphs.all_nodes`). T
 the model file, so generated keys are the same on every run over the same model.
 
 Applying a plan (``convert(..., plan=...)``): nodes marked ``fp32`` are kept FP32 (category
-"set by plan"); nodes marked ``low`` are left to the planner, which converts them when the op
+"set by plan", unless the planner keeps them FP32 anyway: they keep their own reason, so a saved
+plan applies to itself); nodes marked ``low`` are left to the planner, which converts them when the op
 policy, the schema and value ranges allow (any it keeps FP32 is reported in a note); ``none``
 entries and model nodes missing from the plan are left to the planner. An entry naming no node
 of the model is an error.

@@ -20,7 +20,10 @@
    graph order). Keeping the top-k candidates FP32 is one full conversion (through the plan
    mechanism) plus one full evaluation on the data. k=0 (the default plan) is evaluated first,
    then k=n (every candidate FP32) as the feasibility check, then bisection finds the smallest
-   k that passes: at most ``2 + ceil(log2 n)`` evaluations, deterministic.
+   passing k: at most ``2 + ceil(log2 n)`` evaluations. When a few candidates stand out (own
+   error above 10 times the median: ordinary rounding gives every node about the same), the
+   first split is at their count instead of the middle: usually the answer, proved in one or
+   two more evaluations, at worst one evaluation more than plain bisection. Deterministic.
 
 Evaluations run the converted model *emulated* by default (FP32 compute, every 16-bit value
 rounded, :mod:`mixprec.validate.emulate`), as `convert`'s validation does: onnxruntime's CPU
@@ -113,10 +116,11 @@ class Tolerance:
             value = getattr(self, name)
             if value is not None and not (value >= 0 and math.isfinite(value)):
                 raise InputError(f"tolerance {name} must be a finite number >= 0, got {value}")
-        for name in ("min_cosine", "topk_agreement"):
+        bounds = {"min_cosine": (-1.0, 1.0), "topk_agreement": (0.0, 1.0)}
+        for name, (low, high) in bounds.items():
             value = getattr(self, name)
-            if value is not None and not (-1.0 <= value <= 1.0):
-                raise InputError(f"tolerance {name} must lie in [-1, 1], got {value}")
+            if value is not None and not (low <= value <= high):
+                raise InputError(f"tolerance {name} must lie in [{low:g}, {high:g}], got {value}")
         if self.outputs is not None:
             object.__setattr__(self, "outputs", tuple(self.outputs))
 
@@ -225,8 +229,8 @@ class TuneResult:
         return save_plan(self.plan, path)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready summary (without the model)."""
-        return {
+        """JSON-ready summary (without the model); non-finite numbers become strings."""
+        return _json_safe({
             "met": self.met,
             "target": self.target.value,
             "tolerance": self.tolerance.describe() if self.tolerance else None,
@@ -244,7 +248,7 @@ class TuneResult:
             "notes": list(self.notes),
             "seconds": self.seconds,
             "plan": plan_to_dict(self.plan),
-        }
+        })
 
     def format_text(self, top: int = 10) -> str:
         """A readable summary."""
@@ -277,6 +281,16 @@ class TuneResult:
             )
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def _pct(share: float | None) -> str:
@@ -358,10 +372,11 @@ class _Say:
         self.enabled = enabled
 
     def __call__(self, message: str) -> None:
-        logger.info("%s", message)
-        if self.enabled:
-            sys.stderr.write(f"mixprec tune: {message}\n")
-            sys.stderr.flush()
+        if not self.enabled:
+            logger.info("%s", message)
+            return
+        sys.stderr.write(f"mixprec tune: {message}\n")
+        sys.stderr.flush()
 
 
 @dataclass(frozen=True)
