@@ -382,7 +382,7 @@ def _validate(
         result.notes.append(f"the FP32 model fails the ONNX checker the same way: {inherited}")
     if level == "checker":
         result.notes.append(
-            "onnxruntime load check skipped for a model of this size (validate='load' or 'run' forces it)"
+            "onnxruntime load check not run at validation level 'checker' (auto picks it above 50,000 nodes)"
         )
         return result
     if level == "load":

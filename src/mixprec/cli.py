@@ -108,6 +108,8 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--plan", metavar="JSON", help="start from this plan file")
     tune.add_argument("--plan-out", metavar="JSON", help="write the plan found (also when the target is not met)")
     tune.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    tune.add_argument("--html", metavar="HTML",
+                      help="write the final report with the per-node error chart as an HTML page")
 
     inspect = sub.add_parser("inspect", help="show what runs in which precision")
     inspect.add_argument("model")
@@ -189,6 +191,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     )
     if args.plan_out:
         result.save_plan(args.plan_out)
+    if args.html and result.report is not None:
+        from mixprec.report_html import write_html_report  # noqa: PLC0415
+
+        write_html_report(result.report, args.html, per_node_errors=list(result.contributions))
     if args.json:
         print(json.dumps(result.to_dict(), indent=2, default=str))
     else:

@@ -60,6 +60,7 @@ from mixprec.dtypes import LowPrecision, parse_low_precision
 from mixprec.errors import InputError, MixprecError
 from mixprec.graphs import all_nodes, subgraphs_of
 from mixprec.plan_file import PlanFile, fp32_plan, load_plan, node_names, plan_to_dict, save_plan
+from mixprec.report import Report
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +203,7 @@ class TuneResult:
         history: Every evaluation, in order.
         notes: Warnings (probe fallbacks, failed runs).
         seconds: Wall time.
+        report: The conversion report of the final plan.
     """
 
     met: bool
@@ -223,6 +225,7 @@ class TuneResult:
     history: tuple[Evaluation, ...]
     notes: tuple[str, ...] = ()
     seconds: float = 0.0
+    report: Report | None = None
 
     def save_plan(self, path: str | os.PathLike) -> Path:
         """Write the final plan as a plan file."""
@@ -629,6 +632,7 @@ class _Search:
             default_fp32_share_flops=default_share_flops,
             history=tuple(self.history),
             notes=tuple(self.notes),
+            report=final.report,
         )
 
     # -- the probe -------------------------------------------------------------------------------
