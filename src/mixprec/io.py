@@ -52,6 +52,14 @@ def _check_external_data(model: ir.Model, path: Path) -> None:
                 )
 
 
+def _root_message(error: BaseException) -> str:
+    """The first line of the innermost cause: the IR's wrappers repeat whole protobufs."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
 def load_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> tuple[ir.Model, Path | None]:
     """Load a model from a path, a ModelProto or an onnx_ir Model.
 
@@ -69,7 +77,7 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> tuple[
         try:
             return ir.serde.deserialize_model(source), None
         except Exception as e:  # noqa: BLE001
-            raise ModelLoadError(f"cannot read the given ModelProto: {e}") from e
+            raise ModelLoadError(f"cannot read the given ModelProto: {_root_message(e)}") from e
     if not isinstance(source, (str, os.PathLike)):
         raise InputError(
             f"expected a path, an onnx.ModelProto or an onnx_ir.Model, got {type(source).__name__}"
@@ -86,9 +94,9 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> tuple[
     except DecodeError as e:
         raise ModelLoadError(f"{path}: not an ONNX model or truncated (protobuf parse error)") from e
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{path}: cannot be loaded: {e}") from e
+        raise ModelLoadError(f"{path}: cannot be loaded: {_root_message(e)}") from e
     except Exception as e:  # noqa: BLE001 - any parser failure is a bad model file
-        raise ModelLoadError(f"{path}: not a valid ONNX model: {e}") from e
+        raise ModelLoadError(f"{path}: cannot be read: {_root_message(e)}") from e
     if model.graph is None or (len(model.graph) == 0 and not model.graph.outputs):
         raise ModelLoadError(f"{path}: not an ONNX model (no graph)")
     _check_external_data(model, path)

@@ -593,6 +593,10 @@ class _Planner:
             return
         facts.lowerable = {out_var} if out_var is not None else set()
         constant = is_constant(out)
+        if node.op_type == "Constant" and not constant:
+            # e.g. a sparse_value Constant: nothing this rewrite can retype.
+            self._keep(node, Category.UNKNOWN_TYPE, "Constant without a dense tensor value", State.HIGH)
+            return
         if constant:
             rng = constant_range(out, self.target)
             if rng is not None and not rng.representable:
