@@ -69,6 +69,9 @@ def build_policy(
 
 
 def _check_user_ops(model: ir.Model, names: Iterable[str]) -> None:
+    names = list(names)
+    if not names:
+        return
     in_model = {(n.domain if n.domain != "ai.onnx" else "", n.op_type) for n in walk_nodes(model.graph)}
     for function in model.functions.values():
         in_model.update((n.domain, n.op_type) for n in function)
@@ -117,7 +120,7 @@ def _resolve_validation(validate: bool | str, model: ir.Model, weights: int) -> 
     if validate is False or validate == "none":
         return "none"
     if validate is True or validate == "auto":
-        nodes = sum(1 for _ in walk_nodes(model.graph))
+        nodes = len(walk_nodes(model.graph))
         if nodes <= _RUN_MAX_NODES and weights <= _RUN_MAX_WEIGHT_BYTES:
             return "run"
         return "load" if nodes <= _LOAD_MAX_NODES else "checker"
