@@ -223,6 +223,20 @@ def _is_std(domain: str) -> bool:
     return normalize_domain(domain) == ""
 
 
+_ANY_FLOAT = frozenset({"tensor(float)", "tensor(float16)", "tensor(bfloat16)"})
+
+
+def _user_op_signature(n_inputs: int, n_outputs: int) -> Signature:
+    """A binding for a custom op the user classified: every FP32 input and output share one
+    type variable (its non-FP32 tensors are never touched)."""
+    return Signature(
+        since_version=1,
+        input_vars=("T",) * n_inputs,
+        output_vars=("T",) * n_outputs,
+        allowed={"T": _ANY_FLOAT},
+    )
+
+
 class _Planner:
     def __init__(
         self,
@@ -317,6 +331,8 @@ class _Planner:
         sig = None
         if _is_std(node.domain) and opset is not None:
             sig = signature(node.op_type, node.domain, opset, len(node.inputs), len(node.outputs))
+        elif rule is not None and rule.source == "user" and not _is_std(node.domain):
+            sig = _user_op_signature(len(node.inputs), len(node.outputs))
         excluded: set[str] = set()
         if sig is not None:
             excluded = {v for v, allowed in sig.allowed.items() if self.target_type not in allowed}
@@ -337,6 +353,13 @@ class _Planner:
 
     def _facts(self, node: ir.Node) -> NodeFacts:
         rule, sig, excluded = self._template(node, self._opset(node))
+        if rule is not None and rule.source == "user" and not _is_std(node.domain):
+            # A custom op the user classified: ONNX cannot infer its outputs; they are taken to
+            # have the type of its float inputs.
+            if any(is_fp32_tensor(v) for v in node.inputs):
+                for out in node.outputs:
+                    if out.dtype is None:
+                        out.dtype = FLOAT
         facts = NodeFacts(rule=rule, sig=sig)
         if rule is not None:
             facts.flexible = rule.flexible_inputs
