@@ -303,3 +303,15 @@ def test_external_data_is_copied_when_it_cannot_be_linked(
     )
     assert (path.parent / "weights.bin").read_bytes() == before
     assert sorted(p.name for p in path.parent.iterdir()) == ["attention.onnx", "weights.bin"]
+
+
+def test_tune_starts_from_the_calibrated_plan(files: dict[str, Path]) -> None:
+    from mixprec.tune import Tolerance, tune  # noqa: PLC0415
+
+    result = tune(files["model"], [files["b1"], files["b2"]], tolerance=Tolerance(atol=5e-2, rtol=5e-2))
+    assert result.met
+    # The measured overflow is kept FP32 before any search: the default plan already meets it.
+    assert result.evaluations <= 2
+    assert result.report is not None
+    kept = {k.name: k.category for k in result.report.kept_fp32}
+    assert kept.get("attn/scores") == "range measured on data"

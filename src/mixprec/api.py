@@ -163,6 +163,7 @@ def convert(
     opset: int | None = None,
     progress: bool | None = False,
     plan: str | os.PathLike | Mapping[str, object] | None = None,
+    ranges: RangeTable | None = None,
 ) -> ConversionResult:
     """Convert an FP32 ONNX model to mixed precision.
 
@@ -195,6 +196,8 @@ def convert(
         progress: Show progress lines for long steps on stderr (None: when it is a terminal).
         opset: Upgrade the model to this default-domain opset first (with the ONNX version
             converter), e.g. 22 so that Conv and pooling admit bfloat16.
+        ranges: FP32 ranges measured before (`mixprec.analysis.calibrate.calibrate`): used
+            instead of calibrating on `data`.
         plan: A plan file (`mixprec.plan_file.save_plan`) or its dict: its `fp32` nodes are
             kept FP32 ("set by plan"), its `low` nodes are left to the planner (a note lists
             those it keeps FP32). A node name absent from the model is an `InputError`.
@@ -211,7 +214,7 @@ def convert(
             fp32_ops=fp32_ops, follow_ops=follow_ops, exclude_nodes=exclude_nodes,
             keep_io_types=keep_io_types, policy_file=policy_file, validate=validate, data=data,
             max_batches=max_batches, tolerance=tolerance, external_data=external_data,
-            opset=opset, progress=progress, calibrate=calibrate, plan_source=plan,
+            opset=opset, progress=progress, calibrate=calibrate, plan_source=plan, ranges=ranges,
         )
 
 
@@ -235,6 +238,7 @@ def _convert(
     progress: bool | None,
     calibrate: bool = True,
     plan_source: str | os.PathLike | Mapping[str, object] | None = None,
+    ranges: RangeTable | None = None,
 ) -> ConversionResult:
     times: dict[str, float] = {}
     start = time.perf_counter()
@@ -271,7 +275,7 @@ def _convert(
     reference_path = source_path
     weights_before = weight_bytes(ir_model)
     level = _resolve_validation(level_requested, ir_model, weights_before)
-    calibrating = data is not None and calibrate
+    calibrating = data is not None and calibrate and ranges is None
     if data is not None:
         # One re-iterable source for calibration and validation (paths are re-read per pass).
         inputs = [v.name for v in ir_model.graph.inputs if v.name not in ir_model.graph.initializers]
@@ -287,8 +291,11 @@ def _convert(
         t = time.perf_counter()
         typeinfo = infer_types(ir_model, source=unchanged_source)
         times["types"] = time.perf_counter() - t
-        ranges, wide_values = None, None
-        if calibrating:
+        wide_values = None
+        if ranges is not None:
+            wide_values = wide_values_from_ranges(ir_model, ranges, target)
+            notes.append(f"{len(wide_values)} value(s) measured beyond the {target.value} range stay FP32")
+        elif calibrating:
             t = time.perf_counter()
             ranges, wide_values = _calibrate(reference_path, data, ir_model, target, progress, notes)
             times["calibrate"] = time.perf_counter() - t

@@ -561,6 +561,16 @@ class _Search:
             unknown = [n for n in self.tolerance.outputs if n not in proto_outputs]
             if unknown:
                 raise InputError(f"tolerance names output {unknown[0]!r}, which the model does not have")
+        if self.kwargs.pop("calibrate", True):
+            # Measured ranges shape every candidate plan: values that leave the 16-bit range
+            # stay FP32 from the start instead of being found by the search.
+            from mixprec.analysis.calibrate import calibrate  # noqa: PLC0415
+
+            self.say("measuring FP32 ranges")
+            try:
+                self.kwargs["ranges"] = calibrate(model_path, self.batches)
+            except MixprecError as e:
+                self.notes.append(f"calibration skipped: {e}")
         self.say(f"default conversion to {self.target.value}")
         default = self._convert(model_path, [])
         candidates = _candidates(default.plan)
