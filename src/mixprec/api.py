@@ -23,7 +23,14 @@ from mixprec.graphs import walk_nodes
 from mixprec.analysis.typeinfo import infer_types
 from mixprec.dtypes import LowPrecision, parse_low_precision
 from mixprec.errors import ConversionError, InputError, ValidationError
-from mixprec.io import graph_only_proto, load_model, save_model, uses_external_data, weight_bytes
+from mixprec.io import (
+    graph_only_proto,
+    load_model,
+    save_model,
+    uses_external_data,
+    wants_external_data,
+    weight_bytes,
+)
 from mixprec.passes.rewrite import apply_plan
 from mixprec.policy.schemas import op_exists
 from mixprec.policy.table import Policy, load_policy, parse_op_name
@@ -328,6 +335,7 @@ def _convert(
         t = time.perf_counter()
         stats = apply_plan(ir_model, plan)
         times["rewrite"] = time.perf_counter() - t
+        weights_after = weight_bytes(ir_model)
         report = build_report(
             model=ir_model,
             plan=plan,
@@ -335,7 +343,7 @@ def _convert(
             source=str(source_path) if source_path else "(in memory)",
             output=str(output) if output is not None else None,
             weight_bytes_before=weights_before,
-            weight_bytes_after=weight_bytes(ir_model),
+            weight_bytes_after=weights_after,
             type_inference_warning=typeinfo.warning,
         )
 
@@ -350,6 +358,9 @@ def _convert(
             report.validation.seconds = time.perf_counter() - t0
 
         t = time.perf_counter()
+        if external_data is None and (output is not None or level != "none"):
+            # save_model's default, from the weights already counted for the report.
+            external_data = wants_external_data(ir_model, weights_after)
         if output is not None:
             save_model(ir_model, output, external_data=external_data, check=check, progress=progress)
         elif level != "none":

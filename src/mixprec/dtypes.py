@@ -112,6 +112,9 @@ def is_fp32_tensor(value: ir.Value | None) -> bool:
     if value is None:
         return False
     value_type = value.type
+    # Untyped values are common and `isinstance(None, ir.TensorType)` is slow (a Protocol check).
+    if value_type is None:
+        return False
     return isinstance(value_type, ir.TensorType) and value_type.dtype == _FLOAT
 
 

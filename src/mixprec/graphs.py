@@ -20,7 +20,8 @@ def subgraphs_of(node: ir.Node) -> list[ir.Graph]:
     return graphs
 
 
-def _has_subgraphs(node: ir.Node) -> bool:
+def has_subgraphs(node: ir.Node) -> bool:
+    """Whether a node has graph attributes (control flow, ...)."""
     for attr in node.attributes.values():
         kind = attr.type
         if kind is _GRAPH or kind is _GRAPHS:
@@ -37,7 +38,7 @@ def walk_nodes(graph: ir.Graph | ir.Function) -> list[ir.Node]:
 
 def _collect(graph: ir.Graph | ir.Function, nodes: list[ir.Node]) -> None:
     for node in graph:
-        if node.attributes and _has_subgraphs(node):
+        if node.attributes and has_subgraphs(node):
             for sub in subgraphs_of(node):
                 _collect(sub, nodes)
         nodes.append(node)
@@ -49,7 +50,7 @@ def all_graphs(model: ir.Model) -> list[ir.Graph]:
     index = 0
     while index < len(graphs):
         for node in graphs[index]:
-            if node.attributes and _has_subgraphs(node):
+            if node.attributes and has_subgraphs(node):
                 graphs.extend(subgraphs_of(node))
         index += 1
     return graphs

@@ -148,6 +148,14 @@ def uses_external_data(model: ir.Model) -> bool:
     )
 
 
+def wants_external_data(model: ir.Model, weights: int | None = None) -> bool:
+    """The default for saving `model`: external data when it already uses external data or its
+    weights exceed 1 GiB. `weights`: its `weight_bytes`, when already known."""
+    if uses_external_data(model):
+        return True
+    return (weight_bytes(model) if weights is None else weights) > EXTERNAL_DATA_THRESHOLD
+
+
 def _write(model: ir.Model, path: Path, external: bool, progress: bool | None) -> None:
     if external:
         sizes = {
@@ -201,7 +209,7 @@ def staged_save(
     if destination.is_dir():
         raise InputError(f"{destination}: is a directory, expected a file name")
     if external_data is None:
-        external_data = uses_external_data(model) or weight_bytes(model) > EXTERNAL_DATA_THRESHOLD
+        external_data = wants_external_data(model)
     staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=parent))
     staged = staging / destination.name
     try:

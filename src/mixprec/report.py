@@ -199,27 +199,32 @@ def build_report(
 ) -> Report:
     """Summarise a finished conversion."""
     target = plan.target
-    by_precision: Counter[str] = Counter()
+    # Counted by enum member (a str, hashed as its value), reported by value.
+    by_precision: Counter[Precision] = Counter()
     low_by_op: Counter[str] = Counter()
     fp32_by_op: Counter[str] = Counter()
-    by_category: Counter[str] = Counter()
+    by_category: Counter[Category] = Counter()
     kept: list[KeptNode] = []
     for node in plan.order:
         decision = plan.decisions[node]
-        by_precision[decision.precision.value] += 1
-        if decision.precision is Precision.LOW:
+        precision = decision.precision
+        by_precision[precision] += 1
+        if precision is Precision.LOW:
             low_by_op[node.op_type] += 1
-        elif decision.precision is Precision.FP32:
+        elif precision is Precision.FP32:
+            category = decision.category
             fp32_by_op[node.op_type] += 1
-            by_category[decision.category.value] += 1
-            if decision.category is not Category.NO_FLOAT:
-                kept.append(KeptNode(node.name or "", node.op_type, decision.category.value, decision.reason))
+            by_category[category] += 1
+            if category is not Category.NO_FLOAT:
+                kept.append(
+                    KeptNode(node.name or "", node.op_type, category.value, decision.reason)
+                )
     runtime = [c for c in stats.casts if c.runtime]
     known = [c.elements for c in runtime]
     elements = sum(e for e in known if e is not None) if runtime and all(e is not None for e in known) else None
     cast_bytes = None
     notes = []
-    schema_blocked = by_category.get(Category.SCHEMA.value, 0)
+    schema_blocked = by_category.get(Category.SCHEMA, 0)
     if schema_blocked:
         notes.append(
             f"{schema_blocked} node(s) have no {target.value} type in their schema at this opset; "
@@ -234,10 +239,10 @@ def build_report(
         output=output,
         target=target.value,
         keep_io_types=plan.keep_io_types,
-        nodes_by_precision=dict(by_precision),
+        nodes_by_precision={precision.value: n for precision, n in by_precision.items()},
         low_by_op=dict(low_by_op),
         fp32_by_op=dict(fp32_by_op),
-        fp32_by_category=dict(by_category),
+        fp32_by_category={category.value: n for category, n in by_category.items()},
         kept_fp32=kept,
         casts_inserted=len(stats.casts),
         casts_runtime=len(runtime),
@@ -260,7 +265,7 @@ def node_graph(plan: PrecisionPlan) -> NodeGraph:
     are looked through)."""
     index = {node: i for i, node in enumerate(plan.order)}
     letters = {Precision.LOW: "l", Precision.FP32: "f", Precision.NONE: "n"}
-    categories: dict[str, int] = {}
+    categories: dict[Category, int] = {}
     reasons: dict[str, int] = {}
     names, op_types, precision, category, reason, inputs = [], [], [], [], [], []
     for node in plan.order:
@@ -268,7 +273,7 @@ def node_graph(plan: PrecisionPlan) -> NodeGraph:
         names.append(node.name or "")
         op_types.append(node.op_type)
         precision.append(letters[decision.precision])
-        category.append(categories.setdefault(decision.category.value, len(categories)))
+        category.append(categories.setdefault(decision.category, len(categories)))
         reason.append(reasons.setdefault(decision.reason, len(reasons)))
         preds: list[int] = []
         for value in node.inputs:
@@ -278,7 +283,7 @@ def node_graph(plan: PrecisionPlan) -> NodeGraph:
         inputs.append(preds)
     return NodeGraph(
         names, op_types, "".join(precision), category, reason, inputs,
-        categories=list(categories), reasons=list(reasons),
+        categories=[c.value for c in categories], reasons=list(reasons),
     )
 
 

@@ -49,7 +49,8 @@ Subgraphs and functions: a subgraph's formal inputs are tainted when an FP32 inp
 owning it is, and backward taint on them reaches the owner's inputs; outputs of subgraphs and
 function bodies count as integer sinks; an owner's outputs are tainted when a subgraph output is.
 
-One forward and one backward pass over the topological order: linear in the model size.
+One forward and one backward pass over the topological order: linear in the model size. The
+backward pass is skipped when no float value carries integers (then no node is kept).
 """
 
 from __future__ import annotations
@@ -236,8 +237,13 @@ def _attr_int(node: ir.Node, name: str, default: int | None) -> int | None:
     return default if attr is None else int(attr.as_int())
 
 
+# `DataType.is_integer` builds a set per call; this runs for every value of the model.
+_INTEGER_TYPES = frozenset(dtype for dtype in ir.DataType if dtype.is_integer())
+_INTEGER_OR_BOOL_TYPES = _INTEGER_TYPES | {ir.DataType.BOOL}
+
+
 def _is_integer_type(dtype: ir.DataType | None) -> bool:
-    return dtype is not None and dtype.is_integer()
+    return dtype in _INTEGER_TYPES
 
 
 def _fp32_values(values: Sequence[ir.Value | None]) -> list[ir.Value]:
@@ -437,11 +443,7 @@ class _Analysis:
     def _record_bounds(self, node: ir.Node) -> None:
         if node.op_type not in ("Shape", "Size") and not any(
             v is not None
-            and (
-                self.taint.get(v) is not None
-                or _is_integer_type(v.dtype)
-                or v.dtype == ir.DataType.BOOL
-            )
+            and (self.taint.get(v) is not None or v.dtype in _INTEGER_OR_BOOL_TYPES)
             for v in node.inputs
         ):
             return  # no integer chain: unbounded floats, typed integers (both read lazily)
@@ -575,10 +577,11 @@ class _Analysis:
             return False
         return any(self.taint_of(v) is not None for v in values)
 
-    def _record_taint(self, node: ir.Node) -> None:
+    def _record_taint(self, node: ir.Node) -> bool:
+        """Record the taint of the node's FP32 outputs; whether one of them is tainted."""
         outs = _fp32_values(node.outputs)
         if not outs:
-            return
+            return False
         result: _Taint | None = None
         if node in self.owners:
             subgraphs = subgraphs_of(node)
@@ -609,6 +612,7 @@ class _Analysis:
                 self.taint_of(out)
             else:
                 self.taint[out] = result
+        return any(self.taint[out] is not None for out in outs)
 
     # -- backward: integer-meaning sinks and uses that need exact values ----------------
     def _mark(self, table: dict[ir.Value, str], value: ir.Value | None, why: str) -> None:
@@ -654,11 +658,15 @@ class _Analysis:
 
     # -- decision -----------------------------------------------------------------------
     def run(self) -> dict[ir.Node, tuple[Category, str]]:
+        tainted: list[ir.Node] = []  # nodes with an FP32 output of integer meaning, in order
         for node in self.order:
             self._record_bounds(node)
             self._record_data_free(node)
-            self._record_taint(node)
+            if self._record_taint(node):
+                tainted.append(node)
             self._record_int_origin(node)
+        if not tainted:
+            return {}  # no float value carries integers: no sink or use can matter
         for value, why in self.boundary_outputs.items():
             self._mark(self.sink, value, why)
         for value in self.model_outputs:
@@ -667,7 +675,7 @@ class _Analysis:
             self._propagate(node)
         forced: dict[ir.Node, tuple[Category, str]] = {}
         limit = f"integers exact only to {self.limit} in {self.target.value}"
-        for node in self.order:
+        for node in tainted:
             if node in self.owners:
                 continue
             outs = [

@@ -237,6 +237,23 @@ def _user_op_signature(n_inputs: int, n_outputs: int) -> Signature:
     )
 
 
+@dataclass(frozen=True)
+class _OpTemplate:
+    """What the planner knows of an op before looking at a node's values (shared by its nodes).
+
+    Attributes:
+        rule: The policy rule (None for ops the policy does not know).
+        sig: The schema binding of the node's inputs and outputs (None without a schema).
+        excluded: Type variables the node never lowers.
+        name: The op's name for reasons (`Op` or `domain::Op`).
+    """
+
+    rule: OpRule | None
+    sig: Signature | None
+    excluded: frozenset[str]
+    name: str
+
+
 class _Planner:
     def __init__(
         self,
@@ -267,9 +284,16 @@ class _Planner:
         self.sub_outputs: set[ir.Value] = set()
         self.order = all_nodes(model)
         self.graphs = [model.graph, *function_graphs(model)]
-        self.graphs.extend(sub for node in self.order if node.attributes for sub in subgraphs_of(node))
+        self.owners: set[ir.Node] = set()  # nodes with subgraphs (control flow)
+        for node in self.order:
+            subgraphs = subgraphs_of(node) if node.attributes else []
+            if subgraphs:
+                self.owners.add(node)
+                self.graphs.extend(subgraphs)
         self.opsets = dict(model.opset_imports)
-        self._templates: dict[tuple, tuple[OpRule | None, Signature | None, frozenset[str]]] = {}
+        self._templates: dict[tuple, _OpTemplate] = {}
+        # Decisions are immutable and repeat across nodes: one shared object per distinct one.
+        self._decisions: dict[tuple[Precision, Category, str], Decision] = {}
 
     # -- states ---------------------------------------------------------------------------
     def _constant_state(self, value: ir.Value) -> State:
@@ -319,10 +343,8 @@ class _Planner:
             version = self.opsets.get(domain)
         return version
 
-    def _template(
-        self, node: ir.Node, opset: int | None
-    ) -> tuple[OpRule | None, Signature | None, frozenset[str]]:
-        """Rule, schema binding and never-lowered type variables of an op (cached per op)."""
+    def _template(self, node: ir.Node, opset: int | None) -> _OpTemplate:
+        """Rule, schema binding, never-lowered type variables and name of an op (cached per op)."""
         key = (node.op_type, node.domain, opset, len(node.inputs), len(node.outputs))
         cached = self._templates.get(key)
         if cached is not None:
@@ -347,12 +369,13 @@ class _Planner:
                         others = {sig.input_vars[i] for i in range(len(sig.input_vars)) if i != index}
                         if var is not None and var not in others | set(sig.output_vars):
                             excluded.add(var)
-        template = (rule, sig, frozenset(excluded))
+        name = format_op_name(node.domain, node.op_type)
+        template = _OpTemplate(rule, sig, frozenset(excluded), name)
         self._templates[key] = template
         return template
 
-    def _facts(self, node: ir.Node) -> NodeFacts:
-        rule, sig, excluded = self._template(node, self._opset(node))
+    def _facts(self, node: ir.Node, template: _OpTemplate) -> NodeFacts:
+        rule, sig, excluded = template.rule, template.sig, template.excluded
         if rule is not None and rule.source == "user" and not _is_std(node.domain):
             # A custom op the user classified: ONNX cannot infer its outputs; they are taken to
             # have the type of its float inputs.
@@ -385,25 +408,24 @@ class _Planner:
         """Whether the node reads or writes FP32 values (inputs it takes as they are aside)."""
         facts = self.facts.get(node)
         flexible = facts.flexible if facts is not None else frozenset()
-        if any(v is not None and is_fp32_tensor(v) for v in node.outputs):
-            return True
-        return any(
-            v is not None and is_fp32_tensor(v) and i not in flexible for i, v in enumerate(node.inputs)
-        )
+        for value in node.outputs:
+            if is_fp32_tensor(value):
+                return True
+        for index, value in enumerate(node.inputs):
+            if is_fp32_tensor(value) and index not in flexible:
+                return True
+        return False
 
     # -- forward pass -------------------------------------------------------------------
     def run(self) -> PrecisionPlan:
-        self.exclude.prepare({node.name for node in self.order if node.name})
+        names = {node.name for node in self.order if node.name} if self.exclude.patterns else set()
+        self.exclude.prepare(names)
         self._init_graph(self.model.graph, main=True)
         for graph in self.graphs[1:]:
             # Subgraphs and function bodies keep their signatures: inputs are flexible, outputs
             # stay FP32.
             self._init_graph(graph, main=False)
-        seen_graphs: set[int] = set()
         for node in self.order:
-            graph = node.graph
-            if graph is not None and id(graph) not in seen_graphs:
-                seen_graphs.add(id(graph))
             self._decide(node)
         self._resolve_flex()
         self._decide_storage()
@@ -420,19 +442,26 @@ class _Planner:
             graphs=self.graphs,
         )
 
+    def _decision(self, precision: Precision, category: Category, reason: str) -> Decision:
+        key = (precision, category, reason)
+        decision = self._decisions.get(key)
+        if decision is None:
+            decision = self._decisions[key] = Decision(precision, category, reason)
+        return decision
+
     def _keep(self, node: ir.Node, category: Category, reason: str, out_state: State) -> None:
         touches = self._touches_fp32(node)
         precision = Precision.FP32 if touches else Precision.NONE
         if not touches:
             category, reason = Category.NO_FLOAT, "no FP32 values"
-        self.decisions[node] = Decision(precision, category, reason)
+        self.decisions[node] = self._decision(precision, category, reason)
         self.lowered[node] = frozenset()
         for out in node.outputs:
             if is_fp32_tensor(out):
                 self.state[out] = out_state
 
     def _lower(self, node: ir.Node, facts: NodeFacts, category: Category, reason: str) -> None:
-        self.decisions[node] = Decision(Precision.LOW, category, reason)
+        self.decisions[node] = self._decision(Precision.LOW, category, reason)
         self.lowered[node] = frozenset(facts.lowerable)
         for index, out in enumerate(node.outputs):
             if not is_fp32_tensor(out):
@@ -445,7 +474,7 @@ class _Planner:
 
     def _flex(self, node: ir.Node, facts: NodeFacts) -> None:
         # Provisional: resolved by the backward pass.
-        self.decisions[node] = Decision(Precision.FP32, Category.CONSUMERS, "pending")
+        self.decisions[node] = self._decision(Precision.FP32, Category.CONSUMERS, "pending")
         self.lowered[node] = frozenset(facts.lowerable)
         self.flex_nodes.append(node)
         for index, out in enumerate(node.outputs):
@@ -462,14 +491,15 @@ class _Planner:
         return var is not None and var in facts.lowerable
 
     def _decide(self, node: ir.Node) -> None:
-        facts = self._facts(node)
+        template = self._template(node, self._opset(node))
+        facts = self._facts(node, template)
         self.facts[node] = facts
         name = node.name or ""
-        if node.attributes and subgraphs_of(node):
+        if node in self.owners:
             self._keep(node, Category.CONTROL_FLOW, "boundary keeps its types; subgraphs are converted inside", State.HIGH)
             return
         rule = facts.rule
-        op_name = format_op_name(node.domain, node.op_type)
+        op_name = template.name
         if (node.domain, node.op_type, node.overload) in self.model.functions:
             self._keep(node, Category.FUNCTION, f"{op_name}: signature kept; its body is converted inside", State.HIGH)
             return
@@ -496,7 +526,7 @@ class _Planner:
         if forced is not None:
             self._keep(node, forced[0], forced[1], State.HIGH)
             return
-        wide_out = next((out for out in node.outputs if out in self.wide_values), None)
+        wide_out = self._wide_output(node)
         if wide_out is not None:
             self._keep(
                 node, Category.DATA_RANGE, f"{wide_out.name}: {self.wide_values[wide_out]}", State.WIDE
@@ -574,6 +604,12 @@ class _Planner:
             self._lower(node, facts, category if category is Category.CONDITION else Category.FOLLOW, follow_reason)
             return
         self._flex(node, facts)
+
+    def _wide_output(self, node: ir.Node) -> ir.Value | None:
+        """The first output of `node` measured beyond the 16-bit range, if any."""
+        if not self.wide_values:
+            return None
+        return next((out for out in node.outputs if out in self.wide_values), None)
 
     def _has_lowered_output(self, node: ir.Node, facts: NodeFacts) -> bool:
         sig = facts.sig

@@ -18,7 +18,7 @@ import onnx.shape_inference
 import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_node_tensor
-from mixprec.graphs import all_graphs, walk_nodes
+from mixprec.graphs import all_graphs, has_subgraphs, walk_nodes
 from mixprec.io import graph_only_proto
 
 logger = logging.getLogger(__name__)
@@ -70,18 +70,31 @@ def _weight_free_proto(model: ir.Model) -> onnx.ModelProto:
         graph.inputs.extend(original_inputs)
 
 
-class _ShapeCache:
-    """Frozen ir.Shape objects shared between values of equal static shape."""
+class _TypeCache:
+    """Parsed inferred types, one entry per distinct TypeProto (most values share a few).
+
+    Values of equal static shape share one frozen ir.Shape.
+    """
 
     def __init__(self) -> None:
-        self._cache: dict[tuple, ir.Shape] = {}
+        self._types: dict[bytes, tuple[int, ir.Shape | None]] = {}
+        self._shapes: dict[tuple, ir.Shape] = {}
 
-    def get(self, dims: tuple) -> ir.Shape:
-        shape = self._cache.get(dims)
-        if shape is None:
-            shape = ir.Shape(dims, frozen=True)
-            self._cache[dims] = shape
-        return shape
+    def get(self, type_proto: onnx.TypeProto) -> tuple[int, ir.Shape | None]:
+        """The element type (0 when unknown) and shape (None when unknown) of a TypeProto."""
+        key = type_proto.SerializeToString()
+        parsed = self._types.get(key)
+        if parsed is None:
+            elem_type, dims = _dtype_and_dims(type_proto)
+            shape = None
+            if dims is not None:
+                shape = self._shapes.get(dims)
+                if shape is None:
+                    shape = ir.Shape(dims, frozen=True)
+                    self._shapes[dims] = shape
+            parsed = (elem_type, shape)
+            self._types[key] = parsed
+        return parsed
 
 
 def _dtype_and_dims(type_proto: onnx.TypeProto) -> tuple[int, tuple | None]:
@@ -107,6 +120,8 @@ def _graph_pairs(
     for node, node_proto in zip(graph, proto.node):
         if node.op_type != node_proto.op_type:
             return
+        if not (node.attributes and has_subgraphs(node)):
+            continue  # no graph attributes: nothing to read from the protobuf node
         graph_attrs = {a.name: a for a in node_proto.attribute if a.type in (5, 10)}
         for attr in node.attributes.values():
             attr_proto = graph_attrs.get(attr.name)
@@ -119,26 +134,28 @@ def _graph_pairs(
                     yield from _graph_pairs(sub, sub_proto)
 
 
-def _apply(graph: ir.Graph, proto: onnx.GraphProto, shapes: _ShapeCache) -> int:
+def _apply(graph: ir.Graph, proto: onnx.GraphProto, types: _TypeCache) -> int:
+    """Copy inferred types onto the values of `graph` that lack a dtype or shape."""
+    values: list[ir.Value] = [*graph.inputs, *graph.initializers.values()]
+    for node in graph:
+        values.extend(node.outputs)
+    untyped = [v for v in values if v.dtype is None or v.shape is None]
+    if not untyped:
+        return 0
     inferred = {}
     for info in (*proto.input, *proto.value_info, *proto.output):
         inferred[info.name] = info.type
     count = 0
-    values: list[ir.Value] = [*graph.inputs, *graph.initializers.values()]
-    for node in graph:
-        values.extend(node.outputs)
-    for value in values:
-        if value.dtype is not None and value.shape is not None:
-            continue
+    for value in untyped:
         type_proto = inferred.get(value.name)
         if type_proto is None:
             continue
-        elem_type, dims = _dtype_and_dims(type_proto)
+        elem_type, shape = types.get(type_proto)
         if value.dtype is None and elem_type:
             value.dtype = ir.DataType(elem_type)
             count += 1
-        if value.shape is None and dims is not None:
-            value.shape = shapes.get(dims)
+        if value.shape is None and shape is not None:
+            value.shape = shape
     return count
 
 
@@ -162,10 +179,11 @@ def infer_types(model: ir.Model, source: Path | None = None) -> TypeInfo:
         warning = str(e).splitlines()[0] if str(e) else type(e).__name__
         logger.warning("type inference failed, unknown types stay unconverted: %s", warning)
     else:
-        shapes = _ShapeCache()
+        types = _TypeCache()
         for graph, graph_proto in _graph_pairs(model.graph, proto.graph):
-            inferred += _apply(graph, graph_proto, shapes)
-    _fill_constant_types(model)
+            inferred += _apply(graph, graph_proto, types)
+    main_nodes = walk_nodes(model.graph)
+    _fill_constant_types(model, main_nodes)
     typed = infer_function_types(model)
     for function in typed:
         for node in walk_nodes(function.graph):
@@ -174,24 +192,28 @@ def infer_types(model: ir.Model, source: Path | None = None) -> TypeInfo:
                 if tensor is not None:
                     node.outputs[0].dtype = tensor.dtype
     unknown = sum(
-        1 for node in walk_nodes(model.graph) for out in node.outputs if out.dtype is None and out.uses()
+        1 for node in main_nodes for out in node.outputs if out.dtype is None and out.uses()
     )
     return TypeInfo(inferred=inferred, unknown=unknown, warning=warning)
 
 
-def _fill_constant_types(model: ir.Model) -> None:
-    """Constant nodes and subgraph initializers carry their type in their tensors."""
+def _fill_constant_types(model: ir.Model, main_nodes: list[ir.Node]) -> None:
+    """Constant nodes and subgraph initializers carry their type in their tensors.
+
+    `main_nodes`: the nodes of the main graph and its subgraphs (`walk_nodes(model.graph)`).
+    """
     for graph in all_graphs(model):
         for value in graph.initializers.values():
             if value.dtype is None and value.const_value is not None:
                 value.dtype = value.const_value.dtype
                 value.shape = ir.Shape(value.const_value.shape)
-    for node in walk_nodes(model.graph):
+    for node in main_nodes:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.outputs:
             out = node.outputs[0]
-            tensor = constant_node_tensor(node)
-            if out.dtype is None and tensor is not None:
-                out.dtype = tensor.dtype
+            if out.dtype is None:
+                tensor = constant_node_tensor(node)
+                if tensor is not None:
+                    out.dtype = tensor.dtype
 
 
 def _call_sites(model: ir.Model) -> dict[tuple[str, str, str], list[ir.Node]]:
@@ -221,9 +243,11 @@ def infer_function_types(model: ir.Model) -> list[ir.Function]:
     the planner leaves their bodies unchanged).
     """
     typed: list[ir.Function] = []
+    if not model.functions:
+        return typed
     calls = _call_sites(model)
     other_functions = [ir.to_proto(f) for f in model.functions.values()]
-    shapes = _ShapeCache()
+    types = _TypeCache()
     for key, function in model.functions.items():
         sites = calls.get(key, [])
         if not sites or _has_attribute_refs(function):
@@ -263,6 +287,6 @@ def infer_function_types(model: ir.Model) -> list[ir.Function]:
             if value.dtype is None:
                 value.dtype = dtype
         for graph, graph_proto in _graph_pairs(function.graph, proto.graph):
-            _apply(graph, graph_proto, shapes)
+            _apply(graph, graph_proto, types)
         typed.append(function)
     return typed

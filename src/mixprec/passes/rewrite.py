@@ -19,6 +19,7 @@ Rewrite rules, in the order they run:
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,7 +60,7 @@ class RewriteStats:
 def _numel(shape: ir.Shape | None) -> int | None:
     if shape is None or not all(isinstance(d, int) for d in shape.dims):
         return None
-    return int(np.prod([int(d) for d in shape.dims], dtype=np.int64))
+    return math.prod(int(d) for d in shape.dims)
 
 
 def cast_tensor_lazily(
@@ -67,15 +68,16 @@ def cast_tensor_lazily(
 ) -> ir.LazyTensor:
     """A lazy 16-bit copy of an FP32 tensor, converted in chunks when it is first read."""
     limit = target.limits.max
+    dtype = target.numpy_dtype
     shape = tuple(int(d) for d in tensor.shape)
 
     def load() -> ir.TensorProtocol:
-        out = np.empty(int(np.prod(shape, dtype=np.int64)), dtype=target.numpy_dtype)
+        out = np.empty(math.prod(shape), dtype=dtype)
         offset = 0
         for chunk in iter_chunks(tensor):
             if saturate:
                 chunk = np.clip(chunk, -limit, limit)
-            out[offset : offset + chunk.size] = chunk.astype(target.numpy_dtype)
+            out[offset : offset + chunk.size] = chunk.astype(dtype)
             offset += chunk.size
         return ir.Tensor(out.reshape(shape), name=name or tensor.name)
 
@@ -96,7 +98,9 @@ class _Rewriter:
         for node in plan.order:
             if node.name:
                 self.node_names.add(node.name)
-            self.value_names.update(v.name for v in node.outputs if v.name)
+            for value in node.outputs:
+                if value.name:
+                    self.value_names.add(value.name)
         for graph in plan.graphs:
             self.value_names.update(v.name for v in graph.inputs if v.name)
             self.value_names.update(graph.initializers)
