@@ -37,14 +37,17 @@ def _run(path: Path, x: np.ndarray) -> np.ndarray:
 
 def test_custom_op_keeps_its_types_by_default(tmp_path: Path) -> None:
     model = _model()
-    result = mixprec.convert(model, tmp_path / "out.onnx", validate="run")
+    # Without a runtime kernel table a com.microsoft op is unknown: its types stay.
+    result = mixprec.convert(model, tmp_path / "out.onnx", validate="run", runtime="onnx")
     kept = {k.name: k.category for k in result.report.kept_fp32}
     assert kept["gelu"] == "unknown op"
     converted = onnx.load(str(tmp_path / "out.onnx"))
     gelu = next(n for n in converted.graph.node if n.op_type == "FastGelu")
     initializers = {t.name: t.data_type for t in converted.graph.initializer}
     assert initializers[gelu.input[1]] == TensorProto.FLOAT  # its bias stays FP32
-    assert result.report.low_by_op == {"MatMul": 1}  # fc2 reads a tensor of unknown type
+    # FastGelu's output type is known from ONNX Runtime's kernel binding (output = input type),
+    # so fc2 after it still converts.
+    assert result.report.low_by_op == {"MatMul": 2}
     x = np.random.default_rng(1).normal(size=(2, 4)).astype(np.float32)
     onnx.save(model, str(tmp_path / "in.onnx"))
     np.testing.assert_allclose(_run(tmp_path / "out.onnx", x), _run(tmp_path / "in.onnx", x), atol=1e-2, rtol=1e-2)
@@ -64,3 +67,23 @@ def test_user_classified_custom_op_converts_with_its_float_tensors(tmp_path: Pat
     x = np.random.default_rng(1).normal(size=(2, 4)).astype(np.float32)
     onnx.save(model, str(tmp_path / "in.onnx"))
     np.testing.assert_allclose(_run(out, x), _run(tmp_path / "in.onnx", x), atol=1e-2, rtol=1e-2)
+
+
+def test_contrib_op_converts_where_the_runtime_has_its_16bit_kernel(tmp_path: Path) -> None:
+    # ORT CUDA registers FastGelu for float16: the kernel table binds its inputs and output to
+    # one type variable, so it converts like a schema op and its bias is stored in 16 bits.
+    model = _model()
+    result = mixprec.convert(model, tmp_path / "out.onnx", validate="run", runtime="ort-cuda")
+    assert result.report.low_by_op.get("FastGelu") == 1
+    assert result.report.low_by_op.get("MatMul") == 2  # fc2's input is typed through FastGelu
+    converted = onnx.load(str(tmp_path / "out.onnx"))
+    gelu = next(n for n in converted.graph.node if n.op_type == "FastGelu")
+    initializers = {t.name: t.data_type for t in converted.graph.initializer}
+    assert initializers[gelu.input[1]] == TensorProto.FLOAT16
+    x = np.random.default_rng(1).normal(size=(2, 4)).astype(np.float32)
+    onnx.save(model, str(tmp_path / "in.onnx"))
+    np.testing.assert_allclose(_run(tmp_path / "out.onnx", x), _run(tmp_path / "in.onnx", x), atol=1e-2, rtol=1e-2)
+    # The CPU provider has no float16 FastGelu: there it stays FP32, and says why.
+    cpu = mixprec.convert(model, tmp_path / "cpu.onnx", validate="run", runtime="ort-cpu")
+    kept = {k.name: k.reason for k in cpu.report.kept_fp32}
+    assert "no float16 kernel for com.microsoft::FastGelu(1) on CPUExecutionProvider" in kept["gelu"]

@@ -1,4 +1,8 @@
-"""Integer semantics: float index arithmetic (sequence lengths, frame counts) stays exact."""
+"""Integer semantics: float index arithmetic (sequence lengths, frame counts) stays exact.
+
+Conversions here use the `onnx` runtime profile (the schema alone): the analysis is under test,
+not which kernels one runtime lacks.
+"""
 
 from __future__ import annotations
 
@@ -144,7 +148,7 @@ def _converted_results(
     model: onnx.ModelProto, target: LowPrecision
 ) -> tuple[mixprec.ConversionResult, list[tuple[list[int], np.ndarray]]]:
     """Convert, then run the emulated model (and, for float16, the real one)."""
-    result = mixprec.convert(copy.deepcopy(model), target_dtype=target, validate="none")
+    result = mixprec.convert(copy.deepcopy(model), target_dtype=target, validate="none", runtime="onnx")
     converted = ir.to_proto(result.model)
     # onnxruntime's CPU provider runs float16 elementwise ops in float32 behind inserted casts,
     # so only the emulation (16-bit rounding after every op) shows the 16-bit numerics.
@@ -193,7 +197,7 @@ def test_length_arithmetic_is_exact(audio, reference, target: LowPrecision) -> N
 
 
 def test_report_names_integer_semantics(audio: onnx.ModelProto) -> None:
-    result = mixprec.convert(copy.deepcopy(audio), target_dtype="bf16", validate="none")
+    result = mixprec.convert(copy.deepcopy(audio), target_dtype="bf16", validate="none", runtime="onnx")
     kept = {k.name: k for k in result.report.kept_fp32}
     assert result.report.fp32_by_category["integer semantics"] == len(_LENGTH_NODES)
     for name in _LENGTH_NODES:
@@ -202,7 +206,7 @@ def test_report_names_integer_semantics(audio: onnx.ModelProto) -> None:
     assert "Cast to int64" in kept["floor_n"].reason
     assert "int64 input 'lengths'" in kept["div_len"].reason
     assert "integers exact only to 256 in bfloat16" in kept["cast_n"].reason
-    fp16 = mixprec.convert(copy.deepcopy(audio), target_dtype="fp16", validate="none")
+    fp16 = mixprec.convert(copy.deepcopy(audio), target_dtype="fp16", validate="none", runtime="onnx")
     reasons = [k.reason for k in fp16.report.kept_fp32 if k.category == "integer semantics"]
     assert reasons and all("exact only to 2048 in float16" in r for r in reasons)
 
@@ -237,7 +241,7 @@ def _static_dim_model(dim: int | str) -> onnx.ModelProto:
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.short_name)
 def test_small_static_shape_is_proven_exact(target: LowPrecision) -> None:
     assert integer_semantics(_typed(_static_dim_model(64)), target) == {}
-    result = mixprec.convert(_static_dim_model(64), target_dtype=target, validate="none")
+    result = mixprec.convert(_static_dim_model(64), target_dtype=target, validate="none", runtime="onnx")
     decisions = {n.name: d for n, d in result.plan.decisions.items()}
     assert decisions["half"].precision is Precision.LOW
     # A dimension too large for exact integers, or a dynamic one, keeps the arithmetic FP32.
@@ -328,7 +332,7 @@ def _transformer_like() -> onnx.ModelProto:
 def test_no_overreach_on_ordinary_networks(target: LowPrecision) -> None:
     model = _transformer_like()
     assert integer_semantics(_typed(model), target) == {}
-    result = mixprec.convert(model, target_dtype=target, validate="none")
+    result = mixprec.convert(model, target_dtype=target, validate="none", runtime="onnx")
     assert "integer semantics" not in result.report.fp32_by_category
     decisions = {n.name: d for n, d in result.plan.decisions.items()}
     for name in ("q", "scores", "attn", "fc1", "fc2", "q_scale", "big_scale", "big_floor"):
@@ -390,7 +394,7 @@ def test_scale_only_uses_convert() -> None:
     )
     for target in TARGETS:
         assert integer_semantics(_typed(model), target) == {}
-        result = mixprec.convert(model, target_dtype=target, validate="none")
+        result = mixprec.convert(model, target_dtype=target, validate="none", runtime="onnx")
         decisions = {n.name: d for n, d in result.plan.decisions.items()}
         assert decisions["scale_scores"].precision is Precision.LOW
         assert decisions["per_length"].precision is Precision.LOW
@@ -459,7 +463,7 @@ def test_subgraph_arithmetic_on_outer_lengths() -> None:
     forced = integer_semantics(_typed(model), LowPrecision.BFLOAT16)
     assert {n.name for n in forced} == {"cast_n", "then_div", "then_floor", "else_identity"}
     session_ref = _session(model)
-    result = mixprec.convert(model, target_dtype="bf16", validate="none")
+    result = mixprec.convert(model, target_dtype="bf16", validate="none", runtime="onnx")
     emulated = _session(emulate_low_precision(ir.to_proto(result.model)))
     for n in (24_000, 240_000, 240_159):
         for flag in (True, False):

@@ -21,7 +21,12 @@ import mixprec
 from mixprec.validate.emulate import emulate_low_precision
 
 LIGHT = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
-MODELS = sorted(p.name for p in LIGHT.glob("light_*.onnx"))
+# The three largest (100M+ parameters) take 20-50 s each here: only in the full run.
+_LARGE = {"light_vgg19.onnx", "light_zfnet512.onnx", "light_bvlc_alexnet.onnx"}
+MODELS = [
+    pytest.param(name, marks=pytest.mark.slow) if name in _LARGE else name
+    for name in sorted(p.name for p in LIGHT.glob("light_*.onnx"))
+]
 
 
 def _weight_for(shape: list[int], consumer: onnx.NodeProto | None, index: int, rng: np.random.Generator) -> np.ndarray:
@@ -85,11 +90,12 @@ def _run(model_or_path, feeds: dict) -> np.ndarray:  # type: ignore[no-untyped-d
     return session.run(None, feeds)[0]
 
 
-def _assert_compute_converted(report: mixprec.Report, model: onnx.ModelProto) -> None:
+def _assert_compute_converted(report: mixprec.Report, model: onnx.ModelProto, *, most_nodes: bool = True) -> None:
     for op in ("Conv", "Gemm", "MatMul"):
         count = sum(1 for n in model.graph.node if n.op_type == op)
         assert report.low_by_op.get(op, 0) == count, (op, report.low_by_op)
-    assert report.nodes_by_precision["low"] > 2 * report.nodes_by_precision.get("fp32", 0)
+    if most_nodes:
+        assert report.nodes_by_precision["low"] > 2 * report.nodes_by_precision.get("fp32", 0)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -104,9 +110,15 @@ def test_light_cnn_converts_and_keeps_top1(name: str, tmp_path: Path) -> None:
     got16 = _top1(tmp_path / "fp16.onnx", model)
     np.testing.assert_array_equal(got16.argmax(-1), expected.argmax(-1))
 
-    # bfloat16 Conv/pooling exist from opset 22: upgrade while converting.
-    bf16 = mixprec.convert(source, tmp_path / "bf16.onnx", target_dtype="bf16", validate="checker", opset=22)
+    # The models are below opset 22, where bfloat16 Conv/pooling first exist: `--to bf16`
+    # alone upgrades them. On a runtime that runs every schema type (TensorRT, OpenVINO) nearly
+    # everything converts; on ORT CUDA, whose bfloat16 kernels stop at Conv/Gemm/MatMul and a few
+    # elementwise ops, the heavy ops still do.
+    out = tmp_path / "bf16.onnx"
+    bf16 = mixprec.convert(source, out, target_dtype="bf16", validate="checker", runtime="onnx")
+    assert any("opset upgraded" in n for n in bf16.report.notes), bf16.report.notes
     _assert_compute_converted(bf16.report, model)
-    emulated = emulate_low_precision(onnx.load(str(tmp_path / "bf16.onnx")))
-    got_bf16 = _top1(emulated, model)
+    got_bf16 = _top1(emulate_low_precision(onnx.load(str(out))), model)
     np.testing.assert_array_equal(got_bf16.argmax(-1), expected.argmax(-1))
+    cuda = mixprec.convert(source, None, target_dtype="bf16", validate="none", runtime="ort-cuda")
+    _assert_compute_converted(cuda.report, model, most_nodes=False)

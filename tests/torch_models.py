@@ -131,3 +131,92 @@ def export(model: nn.Module, path: Path, *, dynamo: bool, opset: int | None = No
             opset_version=opset or 17,
         )
     return path
+
+
+class NormMLP(nn.Module):
+    """Linear layers around a LayerNorm and an RMSNorm written out by hand (LLaMA style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.ln = nn.LayerNorm(64, eps=1e-5)
+        self.fc2 = nn.Linear(64, 32)
+        self.rms_weight = nn.Parameter(torch.rand(32) + 0.5)
+        self.fc3 = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc2(torch.relu(self.ln(self.fc1(x))))
+        h = self.rms_weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+        return self.fc3(h)
+
+
+class TwoGRU(nn.Module):
+    """A Conv1d front end and two stacked GRUs (a speech-enhancement shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(8, 16, 3, padding=1)
+        self.gru1 = nn.GRU(16, 32, batch_first=True)
+        self.gru2 = nn.GRU(32, 32, batch_first=True)
+        self.fc = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x).transpose(1, 2)
+        y, _ = self.gru1(y)
+        y, _ = self.gru2(y)
+        return self.fc(y)
+
+
+def export_torchscript(module: nn.Module, example: torch.Tensor, path: Path, opset: int, dynamic: dict) -> Path:
+    """Export with the TorchScript exporter (the one that decomposes LayerNorm below opset 17)."""
+    import warnings  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            module.eval(), (example,), str(path), input_names=["x"], output_names=["y"],
+            opset_version=opset, dynamo=False, dynamic_axes={"x": dynamic},
+        )
+    return path
+
+
+def export_optimized_bert(path: Path) -> Path:
+    """A tiny BERT from `transformers` (random weights, no download), exported and fused by
+    onnxruntime.transformers' optimizer into com.microsoft ops (Attention, SkipLayerNorm, ...)."""
+    import warnings  # noqa: PLC0415
+
+    from onnxruntime.transformers.optimizer import optimize_model  # noqa: PLC0415
+    from transformers import BertConfig, BertModel  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=64,
+    )
+    config._attn_implementation = "eager"  # the attention pattern the optimizer fuses
+    bert = BertModel(config).eval()
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> tuple:
+            out = self.bert(input_ids=ids, attention_mask=mask, token_type_ids=types)
+            return out.last_hidden_state, out.pooler_output
+
+    ids = torch.randint(0, 100, (2, 16))
+    raw = path.with_name("bert_raw.onnx")
+    axes = {0: "batch", 1: "seq"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            Wrapped().eval(), (ids, torch.ones_like(ids), torch.zeros_like(ids)), str(raw),
+            input_names=["input_ids", "attention_mask", "token_type_ids"],
+            output_names=["last_hidden_state", "pooler_output"],
+            dynamic_axes={"input_ids": axes, "attention_mask": axes, "token_type_ids": axes},
+            opset_version=14, dynamo=False,
+        )
+        optimize_model(str(raw), model_type="bert", num_heads=4, hidden_size=64).save_model_to_file(str(path))
+    return path

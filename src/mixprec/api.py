@@ -18,7 +18,8 @@ import onnx_ir as ir
 
 from mixprec.analysis.integer_semantics import integer_semantics
 from mixprec.analysis.calibrate import BatchSource, RangeTable, wide_values_from_ranges
-from mixprec.analysis.plan import NodeMatcher, PrecisionPlan, plan_precision
+from mixprec.analysis.plan import Category, NodeMatcher, Precision, PrecisionPlan, plan_precision
+from mixprec.analysis.plan import weights_only as weights_only_plan
 from mixprec.graphs import walk_nodes
 from mixprec.analysis.typeinfo import infer_types
 from mixprec.dtypes import LowPrecision, parse_low_precision
@@ -31,11 +32,17 @@ from mixprec.io import (
     wants_external_data,
     weight_bytes,
 )
+from mixprec.passes.norm_blocks import fuse_norm_blocks
+from mixprec.passes.opset import default_opset, required_opset, upgrade_opset
 from mixprec.passes.rewrite import apply_plan
+from mixprec.policy.runtime import DEFAULT_RUNTIME, RuntimeProfile, load_runtime
 from mixprec.policy.schemas import op_exists
 from mixprec.policy.table import Policy, load_policy, parse_op_name
 from mixprec.report import OutputError, Report, Validation, build_report
-from mixprec.validate.checker import check_model_file, checker_error
+from mixprec.validate.check import RuntimeRejection, validate_staged
+from mixprec.validate.checker import checker_error
+from mixprec.validate.isolated import run_isolated
+from mixprec.validate.repair import find_culprits
 
 logger = logging.getLogger(__name__)
 
@@ -90,23 +97,41 @@ def _check_user_ops(model: ir.Model, names: Iterable[str]) -> None:
             )
 
 
-def _upgrade_opset(model: ir.Model, opset: int) -> tuple[ir.Model, str | None]:
-    """Upgrade the default-domain opset with the ONNX version converter."""
-    import onnx.version_converter  # noqa: PLC0415
-
-    current = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
-    if current is None or current >= opset:
-        return model, None
-    if uses_external_data(model):
-        raise InputError(
-            "opset upgrade of a model with external data is not supported; upgrade it first "
-            "with onnx.version_converter"
-        )
+def _upgrade_for_target(
+    model: ir.Model,
+    opset: int | None,
+    policy: Policy,
+    target: LowPrecision,
+    profile: RuntimeProfile,
+    notes: list[str],
+) -> ir.Model | None:
+    """Upgrade the model's opset when asked (`opset`), or when its compute-bound ops admit the
+    target type only at a newer opset; None when the model stays as it is."""
+    current = default_opset(model)
+    if opset is not None:
+        if current is None or current >= opset:
+            return None
+        notes.append(f"opset upgraded from {current} to {opset} (--opset)")
+        return upgrade_opset(model, opset)
+    needed = required_opset(model, policy, target)
+    if needed is None:
+        return None
+    version, ops = needed
     try:
-        upgraded = onnx.version_converter.convert_version(ir.to_proto(model), opset)
-    except Exception as e:  # noqa: BLE001
-        raise InputError(f"cannot upgrade the model from opset {current} to {opset}: {e}") from e
-    return ir.from_proto(upgraded), f"opset upgraded from {current} to {opset}"
+        upgraded = upgrade_opset(model, version)
+    except InputError as e:
+        notes.append(f"{', '.join(ops)} need opset {version} for {target.value} but {e}; they stay FP32")
+        return None
+    notes.append(
+        f"opset upgraded from {current} to {version}: {', '.join(ops)} admit {target.value} from "
+        f"opset {version} (pin a version with --opset)"
+    )
+    if profile.opset_range is not None and version > profile.opset_range[1]:
+        notes.append(
+            f"the {profile.name} table covers opsets {profile.opset_range[0]}-{profile.opset_range[1]}; "
+            f"check that your {profile.name} version parses opset {version}"
+        )
+    return upgraded
 
 
 def _normalize_ir_version(model: ir.Model) -> list[str]:
@@ -171,6 +196,8 @@ def convert(
     progress: bool | None = False,
     plan: str | os.PathLike | Mapping[str, object] | None = None,
     ranges: RangeTable | None = None,
+    runtime: str | None = None,
+    weights_only: bool = False,
 ) -> ConversionResult:
     """Convert an FP32 ONNX model to mixed precision.
 
@@ -202,7 +229,14 @@ def convert(
             when weights exceed 1 GiB or the input used external data.
         progress: Show progress lines for long steps on stderr (None: when it is a terminal).
         opset: Upgrade the model to this default-domain opset first (with the ONNX version
-            converter), e.g. 22 so that Conv and pooling admit bfloat16.
+            converter). Default: upgrade only when the model's compute-bound ops admit the
+            target type at a newer opset (bfloat16 Conv and pooling: 22).
+        runtime: The runtime the model is deployed to (`mixprec.policy.runtime.RUNTIMES`,
+            default `ort-cuda`): a node converts only where the runtime has a 16-bit kernel
+            for it; `onnx` lets the ONNX schema alone decide.
+        weights_only: Store the weights in the 16-bit type and compute everything in FP32 (for
+            runtimes without 16-bit compute for the model's heavy ops: half the file, FP32
+            speed).
         ranges: FP32 ranges measured before (`mixprec.analysis.calibrate.calibrate`): used
             instead of calibrating on `data`.
         plan: A plan file (`mixprec.plan_file.save_plan`) or its dict: its `fp32` nodes are
@@ -215,14 +249,53 @@ def convert(
     Raises:
         MixprecError: A bad argument or model, or a converted model that fails validation.
     """
+    options = dict(
+        target_dtype=target_dtype, low_precision_ops=list(low_precision_ops), fp32_ops=list(fp32_ops),
+        follow_ops=list(follow_ops), exclude_nodes=list(exclude_nodes), keep_io_types=keep_io_types,
+        policy_file=policy_file, validate=validate, data=data, max_batches=max_batches,
+        tolerance=tolerance, external_data=external_data, opset=opset, progress=progress,
+        calibrate=calibrate, plan_source=plan, ranges=ranges, runtime=runtime,
+        weights_only=weights_only,
+    )
     with _gc_paused():
-        return _convert(
-            model, output, target_dtype=target_dtype, low_precision_ops=low_precision_ops,
-            fp32_ops=fp32_ops, follow_ops=follow_ops, exclude_nodes=exclude_nodes,
-            keep_io_types=keep_io_types, policy_file=policy_file, validate=validate, data=data,
-            max_batches=max_batches, tolerance=tolerance, external_data=external_data,
-            opset=opset, progress=progress, calibrate=calibrate, plan_source=plan, ranges=ranges,
-        )
+        try:
+            return _convert(model, output, **options)
+        except RuntimeRejection as rejection:
+            try:
+                return _repair(rejection, output, options)
+            finally:
+                rejection.cleanup()
+
+
+def _repair(rejection: RuntimeRejection, output: str | os.PathLike | None, options: dict) -> ConversionResult:
+    """Keep FP32 the fewest converted nodes that make onnxruntime load (and run) the model."""
+    source, outcome = rejection.reference, rejection.outcome
+    if source is None or not rejection.converted:
+        raise rejection
+    trial_options = {**options, "validate": "none", "ranges": rejection.ranges, "progress": False}
+    what = "crashes on" if outcome.crashed else "fails on"
+    reason = f"onnxruntime (CPU provider, default options) {what} the model with this node in 16 bits: {outcome.error}"
+
+    def fails(kept: frozenset[str]) -> bool:
+        trial = _convert(source, None, **trial_options, runtime_fp32=dict.fromkeys(kept, reason))
+        with tempfile.TemporaryDirectory(prefix="mixprec-repair-") as tmp:
+            path = Path(tmp) / "trial.onnx"
+            save_model(trial.model, path, external_data=wants_external_data(trial.model))
+            return not run_isolated(path, rejection.feeds).ok
+
+    logger.warning("%s; searching for the nodes to keep FP32", rejection)
+    culprits = find_culprits(rejection.converted, fails)
+    if culprits.names is None:
+        raise ConversionError(f"{rejection}; it fails even with every converted node FP32") from rejection
+    result = _convert(
+        source, output, **{**options, "ranges": rejection.ranges}, runtime_fp32=dict.fromkeys(culprits.names, reason)
+    )
+    result.report.notes.append(
+        f"onnxruntime {what} the first conversion ({outcome.error}); kept {len(culprits.names)} node(s) "
+        f"FP32 after {culprits.trials} trial conversion(s): {', '.join(culprits.names[:5])}"
+        + (" ..." if len(culprits.names) > 5 else "")
+    )
+    return result
 
 
 def _convert(
@@ -246,7 +319,12 @@ def _convert(
     calibrate: bool = True,
     plan_source: str | os.PathLike | Mapping[str, object] | None = None,
     ranges: RangeTable | None = None,
+    runtime: str | None = None,
+    runtime_fp32: Mapping[str, str] | None = None,
+    weights_only: bool = False,
 ) -> ConversionResult:
+    """One conversion; `runtime_fp32`: plan keys of nodes kept FP32 because the runtime fails
+    on them in 16 bits, with the reason (see `_repair`)."""
     times: dict[str, float] = {}
     start = time.perf_counter()
     target = parse_low_precision(target_dtype)
@@ -254,12 +332,7 @@ def _convert(
     ir_model, source_path = load_model(model)
     original_proto = model if isinstance(model, onnx.ModelProto) else None
     notes = _normalize_ir_version(ir_model)
-    unchanged_source = source_path
-    if opset is not None:
-        ir_model, upgrade_note = _upgrade_opset(ir_model, opset)
-        if upgrade_note:
-            notes.append(upgrade_note)
-            unchanged_source = None
+    profile = load_runtime(runtime)
 
     def original_checker_error() -> str | None:
         if source_path is not None:
@@ -277,6 +350,10 @@ def _convert(
         follow_ops=follow_ops,
     )
     matcher = NodeMatcher(exclude_nodes)
+    unchanged_source = source_path
+    upgraded = _upgrade_for_target(ir_model, opset, policy, target, profile, notes)
+    if upgraded is not None:
+        ir_model, unchanged_source = upgraded, None
 
     reference_dir: tempfile.TemporaryDirectory[str] | None = None
     reference_path = source_path
@@ -287,7 +364,7 @@ def _convert(
         # One re-iterable source for calibration and validation (paths are re-read per pass).
         inputs = [v.name for v in ir_model.graph.inputs if v.name not in ir_model.graph.initializers]
         data = BatchSource(data, inputs, max_batches)
-    if (level == "run" or calibrating) and reference_path is None:
+    if (level in ("run", "load") or calibrating) and reference_path is None:
         # In-memory input: keep an FP32 copy on disk for the reference run.
         reference_dir = tempfile.TemporaryDirectory(prefix="mixprec-ref-")
         reference_path = Path(reference_dir.name) / "reference.onnx"
@@ -297,6 +374,12 @@ def _convert(
     try:
         t = time.perf_counter()
         typeinfo = infer_types(ir_model, source=unchanged_source)
+        blocks = fuse_norm_blocks(ir_model)
+        if blocks.fused:
+            notes.append(
+                f"fused {len(blocks.fused)} decomposed normalization(s) into single ops with FP32 "
+                f"accumulation (stash_type=1): {', '.join(blocks.fused[:5])}" + (" ..." if len(blocks.fused) > 5 else "")
+            )
         times["types"] = time.perf_counter() - t
         wide_values = None
         if ranges is not None:
@@ -308,12 +391,21 @@ def _convert(
             times["calibrate"] = time.perf_counter() - t
         t = time.perf_counter()
         forced = integer_semantics(ir_model, target)
+        forced = {**{n: (Category.NORM_BLOCK, r) for n, r in blocks.kept.items()}, **forced}
+        if runtime_fp32:
+            from mixprec.plan_file import model_node_names  # noqa: PLC0415
+
+            by_name = model_node_names(ir_model)
+            forced = {
+                **{by_name[n]: (Category.RUNTIME_FAILURE, r) for n, r in runtime_fp32.items() if n in by_name},
+                **forced,
+            }
 
         def make_plan(extra: Mapping[ir.Node, tuple] | None = None) -> PrecisionPlan:
             # Analyses' reasons (integer semantics) win over a plan's.
             return plan_precision(
                 ir_model, policy, exclude_nodes=matcher, keep_io_types=keep_io_types,
-                forced_fp32={**(extra or {}), **forced}, wide_values=wide_values,
+                forced_fp32={**(extra or {}), **forced}, wide_values=wide_values, runtime=profile,
             )
 
         requested = None
@@ -324,6 +416,10 @@ def _convert(
             plan = requested.apply(ir_model, make_plan)
         else:
             plan = make_plan()
+        if weights_only:
+            plan = weights_only_plan(plan)
+        else:
+            notes.extend(_nothing_worth_converting(plan, policy, profile))
         unused = matcher.unused()
         if unused:
             raise InputError(f"--exclude-node pattern {unused[0]!r} matches no node in the model")
@@ -347,14 +443,23 @@ def _convert(
             type_inference_warning=typeinfo.warning,
         )
 
+        report.runtime = profile.name
         report.notes.extend(notes)
 
         def check(staged: Path) -> None:
             t0 = time.perf_counter()
-            report.validation = _validate(
-                staged, reference_path, target, level, data, max_batches, tolerance,
-                original_checker_error, weights_large=weights_before > _RUN_MAX_WEIGHT_BYTES,
-            )
+            try:
+                report.validation = validate_staged(
+                    staged, reference_path, target, level, data, max_batches, tolerance,
+                    original_checker_error, weights_large=weights_before > _RUN_MAX_WEIGHT_BYTES,
+                    runtime=profile.name,
+                )
+            except RuntimeRejection as rejection:
+                # Hand what a repair needs to `convert`, which owns the search.
+                rejection.reference, rejection.ranges = reference_path, ranges
+                rejection.converted = _converted_names(plan)
+                rejection.keep(reference_dir)
+                raise
             report.validation.seconds = time.perf_counter() - t0
 
         t = time.perf_counter()
@@ -367,6 +472,9 @@ def _convert(
             with tempfile.TemporaryDirectory(prefix="mixprec-out-") as tmp:
                 save_model(ir_model, Path(tmp) / "model.onnx", external_data=external_data, check=check)
         times["save_and_validate"] = time.perf_counter() - t
+    except RuntimeRejection:
+        reference_dir = None  # the rejection owns it now
+        raise
     finally:
         if reference_dir is not None:
             reference_dir.cleanup()
@@ -375,158 +483,6 @@ def _convert(
     return ConversionResult(
         ir_model, report, plan, Path(output) if output is not None else None, ranges=ranges
     )
-
-
-def _validate(
-    path: Path,
-    reference: Path | None,
-    target: LowPrecision,
-    level: str,
-    data: str | os.PathLike | Iterable[Batch] | None,
-    max_batches: int,
-    tolerance: tuple[float, float] | None,
-    original_checker_error: Callable[[], str | None] | None = None,
-    *,
-    weights_large: bool = False,
-) -> Validation:
-    """Check a staged converted model; raise ConversionError to stop it being published."""
-    from mixprec.validate import compare, data as data_mod, runner  # noqa: PLC0415
-
-    result = Validation()
-    if level == "none":
-        return result
-    inherited = check_model_file(path, original_checker_error)
-    if inherited is None:
-        result.checker = "passed"
-    else:
-        result.checker = "fails as the FP32 model does"
-        result.notes.append(f"the FP32 model fails the ONNX checker the same way: {inherited}")
-    if level == "checker":
-        result.notes.append(
-            "onnxruntime load check not run at validation level 'checker' (auto picks it above 50,000 nodes)"
-        )
-        return result
-    if level == "load":
-        if target is LowPrecision.BFLOAT16:
-            result.notes.append("no load check for bfloat16: onnxruntime's CPU provider lacks bf16 kernels")
-            return result
-        load_path = path
-        if weights_large:
-            # Prove the graph loads without reading gigabytes of weights: they become inputs.
-            load_path = path.with_name("graph_only.onnx")
-            onnx.save(graph_only_proto(path), str(load_path))
-            result.notes.append("onnxruntime load check on the graph with weights as inputs")
-        try:
-            runner.make_session(load_path, graph_optimization="disable")
-        except ValidationError as e:
-            _blame_reference(reference, e, result)
-            return result
-        result.runtime = "loaded"
-        return result
-    from mixprec.validate.emulate import emulate_low_precision  # noqa: PLC0415
-
-    # Numerics are measured on the emulated model (each 16-bit value computed in FP32 and
-    # rounded): onnxruntime's CPU provider has no bfloat16 kernels, and runs most float16 ops
-    # in FP32 internally, which would hide float16 overflow. A float16 model also runs for real.
-    real_session = None
-    if target is LowPrecision.FLOAT16:
-        try:
-            real_session = runner.make_session(path, graph_optimization="disable")
-        except ValidationError as e:
-            _blame_reference(reference, e, result)
-            return result
-    candidate_path = path.with_name("emulated.onnx")
-    onnx.save(emulate_low_precision(onnx.load(str(path))), str(candidate_path))
-    result.runtime = "emulated"
-    result.notes.append(
-        f"{target.value} numerics measured on an emulated model (FP32 compute, {target.short_name} rounding)"
-    )
-    try:
-        candidate = runner.make_session(candidate_path, graph_optimization="disable")
-    except ValidationError as e:
-        _blame_reference(reference, e, result)
-        return result
-    reference_session = None
-    if reference is not None:
-        try:
-            reference_session = runner.make_session(reference, graph_optimization="disable")
-        except ValidationError as e:
-            result.runtime = "reference-fails"
-            result.notes.append(f"the FP32 model does not load in onnxruntime: {e}")
-    if reference_session is None:
-        result.runtime = "loaded" if result.runtime == "skipped" else result.runtime
-        return result
-    merged: list | None = None
-    nonfinite_feeds = None  # the first batch with new non-finite outputs
-    batches = _batches(data, reference, reference_session, data_mod, max_batches)
-    for feeds in batches:
-        try:
-            expected = runner.run_session(reference_session, feeds)
-        except ValidationError as e:
-            result.runtime = "reference-fails"
-            result.notes.append(f"the FP32 model fails to run: {e}")
-            return result
-        try:
-            if real_session is not None and result.batches == 0:
-                runner.run_session(real_session, feeds)
-                result.runtime = "ran and emulated"
-            actual = runner.run_session(candidate, feeds)
-        except ValidationError as e:
-            raise ConversionError(f"the converted model fails to run in onnxruntime: {e}") from e
-        comparison = compare.compare_outputs(expected, actual)
-        if nonfinite_feeds is None and any(c.new_nonfinite for c in comparison):
-            nonfinite_feeds = feeds
-        merged = comparison if merged is None else compare.merge(merged, comparison)
-        result.batches += 1
-    if result.runtime == "skipped":
-        result.runtime = "ran"
-    for c in merged or []:
-        within = c.within(*tolerance) if tolerance is not None else None
-        result.outputs.append(
-            OutputError(c.name, float(c.max_abs_error), float(c.max_rel_error), int(c.nan_count), int(c.inf_count), int(c.new_nonfinite), within)
-        )
-        if c.new_nonfinite:
-            result.notes.append(
-                f"output {c.name!r} has {c.new_nonfinite} non-finite value(s) where the FP32 model has none"
-            )
-    origin = None
-    if nonfinite_feeds is not None and reference is not None:
-        origin = _nan_origin_note(reference, path, nonfinite_feeds, target)
-        result.notes.append(origin)
-    if tolerance is not None:
-        failing = [o.name for o in result.outputs if o.within_tolerance is False]
-        if failing:
-            raise ConversionError(
-                f"output {failing[0]!r} differs from the FP32 model beyond atol={tolerance[0]}, "
-                f"rtol={tolerance[1]}" + (f"; {origin}" if origin else "")
-            )
-    return result
-
-
-def _batches(data, reference: Path, session, data_mod, max_batches: int):  # type: ignore[no-untyped-def]
-    names = [i.name for i in session.get_inputs()]
-    if data is None:
-        specs = data_mod.input_specs(onnx.load(str(reference), load_external_data=False))
-        yield data_mod.generate_inputs(specs, seed=0)
-        return
-    iterator = data_mod.load_batches(data, names) if isinstance(data, (str, os.PathLike)) else iter(data)
-    for index, batch in enumerate(iterator):
-        if index >= max_batches:
-            return
-        yield batch
-
-
-def _blame_reference(reference: Path | None, error: ValidationError, result: Validation) -> None:
-    from mixprec.validate import runner  # noqa: PLC0415
-
-    if reference is not None:
-        try:
-            runner.make_session(reference, graph_optimization="disable")
-        except ValidationError:
-            result.runtime = "reference-fails"
-            result.notes.append("neither the FP32 nor the converted model loads in onnxruntime")
-            return
-    raise ConversionError(f"the converted model does not load in onnxruntime: {error}") from error
 
 
 def _calibrate(
@@ -553,15 +509,28 @@ def _calibrate(
     return table, wide
 
 
-def _nan_origin_note(reference: Path, converted: Path, feeds: Batch, target: LowPrecision) -> str:
-    """A note naming the node where new non-finite values start (see `find_nan_origin`)."""
-    from mixprec.errors import MixprecError  # noqa: PLC0415
-    from mixprec.validate.nan_origin import find_nan_origin  # noqa: PLC0415
+def _converted_names(plan: PrecisionPlan) -> list[str]:
+    """Plan keys of the nodes computing in 16 bits, in topological order."""
+    from mixprec.plan_file import node_names  # noqa: PLC0415
 
-    try:
-        origin = find_nan_origin(reference, converted, feeds, target=target)
-    except MixprecError as e:
-        return f"could not locate where the non-finite values start: {e}"
-    if origin is None:
-        return "the non-finite values could not be traced to a main-graph node"
-    return f"non-finite values start at {origin.describe()}"
+    names = node_names(plan.order)
+    return [names[n] for n in plan.order if plan.decisions[n].precision is Precision.LOW]
+
+
+def _nothing_worth_converting(plan: PrecisionPlan, policy: Policy, profile: RuntimeProfile) -> list[str]:
+    """A note when the runtime left every compute-bound op FP32: suggest weights-only."""
+    heavy = [
+        node for node, d in plan.decisions.items()
+        if (rule := policy.rule_for(node.domain, node.op_type)) is not None and rule.compute_bound
+        and d.precision is not Precision.NONE
+    ]
+    if not heavy or any(plan.decisions[n].precision is Precision.LOW for n in heavy):
+        return []
+    blocked = sorted({n.op_type for n in heavy if plan.decisions[n].category is Category.RUNTIME})
+    if not blocked:
+        return []
+    return [
+        f"nothing worth converting on {profile.name}: it has no {plan.target.value} kernel for "
+        f"{', '.join(blocked)}; --weights-only stores the weights in {plan.target.value} (half the "
+        "file) and computes in FP32"
+    ]

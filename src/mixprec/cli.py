@@ -2,7 +2,8 @@
 
 Exit codes: 0 success; 2 bad arguments or input; 3 the converted model failed validation
 (nothing written), or `tune` could not meet the tolerance (model not written, plan written);
-4 the model file cannot be read.
+4 the model file cannot be read; 5 the model was written but its numerics could not be checked
+(the FP32 model does not run on the data or on generated inputs: pass --data).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mixprec.errors import ConversionError, InputError, MixprecError, ModelLoadError, PolicyError
+from mixprec.policy.runtime import DEFAULT_RUNTIME, RUNTIMES
 
 logger = logging.getLogger("mixprec")
 
@@ -23,6 +25,7 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_VALIDATION = 3
 EXIT_MODEL = 4
+EXIT_UNCHECKED = 5
 
 
 def _tolerance(text: str) -> tuple[float, float]:
@@ -61,7 +64,14 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--io-16bit", action="store_true",
                          help="make the model's FP32 inputs and outputs 16-bit too")
     convert.add_argument("--opset", type=int, metavar="N",
-                         help="upgrade the model to opset N first (bfloat16 Conv needs 22)")
+                         help="upgrade the model to opset N first (default: only when the target "
+                              "type needs it, e.g. 22 for bfloat16 Conv)")
+    convert.add_argument("--runtime", default=None, choices=RUNTIMES,
+                         help=f"the runtime the model is deployed to: nodes convert only where it "
+                              f"has a 16-bit kernel (default {DEFAULT_RUNTIME}; onnx: the schema alone)")
+    convert.add_argument("--weights-only", action="store_true",
+                         help="store weights in 16 bits, compute in FP32 (runtimes without 16-bit "
+                              "compute: half the file, FP32 speed)")
     convert.add_argument("--policy", metavar="TOML", help="use this policy table instead of the default")
     convert.add_argument("--validate", default="auto", choices=["auto", "run", "load", "checker", "none"],
                          help="auto (default): checker always; onnxruntime run for models of moderate "
@@ -118,6 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     policy = sub.add_parser("policy", help="show the op policy for a target type")
     policy.add_argument("--to", default="fp16")
     policy.add_argument("--policy", metavar="TOML")
+    policy.add_argument("--runtime", default=None, choices=RUNTIMES,
+                        help=f"show the classes in effect on this runtime (default {DEFAULT_RUNTIME})")
 
     demo = sub.add_parser("demo", help="convert the built-in demo models and report")
     demo.add_argument("--out", metavar="DIR", help="keep the models in this folder")
@@ -146,6 +158,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         opset=args.opset,
         progress=None,
         plan=args.plan,
+        runtime=args.runtime,
+        weights_only=args.weights_only,
     )
     report = result.report
     if args.plan_out:
@@ -162,6 +176,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         print(report.to_json())
     else:
         print(report.format_text())
+    if report.validation.numerics_unchecked:
+        print(f"mixprec: warning: {args.output} written, numerics {report.validation.numerics}", file=sys.stderr)
+        return EXIT_UNCHECKED
     return EXIT_OK
 
 
@@ -230,17 +247,19 @@ def _cmd_policy(args: argparse.Namespace) -> int:
     from mixprec.dtypes import parse_low_precision  # noqa: PLC0415
     from mixprec.policy.table import OpClass, load_policy  # noqa: PLC0415
 
+    from mixprec.policy.runtime import effective_classes, load_runtime  # noqa: PLC0415
+
     policy = load_policy(parse_low_precision(args.to), args.policy)
-    print(f"policy for {policy.target.value} (ops in no class keep their original types)")
-    for op_class in OpClass:
-        ops = policy.ops_in(op_class)
-        print(f"\n{op_class.value} ({len(ops)}):")
-        for op in ops:
-            rule = policy.rule_for(*reversed(op.rsplit("::", 1))) if "::" in op else policy.rule_for("", op)
-            extra = ""
-            if rule is not None and rule.condition:
-                extra = f"  [{rule.condition} {dict(rule.params)}]"
-            print(f"  {op:<28} {rule.reason if rule else ''}{extra}")
+    runtime = load_runtime(args.runtime)
+    print(
+        f"policy for {policy.target.value} on runtime {runtime.name} ({runtime.description}); "
+        "ops in no class keep their original types"
+    )
+    classes = effective_classes(policy, runtime)
+    for op_class, rows in classes.items():
+        print(f"\n{op_class} ({len(rows)}):")
+        for op, reason in rows:
+            print(f"  {op:<44} {reason}")
     return EXIT_OK
 
 

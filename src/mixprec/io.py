@@ -129,6 +129,35 @@ def graph_only_proto(path: str | os.PathLike, max_inline_bytes: int = 1024) -> o
     return proto
 
 
+def weight_free_proto(model: ir.Model, max_inline_bytes: int = 1024) -> onnx.ModelProto:
+    """Serialize `model` with large main-graph initializers turned into typed graph inputs
+    (the in-memory counterpart of :func:`graph_only_proto`; no weight is read)."""
+    graph = model.graph
+    removed: list[tuple[ir.Value, ir.TensorProtocol | None]] = []
+    original_inputs = list(graph.inputs)
+    input_set = set(original_inputs)
+    for value in list(graph.initializers.values()):
+        tensor = value.const_value
+        if tensor is not None:
+            if value.dtype is None:
+                value.dtype = tensor.dtype
+            if value.shape is None:
+                value.shape = ir.Shape(tensor.shape)
+        if tensor is None or tensor.nbytes > max_inline_bytes:
+            removed.append((value, tensor))
+            graph.initializers.pop(value.name)
+            if value not in input_set:
+                graph.inputs.append(value)
+    try:
+        return ir.serde.serialize_model(model)
+    finally:
+        for value, tensor in removed:
+            value.const_value = tensor
+            graph.initializers.add(value)
+        graph.inputs.clear()
+        graph.inputs.extend(original_inputs)
+
+
 def weight_bytes(model: ir.Model) -> int:
     """Total bytes of all initializers (subgraphs included)."""
     return sum(

@@ -10,11 +10,14 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import onnx.defs
 import onnx_ir as ir
 
 from mixprec.analysis.plan import Category, Precision, PrecisionPlan
 from mixprec.graphs import walk_nodes
 from mixprec.passes.rewrite import RewriteStats
+from mixprec.policy.schemas import get_schema
+from mixprec.policy.table import normalize_domain
 
 
 @dataclass
@@ -45,10 +48,15 @@ class Validation:
     """What was checked after conversion, and the outcome."""
 
     checker: str = "skipped"  # passed | skipped
-    runtime: str = "skipped"  # ran | loaded | skipped | emulated | reference-fails
+    runtime: str = "skipped"  # ran | loaded | skipped | emulated | reference-fails | no cpu kernels
+    numerics: str = "not checked"  # "checked ..." or "not checked: <why>"
+    numerics_unchecked: bool = False  # the check was due (level run) but could not run
     seconds: float = 0.0
     batches: int = 0
     outputs: list[OutputError] = field(default_factory=list)
+    real_runtime: str | None = None  # the runtime that ran the 16-bit model for real, if any
+    real_outputs: list[OutputError] = field(default_factory=list)
+    speed_ratio: float | None = None  # converted / FP32 latency on the real runtime
     notes: list[str] = field(default_factory=list)
 
 
@@ -107,6 +115,7 @@ class Report:
     weight_bytes_before: int
     weight_bytes_after: int
     type_inference_warning: str | None = None
+    runtime: str = "onnx"
     notes: list[str] = field(default_factory=list)
     validation: Validation = field(default_factory=Validation)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -137,7 +146,7 @@ class Report:
         share = 100.0 * counts.get("low", 0) / total_float if total_float else 0.0
         lines = [
             f"mixprec: {self.source} -> {self.output or '(in memory)'}  [{self.target}, "
-            f"keep_io_types={self.keep_io_types}]",
+            f"runtime {self.runtime}, keep_io_types={self.keep_io_types}]",
             f"  nodes: {counts.get('low', 0)} in {self.target}, {counts.get('fp32', 0)} in fp32 "
             f"({share:.1f}% of float nodes converted), {counts.get('none', 0)} without FP32 compute",
             f"  weights: {_mb(self.weight_bytes_before)} -> {_mb(self.weight_bytes_after)}"
@@ -168,12 +177,19 @@ class Report:
             lines.append(f"  kept FP32 for range: {name}: {note}")
         v = self.validation
         lines.append(f"  validation: checker {v.checker}, runtime {v.runtime} ({v.seconds:.2f} s)")
-        for out in v.outputs:
-            flag = "" if out.within_tolerance is None else ("  ok" if out.within_tolerance else "  OUT OF TOLERANCE")
-            lines.append(
-                f"    {out.name}: max abs {out.max_abs_error:.3g}, max rel {out.max_rel_error:.3g}, "
-                f"nan {out.nan_count}, inf {out.inf_count}{flag}"
-            )
+        lines.append(f"  numerics: {v.numerics}")
+        groups = [("emulated" if v.real_outputs else "", v.outputs)]
+        if v.real_outputs:
+            groups.append((f"real, {v.real_runtime}", v.real_outputs))
+        for label, outputs in groups:
+            for out in outputs:
+                flag = "" if out.within_tolerance is None else ("  ok" if out.within_tolerance else "  OUT OF TOLERANCE")
+                lines.append(
+                    f"    {out.name}{f' ({label})' if label else ''}: max abs {out.max_abs_error:.3g}, "
+                    f"max rel {out.max_rel_error:.3g}, nan {out.nan_count}, inf {out.inf_count}{flag}"
+                )
+        if v.speed_ratio is not None:
+            lines.append(f"    latency on {v.real_runtime}: {v.speed_ratio:.2f}x the FP32 model's")
         lines.extend(f"  note: {n}" for n in [*self.notes, *v.notes])
         if self.type_inference_warning:
             lines.append(f"  warning: type inference incomplete: {self.type_inference_warning}")
@@ -224,11 +240,19 @@ def build_report(
     elements = sum(e for e in known if e is not None) if runtime and all(e is not None for e in known) else None
     cast_bytes = None
     notes = []
-    schema_blocked = by_category.get(Category.SCHEMA, 0)
+    newest = onnx.defs.onnx_opset_version()
+    schema_blocked = sum(
+        1
+        for node in plan.order
+        if plan.decisions[node].category is Category.SCHEMA
+        and normalize_domain(node.domain) == ""
+        and (schema := get_schema(node.op_type, "", newest)) is not None
+        and any(target.type_str in c.allowed_type_strs for c in schema.type_constraints)
+    )
     if schema_blocked:
         notes.append(
             f"{schema_blocked} node(s) have no {target.value} type in their schema at this opset; "
-            "a newer opset may admit them (convert with opset=22 / --opset 22)"
+            f"opset {newest} admits them (convert with --opset {newest})"
         )
     if elements is not None:
         cast_bytes = sum(

@@ -430,8 +430,8 @@ class _Search:
     # -- setup ---------------------------------------------------------------------------------
     def _fp32_model(self, model: str | os.PathLike | onnx.ModelProto) -> Path:
         """The FP32 model as a file (upgraded first when `opset` is given)."""
-        from mixprec.api import _upgrade_opset  # noqa: PLC0415
         from mixprec.io import load_model  # noqa: PLC0415
+        from mixprec.passes.opset import default_opset, upgrade_opset  # noqa: PLC0415
 
         opset = self.kwargs.pop("opset", None)
         if isinstance(model, ir.Model):
@@ -441,10 +441,10 @@ class _Search:
             load_model(path)  # clear errors for a missing or broken file
             return path
         ir_model, _ = load_model(model)
-        if opset is not None:
-            ir_model, note = _upgrade_opset(ir_model, opset)
-            if note:
-                self.notes.append(note)
+        current = default_opset(ir_model)
+        if opset is not None and current is not None and current < opset:
+            ir_model = upgrade_opset(ir_model, opset)
+            self.notes.append(f"opset upgraded from {current} to {opset}")
         path = self.workdir / "fp32.onnx"
         ir.save(ir_model, path)
         return path

@@ -27,7 +27,7 @@ import enum
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import onnx_ir as ir
@@ -37,6 +37,7 @@ from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.graphs import all_nodes, function_graphs, subgraphs_of
 from mixprec.errors import InputError
 from mixprec.policy.conditions import CONDITIONS
+from mixprec.policy.runtime import RuntimeProfile, load_runtime
 from mixprec.policy.schemas import Signature, signature
 from mixprec.policy.table import OpClass, OpRule, Policy, format_op_name, normalize_domain
 
@@ -65,6 +66,10 @@ class Category(str, enum.Enum):
     CONDITION = "condition"
     CONSTANT_RANGE = "out-of-range constant"
     SCHEMA = "schema has no 16-bit type"
+    RUNTIME = "runtime has no 16-bit kernel"
+    RUNTIME_FAILURE = "runtime fails on it"
+    NORM_BLOCK = "normalization block"
+    WEIGHTS_ONLY = "weights only"
     UNKNOWN_OP = "unknown op"
     UNKNOWN_TYPE = "type unknown"
     CONTROL_FLOW = "control flow"
@@ -120,6 +125,8 @@ class NodeFacts:
     lowerable: set[str] = field(default_factory=set)
     pinned_evidence: list[str] = field(default_factory=list)
     flexible: frozenset[int] = frozenset()
+    runtime_blocked: frozenset[str] = frozenset()
+    runtime_reason: str | None = None
 
 
 @dataclass
@@ -244,14 +251,19 @@ class _OpTemplate:
     Attributes:
         rule: The policy rule (None for ops the policy does not know).
         sig: The schema binding of the node's inputs and outputs (None without a schema).
-        excluded: Type variables the node never lowers.
+        excluded: Type variables the node never lowers (schema, policy pins or runtime).
         name: The op's name for reasons (`Op` or `domain::Op`).
+        runtime_blocked: Type variables the schema would lower but the runtime has no 16-bit
+            kernel for.
+        runtime_reason: Why, naming the kernel and provider.
     """
 
     rule: OpRule | None
     sig: Signature | None
     excluded: frozenset[str]
     name: str
+    runtime_blocked: frozenset[str] = frozenset()
+    runtime_reason: str | None = None
 
 
 class _Planner:
@@ -263,8 +275,10 @@ class _Planner:
         keep_io_types: bool,
         forced: Mapping[ir.Node, tuple[Category, str]] | None = None,
         wide_values: Mapping[ir.Value, str] | None = None,
+        runtime: RuntimeProfile | None = None,
     ) -> None:
         self.model = model
+        self.runtime = runtime if runtime is not None else load_runtime("onnx")
         self.forced = dict(forced or {})
         self.wide_values = dict(wide_values or {})
         self.policy = policy
@@ -353,7 +367,19 @@ class _Planner:
         sig = None
         if _is_std(node.domain) and opset is not None:
             sig = signature(node.op_type, node.domain, opset, len(node.inputs), len(node.outputs))
-        elif rule is not None and rule.source == "user" and not _is_std(node.domain):
+        blocked: frozenset[str] = frozenset()
+        runtime_reason = None
+        if sig is None and self.runtime.has_table and opset is not None:
+            # Contrib ops (and runtime-internal ones such as SimplifiedLayerNormalization) have
+            # no ONNX schema: the runtime's kernel binding is their signature.
+            sig = self.runtime.signature(node.domain, node.op_type, opset, len(node.inputs), len(node.outputs))
+            if sig is not None:
+                blocked = frozenset(v for v, allowed in sig.allowed.items() if self.target_type not in allowed)
+                runtime_reason = (
+                    f"no {self.target.value} kernel for {format_op_name(node.domain, node.op_type)}"
+                    f"({sig.since_version}) on {self.runtime.provider}"
+                )
+        if sig is None and rule is not None and rule.source == "user" and not _is_std(node.domain):
             sig = _user_op_signature(len(node.inputs), len(node.outputs))
         excluded: set[str] = set()
         if sig is not None:
@@ -369,8 +395,15 @@ class _Planner:
                         others = {sig.input_vars[i] for i in range(len(sig.input_vars)) if i != index}
                         if var is not None and var not in others | set(sig.output_vars):
                             excluded.add(var)
+        if sig is not None and self.runtime.has_table and not blocked:
+            candidates = frozenset(v for v, allowed in sig.allowed.items() if self.target_type in allowed)
+            version = sig.since_version if _is_std(node.domain) else (opset or 1)
+            blocked, runtime_reason = self.runtime.blocked_vars(
+                node.domain, node.op_type, version, sig, self.target_type, candidates - excluded
+            )
+            excluded |= blocked
         name = format_op_name(node.domain, node.op_type)
-        template = _OpTemplate(rule, sig, frozenset(excluded), name)
+        template = _OpTemplate(rule, sig, frozenset(excluded), name, blocked, runtime_reason)
         self._templates[key] = template
         return template
 
@@ -383,7 +416,9 @@ class _Planner:
                 for out in node.outputs:
                     if out.dtype is None:
                         out.dtype = FLOAT
-        facts = NodeFacts(rule=rule, sig=sig)
+        facts = NodeFacts(
+            rule=rule, sig=sig, runtime_blocked=template.runtime_blocked, runtime_reason=template.runtime_reason
+        )
         if rule is not None:
             facts.flexible = rule.flexible_inputs
         if sig is None:
@@ -535,6 +570,9 @@ class _Planner:
         if rule.dtype_attribute is not None:
             self._decide_dtype_source(node, facts, rule)
             return
+        if not facts.lowerable and facts.runtime_blocked & facts.float_vars and rule.op_class is not OpClass.FP32:
+            self._keep(node, Category.RUNTIME, facts.runtime_reason or "no 16-bit kernel", State.HIGH)
+            return
         if not facts.lowerable:
             if facts.float_vars:
                 reason = f"{op_name}-{facts.sig.since_version} has no {self.target.value} type for its FP32 values"
@@ -649,6 +687,9 @@ class _Planner:
                 f"{node.op_type}-{sig.since_version} has no {self.target.value} output type",  # type: ignore[union-attr]
                 State.HIGH,
             )
+            return
+        if out_var is not None and out_var in facts.runtime_blocked:
+            self._keep(node, Category.RUNTIME, facts.runtime_reason or "no 16-bit kernel", State.HIGH)
             return
         facts.lowerable = {out_var} if out_var is not None else set()
         constant = is_constant(out)
@@ -800,6 +841,7 @@ def plan_precision(
     keep_io_types: bool = True,
     forced_fp32: Mapping[ir.Node, tuple[Category, str]] | None = None,
     wide_values: Mapping[ir.Value, str] | None = None,
+    runtime: RuntimeProfile | None = None,
 ) -> PrecisionPlan:
     """Decide the precision of every node of a typed model.
 
@@ -812,9 +854,45 @@ def plan_precision(
             evidence.
         wide_values: FP32 values known (e.g. measured on data) to leave the 16-bit range, with
             evidence: they are never narrowed, and nodes producing them stay FP32.
+        runtime: The runtime profile whose kernels the converted nodes must have (default: the
+            ONNX schema alone).
 
     Returns:
         The plan.
     """
     matcher = exclude_nodes if isinstance(exclude_nodes, NodeMatcher) else NodeMatcher(exclude_nodes)
-    return _Planner(model, policy, matcher, keep_io_types, forced_fp32, wide_values).run()
+    return _Planner(model, policy, matcher, keep_io_types, forced_fp32, wide_values, runtime).run()
+
+
+# Weights-only storage skips tensors smaller than this: a Cast node costs more than it saves.
+_WEIGHTS_ONLY_MIN_ELEMENTS = 1024
+
+
+def weights_only(plan: PrecisionPlan) -> PrecisionPlan:
+    """The plan that stores weights in the 16-bit type and computes everything in FP32.
+
+    Every FP32 initializer of at least 1,024 elements whose values the 16-bit type represents
+    is stored in 16 bits and cast back to FP32 once where it is read (runtimes fold that Cast
+    into a constant when loading): half the file, FP32 arithmetic.
+    """
+    keep = Decision(Precision.FP32, Category.WEIGHTS_ONLY, "weights-only conversion: computes in FP32")
+    decisions = {
+        node: keep if d.precision is Precision.LOW else d for node, d in plan.decisions.items()
+    }
+    storage: dict[ir.Value, Storage] = {}
+    for graph in plan.graphs:
+        for value in graph.initializers.values():
+            tensor = value.const_value
+            if not is_fp32_tensor(value) or value.is_graph_input() or tensor is None:
+                continue
+            if tensor.size < _WEIGHTS_ONLY_MIN_ELEMENTS or not value.uses():
+                continue
+            rng = constant_range(value, plan.target)
+            storage[value] = Storage.LOW if rng is None or rng.representable else Storage.FP32
+    return replace(
+        plan,
+        decisions=decisions,
+        lowered_vars={node: frozenset() for node in plan.lowered_vars},
+        storage=storage,
+        saturated=set(),
+    )

@@ -19,13 +19,12 @@ import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_node_tensor
 from mixprec.graphs import all_graphs, has_subgraphs, walk_nodes
-from mixprec.io import graph_only_proto
+from mixprec.io import graph_only_proto, weight_free_proto
+from mixprec.policy.runtime import binding_signature
+from mixprec.policy.schemas import Signature, signature
+from mixprec.policy.table import normalize_domain
 
 logger = logging.getLogger(__name__)
-
-# Initializers larger than this are dropped from the copy handed to shape inference.
-_INLINE_INITIALIZER_BYTES = 1024
-
 
 @dataclass(frozen=True)
 class TypeInfo:
@@ -40,34 +39,6 @@ class TypeInfo:
     inferred: int
     unknown: int
     warning: str | None
-
-
-def _weight_free_proto(model: ir.Model) -> onnx.ModelProto:
-    """Serialize `model` with large main-graph initializers turned into typed graph inputs."""
-    graph = model.graph
-    removed: list[tuple[ir.Value, ir.TensorProtocol | None]] = []
-    original_inputs = list(graph.inputs)
-    input_set = set(original_inputs)
-    for value in list(graph.initializers.values()):
-        tensor = value.const_value
-        if tensor is not None:
-            if value.dtype is None:
-                value.dtype = tensor.dtype
-            if value.shape is None:
-                value.shape = ir.Shape(tensor.shape)
-        if tensor is None or tensor.nbytes > _INLINE_INITIALIZER_BYTES:
-            removed.append((value, tensor))
-            graph.initializers.pop(value.name)
-            if value not in input_set:
-                graph.inputs.append(value)
-    try:
-        return ir.serde.serialize_model(model)
-    finally:
-        for value, tensor in removed:
-            value.const_value = tensor
-            graph.initializers.add(value)
-        graph.inputs.clear()
-        graph.inputs.extend(original_inputs)
 
 
 class _TypeCache:
@@ -173,7 +144,7 @@ def infer_types(model: ir.Model, source: Path | None = None) -> TypeInfo:
     warning = None
     inferred = 0
     try:
-        proto = graph_only_proto(source) if source is not None else _weight_free_proto(model)
+        proto = graph_only_proto(source) if source is not None else weight_free_proto(model)
         proto = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False)
     except Exception as e:  # noqa: BLE001 - inference is best effort; the planner copes
         warning = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -191,10 +162,69 @@ def infer_types(model: ir.Model, source: Path | None = None) -> TypeInfo:
                 tensor = constant_node_tensor(node)
                 if tensor is not None:
                     node.outputs[0].dtype = tensor.dtype
+    propagate_by_signature(model, main_nodes)
     unknown = sum(
         1 for node in main_nodes for out in node.outputs if out.dtype is None and out.uses()
     )
     return TypeInfo(inferred=inferred, unknown=unknown, warning=warning)
+
+
+def _signature_of(node: ir.Node, opsets: dict[str, int]) -> Signature | None:
+    domain = normalize_domain(node.domain)
+    version = node.version if node.version is not None else (opsets.get(domain) if domain else opsets.get("", opsets.get("ai.onnx")))
+    if version is None:
+        return None
+    n_in, n_out = len(node.inputs), len(node.outputs)
+    sig = signature(node.op_type, domain, version, n_in, n_out) if domain == "" else None
+    return sig or binding_signature(domain, node.op_type, version, n_in, n_out)
+
+
+def _element_type(type_str: str) -> ir.DataType | None:
+    name = type_str.removeprefix("tensor(").removesuffix(")")
+    elem = _TENSOR_TYPES.get(name)
+    return None if elem is None else ir.DataType(elem)
+
+
+_TENSOR_TYPES = {
+    onnx.helper.tensor_dtype_to_string(t).removeprefix("TensorProto.").lower(): t
+    for t in onnx.TensorProto.DataType.values()
+    if t != onnx.TensorProto.UNDEFINED
+}
+_TENSOR_TYPES.update(float=onnx.TensorProto.FLOAT, double=onnx.TensorProto.DOUBLE, bool=onnx.TensorProto.BOOL)
+
+
+def propagate_by_signature(model: ir.Model, nodes: list[ir.Node]) -> int:
+    """Fill element types ONNX inference left unknown from each node's type binding.
+
+    Ops without an ONNX schema (contrib ops such as `com.microsoft::Attention`) stop ONNX
+    inference, and everything downstream of them stays untyped. Their kernel binding (from the
+    ONNX Runtime tables) and the schemas of standard ops say which input an output takes its
+    type from; one walk in graph order fills those. Shapes stay unknown. Returns the number of
+    values typed.
+    """
+    opsets = dict(model.opset_imports)
+    filled = 0
+    for node in nodes:
+        if all(out.dtype is not None for out in node.outputs):
+            continue
+        sig = _signature_of(node, opsets)
+        if sig is None:
+            continue
+        known: dict[str, ir.DataType] = {}
+        for value, var in zip(node.inputs, sig.input_vars):
+            if value is not None and var is not None and value.dtype is not None:
+                known.setdefault(var, value.dtype)
+        for out, var in zip(node.outputs, sig.output_vars):
+            if out.dtype is not None or var is None:
+                continue
+            dtype = known.get(var)
+            allowed = sig.allowed.get(var, frozenset())
+            if dtype is None and len(allowed) == 1:
+                dtype = _element_type(next(iter(allowed)))
+            if dtype is not None:
+                out.dtype = dtype
+                filled += 1
+    return filled
 
 
 def _fill_constant_types(model: ir.Model, main_nodes: list[ir.Node]) -> None:

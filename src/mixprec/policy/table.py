@@ -50,6 +50,7 @@ class OpRule:
     condition: str | None = None
     params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     source: str = "default"
+    compute_bound: bool = False
 
 
 _RULE_KEYS = {
@@ -63,6 +64,7 @@ _RULE_KEYS = {
     "dtype_attribute",
     "condition",
     "params",
+    "compute_bound",
 }
 
 
@@ -138,6 +140,12 @@ class Policy:
         return Policy(self.target, MappingProxyType(rules))
 
 
+def _flag(value: Any, where: str, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise PolicyError(f"{where}: {key!r} must be true or false, got {value!r}")
+    return value
+
+
 def _int_set(value: Any, where: str, key: str) -> frozenset[int]:
     if not isinstance(value, list) or not all(isinstance(v, int) and v >= 0 for v in value):
         raise PolicyError(f"{where}: {key!r} must be a list of input indices, got {value!r}")
@@ -186,6 +194,7 @@ def parse_policy(document: Mapping[str, Any], target: LowPrecision, source: str)
                 condition=condition,
                 params=MappingProxyType(dict(entry.get("params", {}))),
                 source=source,
+                compute_bound=_flag(entry.get("compute_bound", False), where, "compute_bound"),
             )
     return Policy(target, MappingProxyType(rules))
 

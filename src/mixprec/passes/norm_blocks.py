@@ -1,0 +1,326 @@
+"""Decomposed normalizations decided as one block: fused where the opset allows, else FP32.
+
+PyTorch's TorchScript exporter (below opset 17), TensorFlow and Paddle write LayerNorm as
+ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div(/Mul/Add) and RMSNorm as Pow/ReduceMean/Add/Sqrt/
+Div(/Mul). Converted node by node, such a block ends up part 16-bit, part FP32 behind Casts, and
+runtimes' own fusions (onnxruntime's LayerNormFusion) then build a normalization op with mixed
+input types that fails to load. Here each block is found and either
+
+* fused into `LayerNormalization` (opset 17) / `RMSNormalization` (opset 23) with
+  `stash_type=1`, so the statistics accumulate in FP32 inside the op and the block costs no
+  Cast, or
+* where the opset (or a non-static shape) does not allow that, kept FP32 as a whole.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from mixprec.analysis.constants import small_constant_array
+from mixprec.dtypes import is_fp32_tensor
+from mixprec.graphs import all_graphs
+from mixprec.passes.opset import default_opset
+
+# Ops that compute x**2, and those that compute 1/y from y (as Div(1, y) or Reciprocal(y)).
+_FUSED_OP = {"layer": ("LayerNormalization", 17), "rms": ("RMSNormalization", 23)}
+
+
+@dataclass
+class NormBlock:
+    """One decomposed normalization.
+
+    Attributes:
+        kind: "layer" or "rms".
+        nodes: Its nodes in graph order.
+        input: The normalized tensor.
+        output: The block's result (after the affine Mul/Add when present).
+        axes: The normalized axes (positive, trailing).
+        epsilon: The constant added to the variance.
+        scale: The gamma constant, if any.
+        bias: The beta constant, if any (LayerNorm only).
+    """
+
+    kind: str
+    nodes: list[ir.Node]
+    input: ir.Value
+    output: ir.Value
+    axes: list[int]
+    epsilon: float
+    scale: ir.Value | None
+    bias: ir.Value | None
+
+    @property
+    def name(self) -> str:
+        """A readable name: the nodes' common name prefix and the fused op (else the name of
+        the block's last node and the fused op)."""
+        names = [n.name for n in self.nodes if n.name]
+        prefix = os.path.commonprefix(names).rsplit("/", 1)[0] if names else ""
+        op_type = _FUSED_OP[self.kind][0]
+        if prefix:
+            return f"{prefix}/{op_type}"
+        return f"{names[-1]}/{op_type}" if names else op_type
+
+
+@dataclass
+class NormBlocks:
+    """What :func:`fuse_norm_blocks` did: fused blocks (by fused node name) and blocks kept
+    FP32 (their nodes), with the reason."""
+
+    fused: list[str]
+    kept: dict[ir.Node, str]
+
+
+def _sole_consumer(value: ir.Value, graph_outputs: set[ir.Value]) -> ir.Node | None:
+    uses = value.uses()
+    if len(uses) != 1 or value in graph_outputs:
+        return None
+    return uses[0].node
+
+
+def _other_input(node: ir.Node, value: ir.Value) -> ir.Value | None:
+    if len(node.inputs) != 2:
+        return None
+    a, b = node.inputs
+    return b if a is value else a if b is value else None
+
+
+def _scalar(value: ir.Value | None) -> float | None:
+    array = small_constant_array(value) if value is not None else None
+    if array is None or array.size != 1:
+        return None
+    return float(np.asarray(array, dtype=np.float64).reshape(-1)[0])
+
+
+def _axes(node: ir.Node, rank: int | None) -> list[int] | None:
+    """Positive reduced axes of a ReduceMean with keepdims=1, when they are trailing."""
+    if rank is None or node.attributes.get_int("keepdims", 1) != 1:
+        return None
+    attr = node.attributes.get("axes")
+    if attr is not None:
+        axes = list(attr.as_ints())
+    elif len(node.inputs) > 1 and node.inputs[1] is not None:
+        array = small_constant_array(node.inputs[1])
+        if array is None:
+            return None
+        axes = [int(a) for a in np.asarray(array).reshape(-1)]
+    else:
+        return None
+    axes = sorted(a % rank for a in axes)
+    return axes if axes and axes == list(range(rank - len(axes), rank)) else None
+
+
+def _rank(value: ir.Value) -> int | None:
+    return None if value.shape is None else len(value.shape)
+
+
+def _squared(node: ir.Node) -> ir.Value | None:
+    """x when `node` computes x**2 (Pow(x, 2) or Mul(x, x))."""
+    if node.op_type == "Pow" and len(node.inputs) == 2 and _scalar(node.inputs[1]) == 2.0:
+        return node.inputs[0]
+    if node.op_type == "Mul" and len(node.inputs) == 2 and node.inputs[0] is node.inputs[1]:
+        return node.inputs[0]
+    return None
+
+
+def _normalized(std: ir.Node, base: ir.Value, outputs: set[ir.Value]) -> tuple[list[ir.Node], ir.Value] | None:
+    """The nodes dividing `base` by the standard deviation `std` computes, and the result:
+    Div(base, std), Mul(base, Reciprocal(std)) or Mul(base, Div(1, std))."""
+    consumer = _sole_consumer(std.outputs[0], outputs)
+    if consumer is None:
+        return None
+    if consumer.op_type == "Div" and consumer.inputs[0] is base and consumer.inputs[1] is std.outputs[0]:
+        return [consumer], consumer.outputs[0]
+    inverse = consumer.op_type == "Reciprocal" or (
+        consumer.op_type == "Div" and consumer.inputs[1] is std.outputs[0] and _scalar(consumer.inputs[0]) == 1.0
+    )
+    if not inverse:
+        return None
+    mul = _sole_consumer(consumer.outputs[0], outputs)
+    if mul is None or mul.op_type != "Mul" or _other_input(mul, consumer.outputs[0]) is not base:
+        return None
+    return [consumer, mul], mul.outputs[0]
+
+
+def _affine(value: ir.Value, op_type: str, outputs: set[ir.Value]) -> tuple[ir.Node, ir.Value] | None:
+    node = _sole_consumer(value, outputs)
+    if node is None or node.op_type != op_type:
+        return None
+    other = _other_input(node, value)
+    if other is None or other.const_value is None and small_constant_array(other) is None:
+        return None
+    if other.producer() is not None and other.producer().op_type != "Constant":  # type: ignore[union-attr]
+        return None
+    return node, other
+
+
+def _match(variance: ir.Node, outputs: set[ir.Value]) -> NormBlock | None:
+    """A normalization block whose variance (mean of squares) is `variance`."""
+    square = variance.inputs[0].producer() if variance.inputs and variance.inputs[0] is not None else None
+    if square is None or _sole_consumer(square.outputs[0], outputs) is not variance:
+        return None
+    base = _squared(square)
+    if base is None or not is_fp32_tensor(base):
+        return None
+    add = _sole_consumer(variance.outputs[0], outputs)
+    if add is None or add.op_type != "Add":
+        return None
+    epsilon = _scalar(_other_input(add, variance.outputs[0]))
+    std = _sole_consumer(add.outputs[0], outputs)
+    if epsilon is None or std is None or std.op_type != "Sqrt":
+        return None
+    found = _normalized(std, base, outputs)
+    if found is None:
+        return None
+    divide, result = found
+    nodes = [square, variance, add, std, *divide]
+    kind, source = "rms", base
+    center = base.producer()
+    if center is not None and center.op_type == "Sub" and center.inputs[1] is not None:
+        mean = center.inputs[1].producer()
+        users = {use.node for use in base.uses()}
+        if (
+            mean is not None and mean.op_type == "ReduceMean" and mean.inputs[0] is center.inputs[0]
+            and users == {square, divide[-1]} and base not in outputs
+            and _sole_consumer(mean.outputs[0], outputs) is center
+        ):
+            kind, source = "layer", center.inputs[0]
+            nodes = [mean, center, *nodes]
+            if _axes(mean, _rank(source)) != _axes(variance, _rank(source)):
+                return None
+    axes = _axes(variance, _rank(source))
+    if axes is None or source is None:
+        return None
+    scale = bias = None
+    affine = _affine(result, "Mul", outputs)
+    if affine is not None:
+        nodes.append(affine[0])
+        scale, result = affine[1], affine[0].outputs[0]
+        if kind == "layer":
+            shift = _affine(result, "Add", outputs)
+            if shift is not None:
+                nodes.append(shift[0])
+                bias, result = shift[1], shift[0].outputs[0]
+    return NormBlock(kind, nodes, source, result, axes, epsilon, scale, bias)
+
+
+def find_norm_blocks(graph: ir.Graph) -> list[NormBlock]:
+    """The decomposed LayerNorm/RMSNorm blocks of one graph (not its subgraphs)."""
+    outputs = set(graph.outputs)
+    blocks = []
+    claimed: set[ir.Node] = set()
+    for node in graph:
+        if node.op_type != "ReduceMean" or node in claimed or node.domain not in ("", "ai.onnx"):
+            continue
+        block = _match(node, outputs)
+        if block is not None and not claimed.intersection(block.nodes):
+            blocks.append(block)
+            claimed.update(block.nodes)
+    return blocks
+
+
+def _affine_tensor(block: NormBlock, value: ir.Value | None, fill: float) -> np.ndarray | None:
+    """Scale/bias as the fused op wants them: of the normalized shape."""
+    shape = block.input.shape
+    dims = [shape[a] for a in block.axes] if shape is not None else []
+    if not dims or not all(isinstance(d, int) for d in dims):
+        return None
+    normalized = tuple(int(d) for d in dims)
+    if value is None:
+        return np.full(normalized, fill, dtype=np.float32)
+    array = small_constant_array(value) if value.const_value is None else value.const_value.numpy()
+    if array is None or array.dtype != np.float32:
+        return None
+    try:
+        return np.ascontiguousarray(np.broadcast_to(array, normalized)) if array.ndim <= len(normalized) else None
+    except ValueError:
+        return None
+
+
+def _fuse(graph: ir.Graph, block: NormBlock, index: int) -> bool:
+    op_type, _ = _FUSED_OP[block.kind]
+    scale = _affine_tensor(block, block.scale, 1.0)
+    bias = _affine_tensor(block, block.bias, 0.0) if block.bias is not None else None
+    if scale is None or (block.bias is not None and bias is None):
+        return False
+    name = block.name
+    inputs = [block.input]
+    for role, array in (("scale", scale), ("bias", bias)):
+        if array is None:
+            continue
+        value = ir.Value(name=f"{name}.{role}_{index}", shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.FLOAT))
+        value.const_value = ir.tensor(array, name=value.name)
+        graph.register_initializer(value)
+        inputs.append(value)
+    old = block.output
+    fused = ir.Node(
+        "", op_type, inputs,
+        attributes=[
+            ir.AttrInt64("axis", block.axes[0]),
+            ir.AttrFloat32("epsilon", block.epsilon),
+            ir.AttrInt64("stash_type", 1),
+        ],
+        name=name,
+    )
+    out = fused.outputs[0]
+    out.dtype, out.shape = old.dtype, old.shape
+    graph.insert_after(block.nodes[-1], fused)
+    ir.convenience.replace_all_uses_with(old, out)
+    if old in graph.outputs:
+        position = list(graph.outputs).index(old)
+        graph.outputs[position] = out
+        old_name, old.name = old.name, None
+        out.name = old_name
+    else:
+        out.name = old.name
+        old.name = None
+    constants = {
+        producer
+        for node in block.nodes
+        for value in node.inputs
+        if value is not None and (producer := value.producer()) is not None
+        and producer.op_type == "Constant" and producer not in block.nodes
+    }
+    graph.remove(block.nodes, safe=True)
+    # Constants only the block read (epsilon, exponent, 1 of 1/x) are dead now.
+    graph.remove([c for c in constants if not any(out.uses() or out in graph.outputs for out in c.outputs)], safe=True)
+    return True
+
+
+def fuse_norm_blocks(model: ir.Model) -> NormBlocks:
+    """Fuse decomposed normalizations where the opset allows (typed model: shapes are needed);
+    the others are returned to be kept FP32 as one block."""
+    opset = default_opset(model) or 0
+    result = NormBlocks(fused=[], kept={})
+    count = 0
+    for graph in all_graphs(model):
+        for block in find_norm_blocks(graph):
+            op_type, since = _FUSED_OP[block.kind]
+            what = "LayerNorm" if block.kind == "layer" else "RMSNorm"
+            if opset >= since:
+                count += 1
+                if _fuse(graph, block, count):
+                    result.fused.append(block.name)
+                    continue
+                reason = f"decomposed {what} kept FP32 as one block: its normalized shape or affine constants are not static"
+            else:
+                reason = (
+                    f"decomposed {what} kept FP32 as one block (no mixed types for runtime fusions); "
+                    f"fusing it into {op_type} needs opset {since} (--opset {since})"
+                )
+            for node in block.nodes:
+                result.kept[node] = reason
+    return result
+
+
+def normalized_size(block: NormBlock) -> int | None:
+    """Elements normalized per row, when static."""
+    shape = block.input.shape
+    if shape is None:
+        return None
+    dims = [shape[a] for a in block.axes]
+    return math.prod(int(d) for d in dims) if all(isinstance(d, int) for d in dims) else None

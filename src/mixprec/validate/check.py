@@ -1,0 +1,339 @@
+"""Validation of a staged converted model: checker, the runtime as users run it, numerics.
+
+* The full ONNX checker always.
+* onnxruntime with its default session options, in a child process (`isolated`): the model
+  must load (level `load`) and, at level `run`, run on the first batch. A crash or a failure
+  the FP32 model does not have raises :class:`RuntimeRejection`, which the conversion answers
+  by keeping the responsible nodes FP32.
+* Numerics (level `run`) on the emulated model (`emulate`): each 16-bit value computed in FP32
+  and rounded, because onnxruntime's CPU provider has no bfloat16 kernels and computes most
+  float16 ops in FP32, which hides overflow. When they cannot be measured, the result says
+  `numerics not checked: <why>`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from mixprec.dtypes import LowPrecision
+from mixprec.errors import ConversionError, InputError, MixprecError, ValidationError
+from mixprec.io import graph_only_proto
+from mixprec.report import OutputError, Validation
+from mixprec.validate import compare, runner
+from mixprec.validate import data as data_mod
+from mixprec.validate.checker import check_model_file
+from mixprec.validate.isolated import RuntimeOutcome, run_isolated
+
+Batch = Mapping[str, np.ndarray]
+# Sizes tried for symbolic dimensions of generated inputs until the FP32 model runs.
+_DIM_LADDER = (2, 16, 128, 1024, 4096)
+# A generated input larger than this is not tried.
+_MAX_GENERATED_ELEMENTS = 1 << 23
+_PASS_DATA = "pass --data"
+
+
+class RuntimeRejection(ConversionError):
+    """onnxruntime fails or crashes on the converted model where it runs the FP32 model.
+
+    Carries what a repair needs: the runtime's outcome and the feeds it ran on; the conversion
+    adds the FP32 reference file, measured ranges and the converted nodes' plan keys.
+    """
+
+    def __init__(self, outcome: RuntimeOutcome, feeds: Batch | None = None) -> None:
+        super().__init__(f"the converted model fails in onnxruntime (default session options): {outcome.error}")
+        self.outcome = outcome
+        self.feeds = feeds
+        self.reference: Path | None = None
+        self.ranges: object = None
+        self.converted: list[str] = []
+        self._owned: list[tempfile.TemporaryDirectory[str]] = []
+
+    def keep(self, folder: tempfile.TemporaryDirectory[str] | None) -> None:
+        """Keep a temporary folder (the reference copy) alive until :meth:`cleanup`."""
+        if folder is not None:
+            self._owned.append(folder)
+
+    def cleanup(self) -> None:
+        """Remove the folders kept for the repair."""
+        for folder in self._owned:
+            folder.cleanup()
+        self._owned.clear()
+
+
+def validate_staged(
+    path: Path,
+    reference: Path | None,
+    target: LowPrecision,
+    level: str,
+    data: str | os.PathLike | Iterable[Batch] | None,
+    max_batches: int,
+    tolerance: tuple[float, float] | None,
+    original_checker_error: Callable[[], str | None] | None = None,
+    *,
+    weights_large: bool = False,
+    runtime: str = "onnx",
+) -> Validation:
+    """Check a staged converted model; raise ConversionError to stop it being published.
+
+    `runtime`: the target runtime's profile name; `openvino` (when installed) also runs both
+    models on OpenVINO's CPU plugin for real (bfloat16 arithmetic on AVX512-BF16/AMX).
+    """
+    result = Validation()
+    if level == "none":
+        result.numerics = "not checked: validation off"
+        return result
+    inherited = check_model_file(path, original_checker_error)
+    if inherited is None:
+        result.checker = "passed"
+    else:
+        result.checker = "fails as the FP32 model does"
+        result.notes.append(f"the FP32 model fails the ONNX checker the same way: {inherited}")
+    if level == "checker":
+        result.numerics = "not checked: validation level 'checker' (auto picks it above 50,000 nodes)"
+        result.notes.append("onnxruntime load check not run at validation level 'checker'")
+        return result
+    if level == "load":
+        _load_check(path, reference, target, result, weights_large)
+        result.numerics = "not checked: validation level 'load' (auto picks it above 5,000 nodes or 1 GiB); use --validate run"
+        return result
+    _run_check(path, reference, target, data, max_batches, tolerance, result, runtime)
+    return result
+
+
+def _graph_only(path: Path, name: str) -> Path:
+    """The model with its weights as graph inputs: loads without reading gigabytes."""
+    out = path.with_name(name)
+    onnx.save(graph_only_proto(path), str(out))
+    return out
+
+
+def _load_check(path: Path, reference: Path | None, target: LowPrecision, result: Validation, weights_large: bool) -> None:
+    load_path = path
+    if weights_large:
+        load_path = _graph_only(path, "graph_only.onnx")
+        result.notes.append("onnxruntime load check on the graph with weights as inputs")
+    outcome = run_isolated(load_path)
+    _judge_load(outcome, path, reference, target, result, weights_large)
+    if outcome.ok:
+        result.runtime = "loaded"
+
+
+def _judge_load(
+    outcome: RuntimeOutcome, path: Path, reference: Path | None, target: LowPrecision,
+    result: Validation, weights_large: bool = False, feeds: Batch | None = None,
+) -> None:
+    """Record a child-process outcome; raise RuntimeRejection when only the converted model fails."""
+    result.notes.append(
+        f"onnxruntime CPU session with default graph optimizations in a child process: {outcome.seconds:.2f} s"
+    )
+    if outcome.ok:
+        return
+    if outcome.missing_kernel and target is LowPrecision.BFLOAT16:
+        result.runtime = "no cpu kernels"
+        result.notes.append(
+            "onnxruntime's CPU provider has no bfloat16 kernels: the graph resolved, but kernel "
+            f"assignment and its fused form were not checked ({outcome.error})"
+        )
+        return
+    ref = reference
+    if ref is not None and weights_large:
+        ref = _graph_only(reference, "reference_graph_only.onnx")  # type: ignore[arg-type]
+    reference_outcome = run_isolated(ref, feeds) if ref is not None else None
+    if reference_outcome is not None and not reference_outcome.ok:
+        result.runtime = "reference-fails"
+        result.notes.append(f"onnxruntime fails on the FP32 model too: {reference_outcome.error}")
+        return
+    raise RuntimeRejection(outcome, feeds)
+
+
+def _run_check(
+    path: Path,
+    reference: Path | None,
+    target: LowPrecision,
+    data: str | os.PathLike | Iterable[Batch] | None,
+    max_batches: int,
+    tolerance: tuple[float, float] | None,
+    result: Validation,
+    runtime: str = "onnx",
+) -> None:
+    from mixprec.validate.emulate import emulate_low_precision  # noqa: PLC0415
+
+    if reference is None:
+        outcome = run_isolated(path)
+        _judge_load(outcome, path, reference, target, result)
+        result.runtime = "loaded" if outcome.ok else result.runtime
+        _unchecked(result, f"not checked: no FP32 reference model; {_PASS_DATA}")
+        return
+    try:
+        reference_session = runner.make_session(reference, graph_optimization="disable")
+    except ValidationError as e:
+        outcome = run_isolated(path)
+        _judge_load(outcome, path, None, target, result)
+        result.runtime = "reference-fails"
+        _unchecked(result, f"not checked: the FP32 model does not load in onnxruntime ({e})")
+        return
+    batches = list(_reference_batches(data, reference, reference_session, max_batches, result))
+    if not batches:
+        outcome = run_isolated(path)
+        _judge_load(outcome, path, reference, target, result)
+        return
+    # The converted model as users run it: default optimizations, first batch, own process.
+    outcome = run_isolated(path, batches[0][0])
+    _judge_load(outcome, path, reference, target, result, feeds=batches[0][0])
+    if runtime == "openvino":
+        _openvino_check(path, reference, batches, tolerance, result)
+    elif outcome.ran and outcome.outputs is not None:
+        result.real_runtime = "onnxruntime CPU (batch 1)"
+        result.real_outputs = _output_errors(compare.compare_outputs(batches[0][1], outcome.outputs), tolerance)
+    candidate_path = path.with_name("emulated.onnx")
+    onnx.save(emulate_low_precision(onnx.load(str(path))), str(candidate_path))
+    result.notes.append(
+        f"{target.value} numerics measured on an emulated model (FP32 compute, {target.short_name} rounding)"
+    )
+    try:
+        candidate = runner.make_session(candidate_path, graph_optimization="disable")
+    except ValidationError as e:
+        raise ConversionError(f"the emulated converted model does not load in onnxruntime: {e}") from e
+    merged: list | None = None
+    nonfinite_feeds = None  # the first batch with new non-finite outputs
+    for feeds, expected in batches:
+        try:
+            actual = runner.run_session(candidate, feeds)
+        except ValidationError as e:
+            raise ConversionError(f"the converted model fails to run in onnxruntime: {e}") from e
+        comparison = compare.compare_outputs(expected, actual)
+        if nonfinite_feeds is None and any(c.new_nonfinite for c in comparison):
+            nonfinite_feeds = feeds
+        merged = comparison if merged is None else compare.merge(merged, comparison)
+        result.batches += 1
+    result.runtime = "ran and emulated" if outcome.ran or result.real_outputs else "emulated"
+    real = f" and for real on {result.real_runtime}" if result.real_outputs else ""
+    result.numerics = f"checked on {result.batches} batch(es) (emulated {target.value}{real})"
+    result.outputs = _output_errors(merged or [], tolerance)
+    for c in merged or []:
+        if c.new_nonfinite:
+            result.notes.append(
+                f"output {c.name!r} has {c.new_nonfinite} non-finite value(s) where the FP32 model has none"
+            )
+    origin = None
+    if nonfinite_feeds is not None:
+        origin = _nan_origin_note(reference, path, nonfinite_feeds, target)
+        result.notes.append(origin)
+    if tolerance is not None:
+        failing = [o.name for o in (*result.outputs, *result.real_outputs) if o.within_tolerance is False]
+        if failing:
+            raise ConversionError(
+                f"output {failing[0]!r} differs from the FP32 model beyond atol={tolerance[0]}, "
+                f"rtol={tolerance[1]}" + (f"; {origin}" if origin else "")
+            )
+
+
+def _unchecked(result: Validation, why: str) -> None:
+    """The numeric check was due but could not run: say so (the CLI exits 5)."""
+    result.numerics = why
+    result.numerics_unchecked = True
+
+
+def _output_errors(comparisons: Iterable[compare.OutputComparison], tolerance: tuple[float, float] | None) -> list[OutputError]:
+    return [
+        OutputError(
+            c.name, float(c.max_abs_error), float(c.max_rel_error), int(c.nan_count), int(c.inf_count),
+            int(c.new_nonfinite), c.within(*tolerance) if tolerance is not None else None,
+        )
+        for c in comparisons
+    ]
+
+
+def _openvino_check(
+    path: Path,
+    reference: Path,
+    batches: list[tuple[Batch, dict[str, np.ndarray]]],
+    tolerance: tuple[float, float] | None,
+    result: Validation,
+) -> None:
+    """Run the converted model on OpenVINO's CPU plugin in its own element types, beside the
+    FP32 model at f32, and record the real errors and the latency ratio."""
+    from mixprec.validate import openvino_runner  # noqa: PLC0415
+
+    if not openvino_runner.openvino_available():
+        result.notes.append("openvino is not installed (pip install openvino): its real run was not checked")
+        return
+    try:
+        fp32 = openvino_runner.OpenVinoSession(reference, precision="f32")
+        converted = openvino_runner.OpenVinoSession(path, precision="model")
+        merged = None
+        for feeds, _ in batches:
+            comparison = compare.compare_outputs(fp32.run(feeds), converted.run(feeds))
+            merged = comparison if merged is None else compare.merge(merged, comparison)
+        feeds = batches[0][0]
+        ratio = converted.latency(feeds) / max(fp32.latency(feeds), 1e-9)
+    except MixprecError as e:
+        raise ConversionError(f"OpenVINO cannot run the converted model: {e}") from e
+    result.real_runtime = f"OpenVINO CPU ({converted.inference_precision} hint, model types)"
+    result.real_outputs = _output_errors(merged or [], tolerance)
+    result.speed_ratio = ratio
+
+
+def _reference_batches(
+    data: str | os.PathLike | Iterable[Batch] | None,
+    reference: Path,
+    session: object,
+    max_batches: int,
+    result: Validation,
+) -> Iterator[tuple[Batch, dict[str, np.ndarray]]]:
+    """(feeds, FP32 outputs) per batch; generated inputs grow until the FP32 model runs."""
+    if data is not None:
+        names = [i.name for i in session.get_inputs()]  # type: ignore[attr-defined]
+        iterator = data_mod.load_batches(data, names) if isinstance(data, (str, os.PathLike)) else iter(data)
+        for index, feeds in enumerate(iterator):
+            if index >= max_batches:
+                return
+            try:
+                expected = runner.run_session(session, feeds)  # type: ignore[arg-type]
+            except ValidationError as e:
+                result.runtime = "reference-fails"
+                _unchecked(result, f"not checked: the FP32 model fails on the data ({e})")
+                return
+            yield feeds, expected
+        return
+    specs = data_mod.input_specs(onnx.load(str(reference), load_external_data=False))
+    errors: list[str] = []
+    for size in _DIM_LADDER:
+        try:
+            feeds = data_mod.generate_inputs(specs, seed=0, dim_value=size)
+        except InputError as e:
+            _unchecked(result, f"not checked: {e}; {_PASS_DATA}")
+            return
+        if any(np.asarray(a).size > _MAX_GENERATED_ELEMENTS for a in feeds.values()):
+            break
+        try:
+            expected = runner.run_session(session, feeds)  # type: ignore[arg-type]
+        except (ValidationError, InputError) as e:
+            errors.append(f"{size}: {e}")
+            continue
+        if size != _DIM_LADDER[0]:
+            result.notes.append(f"generated inputs use {size} for symbolic dimensions (smaller ones fail in the FP32 model)")
+        yield feeds, expected
+        return
+    result.runtime = "reference-fails"
+    why = errors[-1].split(": ", 1)[1] if errors else "inputs too large to generate"
+    _unchecked(result, f"not checked: the FP32 model fails on generated inputs ({why}); {_PASS_DATA}")
+
+
+def _nan_origin_note(reference: Path, converted: Path, feeds: Batch, target: LowPrecision) -> str:
+    """A note naming the node where new non-finite values start (see `find_nan_origin`)."""
+    from mixprec.validate.nan_origin import find_nan_origin  # noqa: PLC0415
+
+    try:
+        origin = find_nan_origin(reference, converted, feeds, target=target)
+    except MixprecError as e:
+        return f"could not locate where the non-finite values start: {e}"
+    if origin is None:
+        return "the non-finite values could not be traced to a main-graph node"
+    return f"non-finite values start at {origin.describe()}"

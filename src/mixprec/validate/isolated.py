@@ -1,0 +1,194 @@
+"""onnxruntime in a child process, as users run it: default session options, crashes contained.
+
+A converted model can crash the runtime outright (a segfault in a graph optimizer, an abort in
+a kernel) or fail only once the runtime's default graph optimizations fuse it. The session is
+created in a child Python process with onnxruntime's default options; a crash comes back as an
+outcome naming the signal instead of killing the converter.
+
+The child (`python -m mixprec.validate.isolated`) lives on between checks and answers one JSON
+request per line: `[MODEL]` or `[MODEL, FEEDS.npz, OUT.npz]`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# A session that takes longer than this to create and run once counts as hung.
+_TIMEOUT_S = 600.0
+# onnxruntime's wording when no kernel matches a node's types (not a type error in the graph).
+_MISSING_KERNEL_MARKERS = ("Could not find an implementation for", "NOT_IMPLEMENTED")
+
+
+@dataclass(frozen=True)
+class RuntimeOutcome:
+    """What happened when onnxruntime loaded (and ran) a model in a child process.
+
+    Attributes:
+        loaded: The session was created.
+        ran: The model ran on the feeds (False when no feeds were given).
+        error: onnxruntime's first error line, or how the child died.
+        crashed: The child died from a signal (segfault, abort) or hung.
+        outputs: The outputs by name when it ran (bfloat16 as float32).
+        seconds: Wall time of the child, Python start included.
+    """
+
+    loaded: bool
+    ran: bool
+    error: str | None
+    crashed: bool
+    outputs: dict[str, np.ndarray] | None
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        """Loaded, and ran when asked to."""
+        return self.error is None
+
+    @property
+    def missing_kernel(self) -> bool:
+        """Failed only because the provider has no kernel for some node's types."""
+        return self.error is not None and not self.crashed and any(m in self.error for m in _MISSING_KERNEL_MARKERS)
+
+
+class _Worker:
+    """One long-lived child process serving session requests (JSON lines on stdin/stdout),
+    so that each check pays for a session, not for starting Python and importing onnxruntime.
+    A crash kills only the child; the next request starts a new one."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen[str] | None = None
+
+    def _start(self) -> subprocess.Popen[str]:
+        if self.process is None or self.process.poll() is not None:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "mixprec.validate.isolated"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )
+        return self.process
+
+    def stop(self) -> None:
+        """End the child (at exit, or after a timeout)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
+
+    def request(self, arguments: list[str], timeout: float) -> dict | str:
+        """The child's JSON answer, or how it died."""
+        process = self._start()
+        assert process.stdin is not None and process.stdout is not None
+        try:
+            process.stdin.write(json.dumps(arguments) + "\n")
+            process.stdin.flush()
+        except OSError:
+            pass  # it died: poll() below says how
+        ready, _, _ = select.select([process.stdout], [], [], timeout)
+        line = process.stdout.readline() if ready else ""
+        answer = _last_json(line)
+        if answer is not None:
+            return answer
+        if not ready:
+            self.stop()
+            return f"onnxruntime hung (no answer in {timeout:.0f} s)"
+        code = process.wait()
+        self.process = None
+        if code < 0:
+            return f"onnxruntime crashed ({signal.Signals(-code).name})"
+        return f"onnxruntime child exited with code {code}"
+
+
+_WORKER = _Worker()
+atexit.register(_WORKER.stop)
+
+
+def run_isolated(
+    model_path: str | os.PathLike[str],
+    feeds: Mapping[str, np.ndarray] | None = None,
+    *,
+    timeout: float = _TIMEOUT_S,
+) -> RuntimeOutcome:
+    """Create an onnxruntime CPU session with default options for `model_path` in a child
+    process and, with `feeds`, run it once."""
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="mixprec-child-") as tmp:
+        arguments = [str(Path(model_path).resolve())]
+        out_path = Path(tmp) / "outputs.npz"
+        if feeds is not None:
+            feeds_path = Path(tmp) / "feeds.npz"
+            np.savez(feeds_path, **{k: np.asarray(v) for k, v in feeds.items()})
+            arguments += [str(feeds_path), str(out_path)]
+        answer = _WORKER.request(arguments, timeout)
+        seconds = time.perf_counter() - start
+        if isinstance(answer, str):
+            return RuntimeOutcome(False, False, answer, True, None, seconds)
+        outputs = None
+        if answer.get("ran") and out_path.is_file():
+            with np.load(out_path) as archive:
+                outputs = {name: archive[name] for name in archive.files}
+        return RuntimeOutcome(
+            bool(answer.get("loaded")), bool(answer.get("ran")), answer.get("error"), False, outputs, seconds
+        )
+
+
+def _last_json(text: str) -> dict | None:
+    for line in reversed(text.strip().splitlines()):
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return None
+
+
+def _child(argv: list[str]) -> dict:
+    from mixprec.errors import MixprecError  # noqa: PLC0415
+    from mixprec.validate import runner  # noqa: PLC0415
+
+    status: dict = {"loaded": False, "ran": False, "error": None}
+    try:
+        session = runner.make_session(argv[0], graph_optimization="all")  # onnxruntime's default
+    except MixprecError as e:
+        status["error"] = str(e)
+        return status
+    status["loaded"] = True
+    if len(argv) < 3:
+        return status
+    with np.load(argv[1]) as archive:
+        feeds = {name: archive[name] for name in archive.files}
+    try:
+        outputs = runner.run_session(session, feeds)
+    except MixprecError as e:
+        status["error"] = str(e)
+        return status
+    np.savez(argv[2], **{k: _savable(v) for k, v in outputs.items()})
+    status["ran"] = True
+    return status
+
+
+def _savable(array: np.ndarray) -> np.ndarray:
+    """bfloat16 (an ml_dtypes type numpy cannot save) as float32."""
+    return array.astype(np.float32) if array.dtype.name == "bfloat16" else array
+
+
+def _serve() -> None:
+    """The child's loop: one JSON request per line, one JSON answer per line."""
+    for line in sys.stdin:
+        print(json.dumps(_child(json.loads(line))), flush=True)
+
+
+if __name__ == "__main__":
+    _serve()

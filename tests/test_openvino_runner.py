@@ -1,0 +1,112 @@
+"""OpenVINO's CPU plugin runs mixprec's bfloat16 models with real bfloat16 arithmetic.
+
+Tolerance: bfloat16 keeps 8 significant bits (unit roundoff 2**-9, about 0.2%). The demo
+CNN rounds through bfloat16 after each of about ten ops, with fp32 accumulation inside
+Conv/Gemm, so its logits are expected within a few tenths of a percent of their scale;
+the tests allow 3% of the largest FP32 logit (observed: about 0.6%) and 0.01 absolute on
+the softmax probabilities. A bit-exact match would mean no bfloat16 math happened.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+import mixprec
+from mixprec.demo_models import DEMO_MODELS
+from mixprec.validate.openvino_runner import OpenVinoSession, openvino_available
+
+if not openvino_available():
+    pytest.skip("openvino is not installed", allow_module_level=True)
+
+LOGIT_RTOL = 0.03  # of the largest |FP32 logit|
+PROB_ATOL = 0.01
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ov")
+    fp32 = root / "cnn_fp32.onnx"
+    onnx.save(DEMO_MODELS["cnn"](), str(fp32))
+    paths = {"fp32": fp32, "bf16": root / "cnn_bf16.onnx", "bf16_io": root / "cnn_bf16_io.onnx"}
+    # bfloat16 Conv and pooling exist from opset 22.
+    mixprec.convert(fp32, paths["bf16"], target_dtype="bf16", validate="none", opset=22)
+    mixprec.convert(
+        fp32, paths["bf16_io"], target_dtype="bf16", validate="none", opset=22, keep_io_types=False
+    )
+    return paths
+
+
+@pytest.fixture(scope="module")
+def images() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"image": rng.uniform(0.0, 1.0, (8, 3, 32, 32)).astype(np.float32)}
+
+
+def _assert_close_not_equal(got: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> None:
+    assert list(got) == ["logits", "probs"]
+    assert all(v.dtype == np.float32 for v in got.values())
+    scale = float(np.abs(ref["logits"]).max())
+    np.testing.assert_allclose(got["logits"], ref["logits"], rtol=0, atol=LOGIT_RTOL * scale)
+    np.testing.assert_allclose(got["probs"], ref["probs"], rtol=0, atol=PROB_ATOL)
+    assert np.abs(got["logits"] - ref["logits"]).max() > 0, "bf16 run is bit-identical to FP32"
+
+
+def test_bf16_model_runs_in_bf16_and_stays_close(models: dict[str, Path], images: dict) -> None:
+    fp32 = OpenVinoSession(models["fp32"], precision="f32")
+    assert fp32.inference_precision == "f32"
+    assert all(prec == "f32" for _, prec in fp32.executed_precisions())
+    ref = fp32.run(images)
+
+    bf16 = OpenVinoSession(models["bf16"], precision="model")
+    executed = bf16.executed_precisions()
+    assert executed[("Convolution", "bf16")] == 2, executed
+    assert executed[("FullyConnected", "bf16")] == 1, executed
+    _assert_close_not_equal(bf16.run(images), ref)
+
+
+def test_f32_hint_matters_for_fp32_model(models: dict[str, Path], images: dict) -> None:
+    ref = OpenVinoSession(models["fp32"], precision="f32").run(images)
+    auto = OpenVinoSession(models["fp32"], precision="bf16")
+    if auto.inference_precision != "bf16":
+        pytest.skip("this CPU has no bfloat16 support")
+    assert ("Convolution", "bf16") in auto.executed_precisions()
+    _assert_close_not_equal(auto.run(images), ref)
+
+
+def test_bf16_inputs_take_float32_data(models: dict[str, Path], images: dict) -> None:
+    # OpenVINO's own numpy path would read float32 data as float16 bit patterns.
+    ref = OpenVinoSession(models["fp32"], precision="f32").run(images)
+    session = OpenVinoSession(models["bf16_io"], precision="model")
+    _assert_close_not_equal(session.run(images), ref)
+    assert session.latency(images, warmup=1, repeat=3) > 0
+
+
+def test_unreadable_model_raises_validation_error(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"not an onnx model")
+    with pytest.raises(mixprec.ValidationError, match="junk.onnx") as info:
+        OpenVinoSession(junk)
+    assert "\n" not in str(info.value)
+
+
+def test_unsupported_op_raises_validation_error(tmp_path: Path) -> None:
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Frobnicate", ["x"], ["y"], domain="example.custom")],
+        "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4])],
+    )
+    opsets = [onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid("example.custom", 1)]
+    path = tmp_path / "custom.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=opsets), str(path))
+    with pytest.raises(mixprec.ValidationError, match="custom.onnx.*Frobnicate"):
+        OpenVinoSession(path)
+
+
+def test_bad_precision_is_an_input_error(models: dict[str, Path]) -> None:
+    with pytest.raises(mixprec.InputError, match="precision"):
+        OpenVinoSession(models["fp32"], precision="fp8")
