@@ -171,7 +171,7 @@ def test_domains_are_normalized() -> None:
 def test_tensorrt_entries() -> None:
     (layer_norm,) = entries("tensorrt", "", "LayerNormalization")
     assert layer_norm["note"] == "Only the first output `Y` is supported."
-    assert (layer_norm["since"], layer_norm["until"]) == (9, 20)
+    assert (layer_norm["since"], layer_norm["until"]) == (1, None)  # op-level: any op version
     assert layer_norm["inputs"] is None and layer_norm["outputs"] is None
     assert layer_norm["types"] == {"*": ["tensor(bfloat16)", "tensor(float)", "tensor(float16)"]}
     assert "note" not in entries("tensorrt", "", "Conv")[0]

@@ -362,8 +362,13 @@ def trt_note(cell: str) -> str:
     return " ".join(re.sub(r"<br\s*/?>", " ", cell).split())
 
 
-def trt_entry(line: Line, cells: list[str], opsets: tuple[int, int]) -> Json | None:
-    """The kernel entry of one supported op; None when TensorRT does not support it."""
+def trt_entry(line: Line, cells: list[str]) -> Json | None:
+    """The kernel entry of one supported op; None when TensorRT does not support it.
+
+    The matrix states op-level facts for every opset the parser takes (the profile's
+    `opset_range`, a fact about the model's opset import, not about op versions): the entry
+    covers every op version.
+    """
     if len(cells) < 2 or len(cells) > 4 or cells[1] not in TRT_SUPPORTED:
         raise line.error("expected 'Operator | Y/N | types | restrictions'")
     if not TRT_SUPPORTED[cells[1]]:
@@ -371,8 +376,8 @@ def trt_entry(line: Line, cells: list[str], opsets: tuple[int, int]) -> Json | N
     if len(cells) < 3:
         raise line.error("supported op without types")
     entry: Json = {
-        "since": opsets[0],
-        "until": opsets[1],
+        "since": 1,
+        "until": None,
         "inputs": None,
         "outputs": None,
         "types": {"*": trt_types(line, cells[2])},
@@ -389,7 +394,7 @@ def trt_profile(source: Path, sources: dict[str, str]) -> Json:
     opsets = trt_opset_range(lines)
     ops: dict[str, list[Json]] = {}
     for line, cells in trt_rows(lines):
-        entry = trt_entry(line, cells, opsets)
+        entry = trt_entry(line, cells)
         if cells[0] in ops:
             raise line.error(f"op {cells[0]} listed twice")
         if entry is not None:

@@ -358,6 +358,7 @@ def _convert(
     reference_dir: tempfile.TemporaryDirectory[str] | None = None
     reference_path = source_path
     weights_before = weight_bytes(ir_model)
+    input_external = uses_external_data(ir_model)
     level = _resolve_validation(level_requested, ir_model, weights_before)
     calibrating = data is not None and calibrate and ranges is None
     if data is not None:
@@ -464,8 +465,9 @@ def _convert(
 
         t = time.perf_counter()
         if external_data is None and (output is not None or level != "none"):
-            # save_model's default, from the weights already counted for the report.
-            external_data = wants_external_data(ir_model, weights_after)
+            # save_model's default, from the weights already counted for the report; the input
+            # used external data if it did before its weights were rewritten.
+            external_data = input_external or wants_external_data(ir_model, weights_after)
         if output is not None:
             save_model(ir_model, output, external_data=external_data, check=check, progress=progress)
         elif level != "none":

@@ -10,13 +10,12 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import onnx.defs
 import onnx_ir as ir
 
 from mixprec.analysis.plan import Category, Precision, PrecisionPlan
 from mixprec.graphs import walk_nodes
 from mixprec.passes.rewrite import RewriteStats
-from mixprec.policy.schemas import get_schema
+from mixprec.passes.opset import first_opset_admitting
 from mixprec.policy.table import normalize_domain
 
 
@@ -240,19 +239,17 @@ def build_report(
     elements = sum(e for e in known if e is not None) if runtime and all(e is not None for e in known) else None
     cast_bytes = None
     notes = []
-    newest = onnx.defs.onnx_opset_version()
-    schema_blocked = sum(
-        1
+    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+    newer = [
+        version
         for node in plan.order
-        if plan.decisions[node].category is Category.SCHEMA
-        and normalize_domain(node.domain) == ""
-        and (schema := get_schema(node.op_type, "", newest)) is not None
-        and any(target.type_str in c.allowed_type_strs for c in schema.type_constraints)
-    )
-    if schema_blocked:
+        if plan.decisions[node].category is Category.SCHEMA and normalize_domain(node.domain) == ""
+        and (version := first_opset_admitting(node.op_type, opset, target.type_str)) is not None
+    ]
+    if newer:
         notes.append(
-            f"{schema_blocked} node(s) have no {target.value} type in their schema at this opset; "
-            f"opset {newest} admits them (convert with --opset {newest})"
+            f"{len(newer)} node(s) have no {target.value} type in their schema at opset {opset}; "
+            f"opset {max(newer)} admits them (convert with --opset {max(newer)})"
         )
     if elements is not None:
         cast_bytes = sum(

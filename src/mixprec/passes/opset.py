@@ -30,6 +30,12 @@ def _admits(op_type: str, opset: int, type_str: str) -> bool:
     return schema is not None and any(type_str in c.allowed_type_strs for c in schema.type_constraints)
 
 
+def first_opset_admitting(op_type: str, after: int, type_str: str) -> int | None:
+    """The first default-domain opset above `after` at which `op_type` admits `type_str`."""
+    newest = onnx.defs.onnx_opset_version()
+    return next((v for v in range(after + 1, newest + 1) if _admits(op_type, v, type_str)), None)
+
+
 def required_opset(model: ir.Model, policy: Policy, target: LowPrecision) -> tuple[int, list[str]] | None:
     """The lowest default-domain opset at which the model's compute-bound ops admit `target`,
     when that is above the model's own; with the ops that need it. None: no upgrade would
@@ -37,7 +43,6 @@ def required_opset(model: ir.Model, policy: Policy, target: LowPrecision) -> tup
     current = default_opset(model)
     if current is None:
         return None
-    newest = onnx.defs.onnx_opset_version()
     type_str = target.type_str
     needed, ops = current, []
     heavy = {
@@ -50,7 +55,7 @@ def required_opset(model: ir.Model, policy: Policy, target: LowPrecision) -> tup
     for op_type in sorted(heavy):
         if _admits(op_type, current, type_str):
             continue
-        first = next((v for v in range(current + 1, newest + 1) if _admits(op_type, v, type_str)), None)
+        first = first_opset_admitting(op_type, current, type_str)
         if first is not None:
             needed = max(needed, first)
             ops.append(op_type)

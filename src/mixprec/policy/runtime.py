@@ -104,14 +104,9 @@ class RuntimeProfile:
         """The kernel serving `op_type` at opset `version`, if any."""
         if self.kernels is None:
             return None
-        kernels = self.kernels.get((normalize_domain(domain), op_type), ())
-        for kernel in kernels:
+        for kernel in self.kernels.get((normalize_domain(domain), op_type), ()):
             if kernel.covers(version):
                 return kernel
-        if kernels and self.opset_range is not None and version > self.opset_range[1]:
-            # Beyond the opsets the table was written for (the report says so): its newest
-            # statement about the op is the best fact there is.
-            return max(kernels, key=lambda k: k.since)
         return None
 
     def runs_in(self, domain: str, op_type: str, type_str: str) -> bool:

@@ -1,0 +1,76 @@
+"""bfloat16 upgrades the opset by itself where the compute-bound ops need it, weights untouched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+import mixprec
+from mixprec.passes.opset import required_opset, upgrade_opset
+from mixprec.validate.emulate import emulate_low_precision
+
+
+def _cnn(path: Path, opset: int = 13) -> Path:
+    """Conv (bf16 only from opset 22) -> Relu -> MaxPool -> Gemm, weights in external data."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.normal(0, 0.2, (16, 3, 3, 3)).astype(np.float32), "w")
+    fc = numpy_helper.from_array(rng.normal(0, 0.1, (16 * 4 * 4, 10)).astype(np.float32), "fc")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+            helper.make_node("Relu", ["c"], ["r"], name="relu"),
+            helper.make_node("MaxPool", ["r"], ["p"], kernel_shape=[2, 2], strides=[2, 2], name="pool"),
+            helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
+            helper.make_node("Gemm", ["f", "fc"], ["y"], name="fc"),
+        ],
+        "cnn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 10])],
+        [w, fc],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    onnx.save(model, str(path), save_as_external_data=True, location=f"{path.name}.data", size_threshold=256)
+    return path
+
+
+def _run(model: onnx.ModelProto | Path, x: np.ndarray) -> np.ndarray:
+    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    return ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+def test_upgrade_keeps_external_weights_unread(tmp_path: Path) -> None:
+    model = ir.load(_cnn(tmp_path / "m.onnx"))
+    policy = mixprec.build_policy(mixprec.LowPrecision.BFLOAT16)
+    assert required_opset(model, policy, mixprec.LowPrecision.BFLOAT16) == (22, ["Conv"])
+    assert required_opset(model, policy, mixprec.LowPrecision.FLOAT16) is None
+    upgraded = upgrade_opset(model, 22)
+    assert upgraded.opset_imports[""] == 22
+    assert [v.name for v in upgraded.graph.inputs] == ["x"]
+    for name in ("w", "fc"):
+        assert isinstance(upgraded.graph.initializers[name].const_value, ir.ExternalTensor), name
+
+
+def test_bf16_alone_converts_the_heavy_ops_of_an_old_opset_model(tmp_path: Path) -> None:
+    source = _cnn(tmp_path / "m.onnx")
+    out = tmp_path / "o.onnx"
+    result = mixprec.convert(source, out, target_dtype="bf16", runtime="onnx")
+    assert any(n.startswith("opset upgraded from 13 to 22: Conv") for n in result.report.notes)
+    assert result.report.low_by_op.get("Conv") == 1 and result.report.low_by_op.get("Gemm") == 1
+    assert (tmp_path / "o.onnx.data").is_file()  # external data in, external data out
+    converted = onnx.load(str(out))
+    assert converted.opset_import[0].version == 22
+    x = np.random.default_rng(1).normal(size=(2, 3, 8, 8)).astype(np.float32)
+    np.testing.assert_allclose(_run(emulate_low_precision(converted), x), _run(source, x), atol=5e-2, rtol=5e-2)
+
+
+def test_pinned_opset_is_kept(tmp_path: Path) -> None:
+    source = _cnn(tmp_path / "m.onnx")
+    result = mixprec.convert(source, tmp_path / "o.onnx", target_dtype="bf16", opset=21, runtime="onnx")
+    assert "Conv" not in result.report.low_by_op  # opset 21 has no bfloat16 Conv
+    assert result.report.low_by_op.get("Gemm") == 1
+    assert any("opset 22 admits them" in n for n in result.report.notes)
