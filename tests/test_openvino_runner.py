@@ -32,10 +32,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     fp32 = root / "cnn_fp32.onnx"
     onnx.save(DEMO_MODELS["cnn"](), str(fp32))
     paths = {"fp32": fp32, "bf16": root / "cnn_bf16.onnx", "bf16_io": root / "cnn_bf16_io.onnx"}
-    # bfloat16 Conv and pooling exist from opset 22.
-    mixprec.convert(fp32, paths["bf16"], target_dtype="bf16", validate="none", opset=22)
+    # The OpenVINO profile runs every schema type; bfloat16 Conv upgrades the CNN to opset 22.
+    mixprec.convert(fp32, paths["bf16"], target_dtype="bf16", validate="none", runtime="openvino")
     mixprec.convert(
-        fp32, paths["bf16_io"], target_dtype="bf16", validate="none", opset=22, keep_io_types=False
+        fp32, paths["bf16_io"], target_dtype="bf16", validate="none", runtime="openvino", keep_io_types=False
     )
     return paths
 
@@ -110,3 +110,34 @@ def test_unsupported_op_raises_validation_error(tmp_path: Path) -> None:
 def test_bad_precision_is_an_input_error(models: dict[str, Path]) -> None:
     with pytest.raises(mixprec.InputError, match="precision"):
         OpenVinoSession(models["fp32"], precision="fp8")
+
+
+def test_validation_runs_the_model_on_openvino_for_real(models: dict[str, Path], tmp_path: Path) -> None:
+    result = mixprec.convert(models["fp32"], tmp_path / "o.onnx", target_dtype="bf16", runtime="openvino")
+    v = result.report.validation
+    assert v.real_runtime is not None and v.real_runtime.startswith("OpenVINO CPU")
+    assert [o.name for o in v.real_outputs] == ["logits", "probs"]
+    assert all(o.new_nonfinite == 0 for o in v.real_outputs)
+    assert 0 < v.real_outputs[0].max_abs_error < 0.1  # real bfloat16 arithmetic, close to FP32
+    assert v.speed_ratio is not None and v.speed_ratio > 0
+    assert "for real on OpenVINO" in v.numerics
+    assert "latency on OpenVINO" in result.report.format_text()
+
+
+def test_tune_evaluates_candidates_on_openvino(models: dict[str, Path], images: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mixprec.tune import Tolerance, tune  # noqa: PLC0415
+    from mixprec.validate import openvino_runner  # noqa: PLC0415
+
+    built: list[str] = []
+    original = openvino_runner.OpenVinoSession.__init__
+
+    def counting(self, path, **kwargs):  # type: ignore[no-untyped-def]
+        built.append(kwargs.get("precision", "model"))
+        original(self, path, **kwargs)
+
+    monkeypatch.setattr(openvino_runner.OpenVinoSession, "__init__", counting)
+    result = tune(
+        models["fp32"], [images], target_dtype="bf16", tolerance=Tolerance(min_cosine=0.999), runtime="openvino"
+    )
+    assert result.met
+    assert len(built) == result.evaluations and set(built) == {"model"}

@@ -8,7 +8,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +25,6 @@ from mixprec.analysis.typeinfo import infer_types
 from mixprec.dtypes import LowPrecision, parse_low_precision
 from mixprec.errors import ConversionError, InputError, ValidationError
 from mixprec.io import (
-    graph_only_proto,
     load_model,
     save_model,
     uses_external_data,
@@ -35,10 +34,10 @@ from mixprec.io import (
 from mixprec.passes.norm_blocks import fuse_norm_blocks
 from mixprec.passes.opset import default_opset, required_opset, upgrade_opset
 from mixprec.passes.rewrite import apply_plan
-from mixprec.policy.runtime import DEFAULT_RUNTIME, RuntimeProfile, load_runtime
+from mixprec.policy.runtime import RuntimeProfile, load_runtime
 from mixprec.policy.schemas import op_exists
 from mixprec.policy.table import Policy, load_policy, parse_op_name
-from mixprec.report import OutputError, Report, Validation, build_report
+from mixprec.report import Report, build_report
 from mixprec.validate.check import RuntimeRejection, validate_staged
 from mixprec.validate.checker import checker_error
 from mixprec.validate.isolated import run_isolated
@@ -113,7 +112,7 @@ def _upgrade_for_target(
             return None
         notes.append(f"opset upgraded from {current} to {opset} (--opset)")
         return upgrade_opset(model, opset)
-    needed = required_opset(model, policy, target)
+    needed = required_opset(model, policy, target, profile)
     if needed is None:
         return None
     version, ops = needed
@@ -442,9 +441,8 @@ def _convert(
             weight_bytes_before=weights_before,
             weight_bytes_after=weights_after,
             type_inference_warning=typeinfo.warning,
+            profile=profile,
         )
-
-        report.runtime = profile.name
         report.notes.extend(notes)
 
         def check(staged: Path) -> None:
@@ -528,7 +526,10 @@ def _nothing_worth_converting(plan: PrecisionPlan, policy: Policy, profile: Runt
     ]
     if not heavy or any(plan.decisions[n].precision is Precision.LOW for n in heavy):
         return []
-    blocked = sorted({n.op_type for n in heavy if plan.decisions[n].category is Category.RUNTIME})
+    blocked = sorted({
+        n.op_type for n in heavy
+        if plan.decisions[n].category is Category.RUNTIME or not profile.runs_in(n.domain, n.op_type, plan.target.type_str)
+    })
     if not blocked:
         return []
     return [

@@ -114,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--fp32-op", action="append", default=[], metavar="OP",
                       help="keep this op type in FP32; repeatable")
     tune.add_argument("--opset", type=int, metavar="N", help="upgrade the model to opset N first")
+    tune.add_argument("--runtime", default=None, choices=RUNTIMES,
+                      help=f"the runtime the model is deployed to (default {DEFAULT_RUNTIME}); with "
+                           "openvino installed, --runtime openvino evaluates candidates on it for real")
     tune.add_argument("--io-16bit", action="store_true", help="make the model's FP32 inputs and outputs 16-bit too")
     tune.add_argument("--plan", metavar="JSON", help="start from this plan file")
     tune.add_argument("--plan-out", metavar="JSON", help="write the plan found (also when the target is not met)")
@@ -194,6 +197,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     kwargs = {"exclude_nodes": args.exclude_node, "fp32_ops": args.fp32_op, "keep_io_types": not args.io_16bit}
     if args.opset is not None:
         kwargs["opset"] = args.opset
+    if args.runtime is not None:
+        kwargs["runtime"] = args.runtime
     if args.plan:
         kwargs["plan"] = args.plan
     result = tune(
@@ -245,7 +250,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_policy(args: argparse.Namespace) -> int:
     from mixprec.dtypes import parse_low_precision  # noqa: PLC0415
-    from mixprec.policy.table import OpClass, load_policy  # noqa: PLC0415
+    from mixprec.policy.table import load_policy  # noqa: PLC0415
 
     from mixprec.policy.runtime import effective_classes, load_runtime  # noqa: PLC0415
 
@@ -275,10 +280,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         for name, build in DEMO_MODELS.items():
             source = folder / f"{name}.onnx"
             onnx.save(build(), str(source))
-            for target in ("fp16", "bf16"):
+            # float16 for onnxruntime CUDA (the default runtime); bfloat16 for OpenVINO, which
+            # runs it for real on CPUs with AVX512-BF16/AMX (checked there when installed).
+            # bfloat16 Conv and pooling need opset 22: the CNN is upgraded on the way.
+            for target, runtime in (("fp16", None), ("bf16", "openvino")):
                 output = folder / f"{name}.{target}.onnx"
-                # bfloat16 Conv and pooling need opset 22: the CNN is upgraded on the way.
-                result = convert(source, output, target_dtype=target, validate="run")
+                result = convert(source, output, target_dtype=target, validate="run", runtime=runtime)
                 print(result.report.format_text())
                 print()
         if args.out:

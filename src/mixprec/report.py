@@ -16,6 +16,7 @@ from mixprec.analysis.plan import Category, Precision, PrecisionPlan
 from mixprec.graphs import walk_nodes
 from mixprec.passes.rewrite import RewriteStats
 from mixprec.passes.opset import first_opset_admitting
+from mixprec.policy.runtime import RuntimeProfile
 from mixprec.policy.table import normalize_domain
 
 
@@ -48,15 +49,15 @@ class Validation:
 
     checker: str = "skipped"  # passed | skipped
     runtime: str = "skipped"  # ran | loaded | skipped | emulated | reference-fails | no cpu kernels
-    numerics: str = "not checked"  # "checked ..." or "not checked: <why>"
-    numerics_unchecked: bool = False  # the check was due (level run) but could not run
     seconds: float = 0.0
     batches: int = 0
     outputs: list[OutputError] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     real_runtime: str | None = None  # the runtime that ran the 16-bit model for real, if any
     real_outputs: list[OutputError] = field(default_factory=list)
     speed_ratio: float | None = None  # converted / FP32 latency on the real runtime
-    notes: list[str] = field(default_factory=list)
+    numerics: str = "not checked"  # "checked ..." or "not checked: <why>"
+    numerics_unchecked: bool = False  # the check was due (level run) but could not run
 
 
 @dataclass
@@ -211,8 +212,9 @@ def build_report(
     weight_bytes_before: int,
     weight_bytes_after: int,
     type_inference_warning: str | None,
+    profile: RuntimeProfile | None = None,
 ) -> Report:
-    """Summarise a finished conversion."""
+    """Summarise a finished conversion (`profile`: the runtime it was converted for)."""
     target = plan.target
     # Counted by enum member (a str, hashed as its value), reported by value.
     by_precision: Counter[Precision] = Counter()
@@ -244,6 +246,7 @@ def build_report(
         version
         for node in plan.order
         if plan.decisions[node].category is Category.SCHEMA and normalize_domain(node.domain) == ""
+        and (profile is None or profile.runs_in("", node.op_type, target.type_str))
         and (version := first_opset_admitting(node.op_type, opset, target.type_str)) is not None
     ]
     if newer:
@@ -256,6 +259,7 @@ def build_report(
             (c.elements or 0) * (4 + target.numpy_dtype.itemsize) for c in runtime
         )
     return Report(
+        runtime=profile.name if profile is not None else "onnx",
         source=source,
         output=output,
         target=target.value,

@@ -333,7 +333,9 @@ def tune(
         progress: Print one progress line per step on stderr.
         output: Write the final converted model here, only if it meets the tolerance.
         emulate: Measure float16 candidates on the emulated model (default, as validation
-            does); False runs them in onnxruntime for real. bfloat16 is always emulated.
+            does); False runs them in onnxruntime for real. bfloat16 is emulated, except with
+            `runtime="openvino"` (and openvino installed), where every candidate runs on
+            OpenVINO's CPU plugin for real.
         **convert_kwargs: Passed to `convert` for every conversion (e.g. `exclude_nodes`,
             `fp32_ops`, `keep_io_types`, `opset`, `policy_file`, and `plan` as a starting plan).
 
@@ -529,9 +531,14 @@ class _Search:
         return _Outcome(met, tuple(metrics), conversion)
 
     def _run_candidate(self, path: Path) -> list[dict[str, np.ndarray]]:
-        from mixprec.validate import runner  # noqa: PLC0415
+        from mixprec.validate import openvino_runner, runner  # noqa: PLC0415
         from mixprec.validate.emulate import emulate_low_precision_file  # noqa: PLC0415
 
+        if self.kwargs.get("runtime") == "openvino" and openvino_runner.openvino_available():
+            # The deployment runtime computes for real (bfloat16 on AVX512-BF16/AMX): judge
+            # candidates by what it produces, not by the emulation.
+            session = openvino_runner.OpenVinoSession(path, precision="model")
+            return [session.run(feeds) for feeds in self.batches]
         if self.emulate:
             path = emulate_low_precision_file(path, path.with_name(path.stem + ".emulated.onnx"))
         session = runner.make_session(path, graph_optimization="disable")

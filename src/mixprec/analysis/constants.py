@@ -6,7 +6,7 @@ inspecting a multi-gigabyte model does not grow the resident set.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,6 +121,20 @@ class ConstantRange:
             )
         return "; ".join(parts) or "representable"
 
+
+
+def reduction_axes(
+    node: ir.Node, constant: Callable[[ir.Value], np.ndarray | None] | None = None
+) -> list[int] | None:
+    """The axes of a Reduce* node: its `axes` attribute (before opset 18) or constant input;
+    [] when it names none; None when the input is not a constant."""
+    attr = node.attributes.get("axes")
+    if attr is not None:
+        return list(attr.as_ints())
+    if len(node.inputs) < 2 or node.inputs[1] is None:
+        return []
+    array = (constant or small_constant_array)(node.inputs[1])
+    return None if array is None else [int(a) for a in np.asarray(array).reshape(-1)]
 
 def constant_range(value: ir.Value, target: LowPrecision) -> ConstantRange | None:
     """Range analysis of a float32 constant for `target` (cached on the value)."""

@@ -14,19 +14,18 @@ input types that fails to load. Here each block is found and either
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 
-from mixprec.analysis.constants import small_constant_array
+from mixprec.analysis.constants import reduction_axes, small_constant_array
 from mixprec.dtypes import is_fp32_tensor
 from mixprec.graphs import all_graphs
 from mixprec.passes.opset import default_opset
 
-# Ops that compute x**2, and those that compute 1/y from y (as Div(1, y) or Reciprocal(y)).
+# Per kind of block: the op it fuses into and the opset that op first exists at.
 _FUSED_OP = {"layer": ("LayerNormalization", 17), "rms": ("RMSNormalization", 23)}
 
 
@@ -100,15 +99,8 @@ def _axes(node: ir.Node, rank: int | None) -> list[int] | None:
     """Positive reduced axes of a ReduceMean with keepdims=1, when they are trailing."""
     if rank is None or node.attributes.get_int("keepdims", 1) != 1:
         return None
-    attr = node.attributes.get("axes")
-    if attr is not None:
-        axes = list(attr.as_ints())
-    elif len(node.inputs) > 1 and node.inputs[1] is not None:
-        array = small_constant_array(node.inputs[1])
-        if array is None:
-            return None
-        axes = [int(a) for a in np.asarray(array).reshape(-1)]
-    else:
+    axes = reduction_axes(node)
+    if not axes:
         return None
     axes = sorted(a % rank for a in axes)
     return axes if axes and axes == list(range(rank - len(axes), rank)) else None
@@ -316,11 +308,3 @@ def fuse_norm_blocks(model: ir.Model) -> NormBlocks:
                 result.kept[node] = reason
     return result
 
-
-def normalized_size(block: NormBlock) -> int | None:
-    """Elements normalized per row, when static."""
-    shape = block.input.shape
-    if shape is None:
-        return None
-    dims = [shape[a] for a in block.axes]
-    return math.prod(int(d) for d in dims) if all(isinstance(d, int) for d in dims) else None

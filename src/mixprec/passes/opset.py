@@ -16,6 +16,7 @@ from mixprec.dtypes import LowPrecision
 from mixprec.errors import InputError
 from mixprec.graphs import all_nodes
 from mixprec.io import weight_free_proto
+from mixprec.policy.runtime import RuntimeProfile
 from mixprec.policy.schemas import get_schema
 from mixprec.policy.table import OpClass, Policy, normalize_domain
 
@@ -36,10 +37,12 @@ def first_opset_admitting(op_type: str, after: int, type_str: str) -> int | None
     return next((v for v in range(after + 1, newest + 1) if _admits(op_type, v, type_str)), None)
 
 
-def required_opset(model: ir.Model, policy: Policy, target: LowPrecision) -> tuple[int, list[str]] | None:
+def required_opset(
+    model: ir.Model, policy: Policy, target: LowPrecision, runtime: RuntimeProfile | None = None
+) -> tuple[int, list[str]] | None:
     """The lowest default-domain opset at which the model's compute-bound ops admit `target`,
     when that is above the model's own; with the ops that need it. None: no upgrade would
-    convert more."""
+    convert more (ops the runtime has no 16-bit kernel for do not count)."""
     current = default_opset(model)
     if current is None:
         return None
@@ -51,6 +54,7 @@ def required_opset(model: ir.Model, policy: Policy, target: LowPrecision) -> tup
         if normalize_domain(node.domain) == ""
         and (rule := policy.rule_for("", node.op_type)) is not None
         and rule.op_class is OpClass.LOW and rule.compute_bound
+        and (runtime is None or runtime.runs_in("", node.op_type, target.type_str))
     }
     for op_type in sorted(heavy):
         if _admits(op_type, current, type_str):

@@ -13,6 +13,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import onnx_ir as ir
 
+from mixprec.analysis.constants import reduction_axes
+
 
 class ConditionResult(NamedTuple):
     """Outcome of a condition: whether the node may convert, and why."""
@@ -51,16 +53,9 @@ def reduced_size_at_most(
     if shape is None or not all(isinstance(d, int) for d in shape.dims):
         return ConditionResult(False, "reduced size unknown")
     dims = [int(d) for d in shape.dims]
-    axes_attr = node.attributes.get("axes")
-    if axes_attr is not None:
-        axes = list(axes_attr.as_ints())
-    elif len(node.inputs) > 1 and node.inputs[1] is not None:
-        axes_array = constant(node.inputs[1])
-        if axes_array is None:
-            return ConditionResult(False, "reduction axes are not constant")
-        axes = [int(a) for a in axes_array.reshape(-1)]
-    else:
-        axes = []
+    axes = reduction_axes(node, constant)
+    if axes is None:
+        return ConditionResult(False, "reduction axes are not constant")
     if not axes:
         noop = node.attributes.get("noop_with_empty_axes")
         if noop is not None and noop.as_int() == 1:
