@@ -141,3 +141,17 @@ def test_tune_evaluates_candidates_on_openvino(models: dict[str, Path], images: 
     )
     assert result.met
     assert len(built) == result.evaluations and set(built) == {"model"}
+
+
+def test_openvino_profile_keeps_batchnorm_types_uniform(models: dict[str, Path], tmp_path: Path) -> None:
+    # The demo CNN's 1e8 running variance stays FP32 in float16; OpenVINO rejects a
+    # BatchNormalization with mixed input types, so on its profile the whole node stays FP32.
+    result = mixprec.convert(models["fp32"], tmp_path / "fp16.onnx", target_dtype="fp16", runtime="openvino")
+    kept = {k.name: k.reason for k in result.report.kept_fp32}
+    assert kept["block1/BatchNormalization"].startswith("openvino needs one element type")
+    assert [o.name for o in result.report.validation.real_outputs] == ["logits", "probs"]
+    # The schema alone would mix them (legal ONNX since opset 15) and OpenVINO could not read it.
+    mixed = mixprec.convert(models["fp32"], tmp_path / "mixed.onnx", target_dtype="fp16", runtime="onnx", validate="none")
+    assert "block1/BatchNormalization" not in {k.name for k in mixed.report.kept_fp32}
+    with pytest.raises(mixprec.ValidationError, match="element types do not match"):
+        OpenVinoSession(tmp_path / "mixed.onnx", precision="model")

@@ -613,6 +613,10 @@ class _Planner:
             wide_inputs.append((value, input_state))
             evidence = self._wide_evidence(value)
             facts.pinned_evidence.append(f"{value.name}: {evidence}")
+        if wide_inputs and self.runtime.needs_one_type(node.domain, node.op_type):
+            reason = f"{self.runtime.name} needs one element type for all {op_name} inputs; " + "; ".join(facts.pinned_evidence)
+            self._keep(node, Category.RUNTIME, reason, State.HIGH)
+            return
         if wide_inputs and not self._has_lowered_output(node, facts):
             # Data movement and elementwise ops pass large values on; tiny ones do not matter
             # once the node computes in FP32.

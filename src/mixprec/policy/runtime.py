@@ -31,6 +31,9 @@ _SCHEMA_ONLY = {
     "openvino": "OpenVINO CPU plugin (runs every schema type; bf16 arithmetic on AVX512-BF16/AMX)",
 }
 _TABLE_PROFILES = ("ort-cpu", "ort-cuda", "ort-dml", "tensorrt")
+# Ops a runtime accepts only with one element type for all float inputs, although the schema
+# allows several (OpenVINO's ONNX reader: "Input element types do not match").
+_ONE_TYPE_OPS = {"openvino": frozenset({("", "BatchNormalization")})}
 RUNTIMES = (*_SCHEMA_ONLY, *_TABLE_PROFILES)
 # Ops that no runtime runs as a kernel: the runtime folds them into constants when loading.
 _FOLDED_OPS = frozenset({("", "Constant")})
@@ -118,6 +121,10 @@ class RuntimeProfile:
             return False
         newest = max(kernels, key=lambda k: k.since)
         return any(type_str in types for types in newest.types.values())
+
+    def needs_one_type(self, domain: str, op_type: str) -> bool:
+        """Whether the runtime rejects the op with float inputs of different element types."""
+        return (normalize_domain(domain), op_type) in _ONE_TYPE_OPS.get(self.name, frozenset())
 
     def knows(self, domain: str, op_type: str) -> bool:
         """Whether the table lists the op at any version."""
