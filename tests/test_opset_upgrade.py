@@ -61,7 +61,10 @@ def test_bf16_alone_converts_the_heavy_ops_of_an_old_opset_model(tmp_path: Path)
     result = mixprec.convert(source, out, target_dtype="bf16", runtime="onnx")
     assert any(n.startswith("opset upgraded from 13 to 22: Conv") for n in result.report.notes)
     assert result.report.low_by_op.get("Conv") == 1 and result.report.low_by_op.get("Gemm") == 1
-    assert (tmp_path / "o.onnx.data").is_file()  # external data in, external data out
+    # External data in, external data out (one data file, named per save).
+    (data,) = [p.name for p in tmp_path.glob("o.onnx.*.data")]
+    graph = onnx.load(str(out), load_external_data=False).graph
+    assert {e.value for t in graph.initializer for e in t.external_data if e.key == "location"} == {data}
     converted = onnx.load(str(out))
     assert converted.opset_import[0].version == 22
     x = np.random.default_rng(1).normal(size=(2, 3, 8, 8)).astype(np.float32)

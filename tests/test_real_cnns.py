@@ -61,6 +61,8 @@ def realistic_weights(model: onnx.ModelProto, seed: int = 0) -> onnx.ModelProto:
             kept.append(node)
     del graph.node[:]
     graph.node.extend(kept)
+    # The new initializers are not graph inputs, which IR 3 (these models' version) requires.
+    model.ir_version = max(model.ir_version, 4)
     return model
 
 
@@ -120,5 +122,6 @@ def test_light_cnn_converts_and_keeps_top1(name: str, tmp_path: Path) -> None:
     _assert_compute_converted(bf16.report, model)
     got_bf16 = _top1(emulate_low_precision(onnx.load(str(out))), model)
     np.testing.assert_array_equal(got_bf16.argmax(-1), expected.argmax(-1))
-    cuda = mixprec.convert(source, None, target_dtype="bf16", validate="none", runtime="ort-cuda")
-    _assert_compute_converted(cuda.report, model, most_nodes=False)
+    if name not in _LARGE:  # the same topology rules; spare the 100M-parameter models a pass
+        cuda = mixprec.convert(source, None, target_dtype="bf16", validate="none", runtime="ort-cuda")
+        _assert_compute_converted(cuda.report, model, most_nodes=False)

@@ -23,8 +23,9 @@ from mixprec.analysis.plan import weights_only as weights_only_plan
 from mixprec.graphs import walk_nodes
 from mixprec.analysis.typeinfo import infer_types
 from mixprec.dtypes import LowPrecision, parse_low_precision
-from mixprec.errors import ConversionError, InputError, ValidationError
+from mixprec.errors import ConversionError, InputError, ModelLoadError, ValidationError
 from mixprec.io import (
+    check_output_path,
     load_model,
     save_model,
     uses_external_data,
@@ -39,7 +40,7 @@ from mixprec.policy.schemas import op_exists
 from mixprec.policy.table import Policy, load_policy, parse_op_name
 from mixprec.report import Report, build_report
 from mixprec.validate.check import RuntimeRejection, validate_staged
-from mixprec.validate.checker import checker_error
+from mixprec.validate.checker import checker_error, input_problem
 from mixprec.validate.isolated import run_isolated
 from mixprec.validate.repair import find_culprits
 
@@ -197,6 +198,8 @@ def convert(
     ranges: RangeTable | None = None,
     runtime: str | None = None,
     weights_only: bool = False,
+    allow_invalid: bool = False,
+    overwrite: bool = False,
 ) -> ConversionResult:
     """Convert an FP32 ONNX model to mixed precision.
 
@@ -236,6 +239,10 @@ def convert(
         weights_only: Store the weights in the 16-bit type and compute everything in FP32 (for
             runtimes without 16-bit compute for the model's heavy ops: half the file, FP32
             speed).
+        allow_invalid: Convert a model the ONNX checker rejects (by default that is a
+            `ModelLoadError` naming the checker's first problem).
+        overwrite: Allow `output` to be the input model's own file (replaced only once the new
+            model is complete and checked).
         ranges: FP32 ranges measured before (`mixprec.analysis.calibrate.calibrate`): used
             instead of calibrating on `data`.
         plan: A plan file (`mixprec.plan_file.save_plan`) or its dict: its `fp32` nodes are
@@ -254,8 +261,10 @@ def convert(
         policy_file=policy_file, validate=validate, data=data, max_batches=max_batches,
         tolerance=tolerance, external_data=external_data, opset=opset, progress=progress,
         calibrate=calibrate, plan_source=plan, ranges=ranges, runtime=runtime,
-        weights_only=weights_only,
+        weights_only=weights_only, allow_invalid=allow_invalid,
     )
+    if output is not None:
+        _check_output(model, output, overwrite)
     with _gc_paused():
         try:
             return _convert(model, output, **options)
@@ -264,6 +273,17 @@ def convert(
                 return _repair(rejection, output, options)
             finally:
                 rejection.cleanup()
+
+
+def _check_output(model: object, output: str | os.PathLike, overwrite: bool) -> None:
+    """Refuse an unwritable output, and the input's own file unless `overwrite`."""
+    destination = check_output_path(output)
+    if isinstance(model, (str, os.PathLike)) and destination.exists() and Path(model).exists():
+        if os.path.samefile(destination, model) and not overwrite:
+            raise InputError(
+                f"{destination} is the input model: choose another output, or pass --overwrite "
+                "(the input is replaced only once the new model is complete)"
+            )
 
 
 def _repair(rejection: RuntimeRejection, output: str | os.PathLike | None, options: dict) -> ConversionResult:
@@ -321,6 +341,7 @@ def _convert(
     runtime: str | None = None,
     runtime_fp32: Mapping[str, str] | None = None,
     weights_only: bool = False,
+    allow_invalid: bool = False,
 ) -> ConversionResult:
     """One conversion; `runtime_fp32`: plan keys of nodes kept FP32 because the runtime fails
     on them in 16 bits, with the reason (see `_repair`)."""
@@ -338,6 +359,14 @@ def _convert(
             return checker_error(source_path)
         return checker_error(original_proto) if original_proto is not None else None
 
+    if not allow_invalid and (source_path is not None or original_proto is not None):
+        problem = input_problem(source_path if source_path is not None else original_proto)  # type: ignore[arg-type]
+        if problem is not None:
+            where = source_path or "the given ModelProto"
+            raise ModelLoadError(
+                f"{where}: not a valid ONNX model: {problem} (fix it, or convert it anyway with "
+                "--allow-invalid / allow_invalid=True)"
+            )
     times["load"] = time.perf_counter() - start
     low_precision_ops, fp32_ops, follow_ops = list(low_precision_ops), list(fp32_ops), list(follow_ops)
     _check_user_ops(ir_model, [*low_precision_ops, *fp32_ops, *follow_ops])

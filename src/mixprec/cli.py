@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
 import tempfile
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -94,6 +97,10 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--plan", metavar="JSON",
                          help="apply a plan file (e.g. an edited --plan-out): its fp32 nodes stay FP32")
     convert.add_argument("--plan-out", metavar="JSON", help="write the plan used as a JSON plan file")
+    convert.add_argument("--allow-invalid", action="store_true",
+                         help="convert a model the ONNX checker rejects (default: refuse it, exit 4)")
+    convert.add_argument("--overwrite", action="store_true",
+                         help="allow OUTPUT to be the input file (replaced only once the new model is complete)")
 
     tune = sub.add_parser("tune", help="keep the fewest nodes FP32 that meet an accuracy target")
     tune.add_argument("input", help="FP32 .onnx model")
@@ -143,6 +150,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from mixprec.api import convert  # noqa: PLC0415
 
     external = {"auto": None, "yes": True, "no": False}[args.external_data]
+    _check_outputs(args.input, {"OUTPUT": args.output, "--report": args.report, "--plan-out": args.plan_out, "--html": args.html})
     result = convert(
         args.input,
         args.output,
@@ -163,6 +171,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         plan=args.plan,
         runtime=args.runtime,
         weights_only=args.weights_only,
+        allow_invalid=args.allow_invalid,
+        overwrite=args.overwrite,
     )
     report = result.report
     if args.plan_out:
@@ -230,6 +240,23 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         )
         return EXIT_VALIDATION
     return EXIT_OK
+
+
+def _check_outputs(source: str, outputs: dict[str, str | None]) -> None:
+    """Every file the command will write is writable and distinct, before any work."""
+    from mixprec.io import check_output_path  # noqa: PLC0415
+
+    seen: dict[str, str] = {}
+    for flag, path in outputs.items():
+        if not path:
+            continue
+        check_output_path(path)
+        resolved = os.path.realpath(path)
+        if resolved in seen:
+            raise InputError(f"{flag} and {seen[resolved]} name the same file {path}")
+        if flag != "OUTPUT" and resolved == os.path.realpath(source):
+            raise InputError(f"{flag} {path} is the input model")
+        seen[resolved] = flag
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -308,6 +335,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tune": _cmd_tune,
     }
     try:
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:  # not the main thread: leave signals alone
+        previous = None
+    try:
         return commands[args.command](args)
     except ModelLoadError as e:
         print(f"mixprec: error: {e}", file=sys.stderr)
@@ -321,6 +352,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mixprec: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # a full or read-only disk, a vanished file, ...
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"mixprec: error: {where}{e.strerror or e} (nothing written)", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:  # noqa: BLE001 - the boundary: one line, traceback with --verbose
+        if args.verbose:
+            traceback.print_exc()
+        subject = getattr(args, "input", None) or getattr(args, "model", None) or args.command
+        root = e
+        while root.__cause__ is not None:  # wrappers repeat whole protobufs; the cause says why
+            root = root.__cause__
+        first = (str(root).strip().splitlines() or [""])[0][:300]
+        print(
+            f"mixprec: error: cannot process {subject}: {type(root).__name__}: {first} "
+            "(an unsupported model or a bug; --verbose shows where)",
+            file=sys.stderr,
+        )
+        return EXIT_MODEL
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM unwinds like Ctrl-C, so staging folders and temporary files are removed."""
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

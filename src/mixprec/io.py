@@ -1,8 +1,16 @@
 """Loading and saving models: clear errors for bad files, atomic writes, external data.
 
 Loading goes through onnx_ir, so external weights stay memory-mapped / unread until needed.
-Saving writes into a temporary folder next to the destination and moves the files into place
-only after the caller's check passed: a failed conversion never leaves a half-written output.
+External data locations are checked before any file is touched: relative, inside the model's
+folder, no symlink leading out of it.
+
+Saving writes into a staging folder next to the destination (named with the writer's process
+id) and publishes only after the caller's check passed, so a failed conversion never leaves a
+half-written output. Weights go to a data file with a name of its own per save
+(`<name>.<pid>-<token>.data`): the data file moves into place first, then the `.onnx` replaces
+the old one in one atomic rename, so a reader sees the old pair or the new pair, never a mix;
+the old data file is removed after. Leftovers of killed runs (staging folders, data files no
+model refers to) are removed by the next save to the same output.
 """
 
 from __future__ import annotations
@@ -10,10 +18,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import onnx
 import onnx_ir as ir
@@ -30,26 +40,59 @@ logger = logging.getLogger(__name__)
 EXTERNAL_DATA_THRESHOLD = 1 << 30
 # Tensors of at least this size go to the external data file.
 _EXTERNAL_TENSOR_MIN_BYTES = 1024
+# The data file of a save, after "<name>.": the writer's process id and a random token.
+_OUR_DATA = re.compile(r"(\d+)-[0-9a-f]{8}\.data$")
+# A single protobuf (an .onnx file without external data) cannot exceed this.
+_PROTOBUF_LIMIT = (2 << 30) - 1
+
+
+def _external_tensors(model: ir.Model) -> Iterator[tuple[str, ir.ExternalTensor]]:
+    """(name, tensor) of every tensor stored in an external file: initializers of every graph
+    and function, and tensors held in node attributes (Constant values)."""
+    graphs: list[ir.Graph | ir.Function] = [*all_graphs(model), *model.functions.values()]
+    for graph in graphs:
+        if isinstance(graph, ir.Graph):
+            for value in graph.initializers.values():
+                if isinstance(value.const_value, ir.ExternalTensor):
+                    yield value.name or "", value.const_value
+        for node in graph:
+            for attr in node.attributes.values():
+                if attr.type is ir.AttributeType.TENSOR and isinstance(attr.value, ir.ExternalTensor):
+                    yield f"{node.name or node.op_type}.{attr.name}", attr.value
+
+
+def _check_locations(model: ir.Model, path: Path) -> None:
+    """Refuse external data outside the model's folder, before any file of it is touched."""
+    root = os.path.realpath(path.parent)
+    for name, tensor in _external_tensors(model):
+        location = str(tensor.location)
+        parts = PurePath(location).parts
+        escapes = not location or "\0" in location or PurePath(location).is_absolute() or ".." in parts
+        if not escapes:
+            resolved = os.path.realpath(os.path.join(root, location))
+            escapes = os.path.commonpath([root, resolved]) != root
+        if escapes:
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} keeps its data at {location!r}, outside the model's "
+                "folder; external data must lie in the model's folder (or below it)"
+            )
 
 
 def _check_external_data(model: ir.Model, path: Path) -> None:
-    for graph in all_graphs(model):
-        for value in graph.initializers.values():
-            tensor = value.const_value
-            if not isinstance(tensor, ir.ExternalTensor):
-                continue
-            data_path = Path(tensor.path)
-            if not data_path.is_file():
-                raise ModelLoadError(
-                    f"{path}: external data file {str(tensor.location)!r} for tensor "
-                    f"{value.name!r} is missing (looked in {data_path.parent})"
-                )
-            needed = (tensor.offset or 0) + (tensor.length or tensor.nbytes)
-            if data_path.stat().st_size < needed:
-                raise ModelLoadError(
-                    f"{path}: external data file {data_path} is truncated: tensor "
-                    f"{value.name!r} needs {needed} bytes, the file has {data_path.stat().st_size}"
-                )
+    _check_locations(model, path)
+    for name, tensor in _external_tensors(model):
+        data_path = Path(tensor.path)
+        if not data_path.is_file():
+            raise ModelLoadError(
+                f"{path}: external data file {str(tensor.location)!r} for tensor "
+                f"{name!r} is missing (looked in {data_path.parent})"
+            )
+        needed = (tensor.offset or 0) + (tensor.length or tensor.nbytes)
+        if data_path.stat().st_size < needed:
+            raise ModelLoadError(
+                f"{path}: external data file {data_path} is truncated: tensor "
+                f"{name!r} needs {needed} bytes, the file has {data_path.stat().st_size}"
+            )
 
 
 def _root_message(error: BaseException) -> str:
@@ -185,8 +228,23 @@ def wants_external_data(model: ir.Model, weights: int | None = None) -> bool:
     return (weight_bytes(model) if weights is None else weights) > EXTERNAL_DATA_THRESHOLD
 
 
-def _write(model: ir.Model, path: Path, external: bool, progress: bool | None) -> None:
-    if external:
+def _inline_external(model: ir.Model) -> None:
+    """Read external tensors into memory, for a save without external data."""
+    total = sum(t.nbytes for _, t in _external_tensors(model))
+    if total > _PROTOBUF_LIMIT:
+        raise InputError(
+            f"the model keeps {total / 1e9:.1f} GB of weights in external data: too large for one "
+            ".onnx file (protobuf's 2 GB limit); save with external data (--external-data yes)"
+        )
+    for graph in all_graphs(model):
+        for value in graph.initializers.values():
+            tensor = value.const_value
+            if isinstance(tensor, ir.ExternalTensor):
+                value.const_value = ir.Tensor(tensor.numpy(), name=tensor.name)
+
+
+def _write(model: ir.Model, path: Path, data_name: str | None, progress: bool | None) -> None:
+    if data_name is not None:
         sizes = {
             v.name: v.const_value.nbytes
             for graph in all_graphs(model)
@@ -201,14 +259,83 @@ def _write(model: ir.Model, path: Path, external: bool, progress: bool | None) -
         ir.save(
             model,
             path,
-            external_data=f"{path.name}.data",
+            external_data=data_name,
             size_threshold_bytes=_EXTERNAL_TENSOR_MIN_BYTES,
             max_in_flight_bytes=256 << 20,
             callback=callback,
         )
         bar.close()
     else:
+        _inline_external(model)
         ir.save(model, path)
+
+
+def check_output_path(destination: str | os.PathLike) -> Path:
+    """Refuse an output path that cannot be written, before any work is done."""
+    destination = Path(destination)
+    parent = destination.parent if str(destination.parent) else Path(".")
+    if not parent.is_dir():
+        raise InputError(f"{destination}: output folder {parent} does not exist")
+    if destination.is_dir():
+        raise InputError(f"{destination}: is a directory, expected a file name")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{destination}: output folder {parent} is not writable")
+    return destination
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _data_files_of(model_path: Path) -> set[str]:
+    """Names of the external data files a saved model refers to (in its folder)."""
+    if not model_path.is_file():
+        return set()
+    try:
+        proto = onnx.load(str(model_path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - not a model we wrote: it refers to nothing of ours
+        return set()
+    names: set[str] = set()
+    graphs = [proto.graph]
+    while graphs:
+        graph = graphs.pop()
+        tensors = list(graph.initializer)
+        for node in graph.node:
+            for attr in node.attribute:
+                tensors.extend([attr.t] if attr.HasField("t") else [])
+                graphs.extend([attr.g] if attr.HasField("g") else [])
+                graphs.extend(attr.graphs)
+        for tensor in tensors:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    names.add(entry.value)
+    return names
+
+
+def _remove_leftovers(destination: Path, keep: set[str]) -> None:
+    """Staging folders and data files of dead writers of `destination`, and data files of
+    ours that no published model refers to."""
+    parent = destination.parent if str(destination.parent) else Path(".")
+    staging = re.compile(re.escape(f".{destination.name}.mixprec-") + r"(\d+)-")
+    prefixes = (f".{destination.name}.mixprec-", f"{destination.name}.")
+    for entry in parent.iterdir():
+        if not entry.name.startswith(prefixes):
+            continue
+        match = staging.match(entry.name)
+        if match and entry.is_dir() and not _alive(int(match[1])):
+            shutil.rmtree(entry, ignore_errors=True)
+            continue
+        match = _OUR_DATA.match(entry.name.removeprefix(f"{destination.name}.")) if entry.name.startswith(f"{destination.name}.") else None
+        if match and entry.name not in keep and (not _alive(int(match[1])) or int(match[1]) == os.getpid()):
+            entry.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -221,35 +348,39 @@ def staged_save(
 ) -> Iterator[Path]:
     """Save `model` into a staging folder beside `destination`; publish on clean exit.
 
-    Yields the staged model path (for checks). When the `with` block raises, nothing is
-    published and the staging folder is removed.
+    Yields the staged model path (for checks). When the `with` block raises (or the process
+    is interrupted), nothing is published and the staging folder is removed.
 
     Args:
         model: The model to save.
         destination: Final path of the .onnx file.
-        external_data: Save weights to `<name>.data`; default: when the weights exceed 1 GiB or
-            the model already used external data.
+        external_data: Save weights to a data file beside it; default: when the weights exceed
+            1 GiB or the model already used external data.
         progress: Show a progress line while writing weights (None: when stderr is a terminal).
     """
-    destination = Path(destination)
+    destination = check_output_path(destination)
     parent = destination.parent if str(destination.parent) else Path(".")
-    if not parent.is_dir():
-        raise InputError(f"{destination}: output folder {parent} does not exist")
-    if destination.is_dir():
-        raise InputError(f"{destination}: is a directory, expected a file name")
+    previous = _data_files_of(destination)
+    _remove_leftovers(destination, previous)
     if external_data is None:
         external_data = wants_external_data(model)
-    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=parent))
+    token = f"{os.getpid()}-{secrets.token_hex(4)}"
+    data_name = f"{destination.name}.{token}.data" if external_data else None
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.mixprec-{token}-", dir=parent))
     staged = staging / destination.name
     try:
-        _write(model, staged, external_data, progress)
+        _write(model, staged, data_name, progress)
         yield staged
-        data = staging / f"{destination.name}.data"
-        if data.exists():
-            os.replace(data, parent / data.name)
-        os.replace(staged, destination)
+        if data_name is not None and (staging / data_name).exists():
+            os.replace(staging / data_name, parent / data_name)
+        os.replace(staged, destination)  # the atomic switch from the old pair to the new one
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    current = _data_files_of(destination)
+    for name in previous - current:  # the old pair's data file, if it was one of ours
+        if name == f"{destination.name}.data" or _OUR_DATA.match(name.removeprefix(f"{destination.name}.")):
+            (parent / name).unlink(missing_ok=True)
+    _remove_leftovers(destination, current)
 
 
 def save_model(

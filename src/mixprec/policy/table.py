@@ -7,6 +7,7 @@ frozen rules and applies user overrides. It holds no conversion logic.
 from __future__ import annotations
 
 import enum
+import functools
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -201,6 +202,18 @@ def parse_policy(document: Mapping[str, Any], target: LowPrecision, source: str)
 
 def load_policy(target: LowPrecision, path: str | Path | None = None) -> Policy:
     """Load the shipped policy table (or the TOML file at `path`) for `target`."""
+    if path is None:
+        return _default_policy(target)
+    return _read_policy(target, path)
+
+
+@functools.lru_cache(maxsize=None)
+def _default_policy(target: LowPrecision) -> Policy:
+    """The shipped table, parsed once per target (a Policy is immutable)."""
+    return _read_policy(target, None)
+
+
+def _read_policy(target: LowPrecision, path: str | Path | None) -> Policy:
     if path is None:
         text = resources.files("mixprec.policy").joinpath("tables/default.toml").read_text()
         source = "default.toml"

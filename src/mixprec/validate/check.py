@@ -174,7 +174,7 @@ def _run_check(
         reference_session = runner.make_session(reference, graph_optimization="disable")
     except ValidationError as e:
         outcome = run_isolated(path)
-        _judge_load(outcome, path, None, target, result)
+        _judge_load(outcome, path, reference, target, result)
         result.runtime = "reference-fails"
         _unchecked(result, f"not checked: the FP32 model does not load in onnxruntime ({e})")
         return

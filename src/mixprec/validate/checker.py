@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,14 +12,40 @@ import onnx.checker
 from mixprec.errors import ConversionError
 
 
-def checker_error(model: str | Path | onnx.ModelProto) -> str | None:
-    """The full ONNX checker's (strict type inference included) first error line, or None."""
+def checker_error(model: str | Path | onnx.ModelProto, *, full_check: bool = True) -> str | None:
+    """The ONNX checker's first error line (`full_check`: with strict type inference), or None."""
     try:
-        onnx.checker.check_model(model if isinstance(model, onnx.ModelProto) else str(model), full_check=True)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        onnx.checker.check_model(model if isinstance(model, onnx.ModelProto) else str(model), full_check=full_check)
+    except Exception as e:  # noqa: BLE001 - the checker failing on a model is a finding too
         lines = str(e).strip().splitlines()
         return lines[0] if lines else type(e).__name__
     return None
+
+
+def input_problem(model: str | Path | onnx.ModelProto) -> str | None:
+    """Why an input model is not valid ONNX, or None.
+
+    The structural checker decides (cycles, undefined inputs, unknown ops, opsets, IR
+    version). Strict type inference also runs; when only it objects, the model counts as
+    valid if onnxruntime loads it with default options (ONNX's own inference of some function
+    ops, MeanVarianceNormalization for one, rejects models onnx ships as tests).
+    """
+    problem = checker_error(model, full_check=False)
+    if problem is not None:
+        return problem
+    strict = checker_error(model, full_check=True)
+    if strict is None:
+        return None
+    from mixprec.validate.isolated import run_isolated  # noqa: PLC0415
+
+    if isinstance(model, onnx.ModelProto):
+        with tempfile.TemporaryDirectory(prefix="mixprec-input-") as tmp:
+            path = Path(tmp) / "input.onnx"
+            onnx.save(model, str(path))
+            outcome = run_isolated(path)
+    else:
+        outcome = run_isolated(model)
+    return None if outcome.ok else strict
 
 
 def check_model_file(path: str | Path, original: Callable[[], str | None] | None = None) -> str | None:

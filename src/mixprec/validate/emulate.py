@@ -42,6 +42,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as ir_passes
 
 from mixprec.errors import InputError, ModelLoadError, ValidationError
+from mixprec.io import weight_free_proto
 
 logger = logging.getLogger(__name__)
 
@@ -208,8 +209,8 @@ def _emulate_in_place(model: ir.Model) -> None:
 def _infer_types(model: ir.Model) -> None:
     """Fill in missing value types with ONNX type inference (no-op when all are known).
 
-    Main-graph initializers are turned into inputs of a structural clone first, so
-    weight data is never serialized. Unlike onnx_ir's ShapeInferencePass, whole types
+    Main-graph initializers are handed to inference as typed inputs, so weight data is never
+    serialized. Unlike onnx_ir's ShapeInferencePass, whole types
     are merged, so sequence and optional values keep their kind.
     """
     if all(
@@ -220,22 +221,9 @@ def _infer_types(model: ir.Model) -> None:
         if value.name
     ):
         return
-    clone = model.clone()
-    graph = clone.graph
-    for name, value in list(graph.initializers.items()):
-        tensor = value.const_value
-        if tensor is not None:
-            if value.type is None:
-                value.dtype = tensor.dtype
-            if value.shape is None:
-                value.shape = ir.Shape(tensor.shape)
-        graph.initializers.pop(name)
-        value.const_value = None
-        if value not in graph.inputs:
-            graph.inputs.append(value)
     try:
         inferred = onnx.shape_inference.infer_shapes(
-            ir.to_proto(clone), check_type=False, strict_mode=False, data_prop=False
+            weight_free_proto(model, max_inline_bytes=-1), check_type=False, strict_mode=False, data_prop=False
         )
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, RuntimeError) as exc:
         logger.warning("emulation: ONNX type inference failed (%s); using declared types", exc)
