@@ -122,3 +122,10 @@ def test_user_overrides_move_ops_between_classes() -> None:
 def test_bad_tables_are_rejected_with_the_rule_named(document: dict, message: str) -> None:
     with pytest.raises(PolicyError, match=message):
         parse_policy(document, LowPrecision.FLOAT16, "my.toml")
+
+
+def test_user_table_with_an_unknown_condition_is_a_one_line_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    table = tmp_path / "p.toml"
+    table.write_text('[[rule]]\nclass = "conditional"\nops = ["ReduceMean"]\ncondition = "no_such"\n')
+    with pytest.raises(PolicyError, match="unknown condition 'no_such' \\(known: attribute_in"):
+        load_policy(LowPrecision.FLOAT16, table)

@@ -291,7 +291,8 @@ def _repair(rejection: RuntimeRejection, output: str | os.PathLike | None, optio
     source, outcome = rejection.reference, rejection.outcome
     if source is None or not rejection.converted:
         raise rejection
-    trial_options = {**options, "validate": "none", "ranges": rejection.ranges, "progress": False}
+    # The input passed its checks already; trials only convert.
+    trial_options = {**options, "validate": "none", "ranges": rejection.ranges, "progress": False, "allow_invalid": True}
     what = "crashes on" if outcome.crashed else "fails on"
     reason = f"onnxruntime (CPU provider, default options) {what} the model with this node in 16 bits: {outcome.error}"
 

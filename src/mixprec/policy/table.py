@@ -178,6 +178,13 @@ def parse_policy(document: Mapping[str, Any], target: LowPrecision, source: str)
         condition = entry.get("condition")
         if (op_class is OpClass.CONDITIONAL) != (condition is not None):
             raise PolicyError(f"{where}: 'condition' is required exactly for class conditional")
+        if condition is not None:
+            from mixprec.policy.conditions import CONDITIONS  # noqa: PLC0415 - conditions read IR
+
+            if condition not in CONDITIONS:
+                raise PolicyError(
+                    f"{where}: unknown condition {condition!r} (known: {', '.join(sorted(CONDITIONS))})"
+                )
         ops = entry.get("ops")
         if not isinstance(ops, list) or not ops:
             raise PolicyError(f"{where}: 'ops' must be a non-empty list")
