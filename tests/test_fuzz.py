@@ -256,6 +256,7 @@ def test_publishing_replaces_the_pair_and_leaves_nothing(tmp_path: Path) -> None
     assert referenced == set(second)
 
 
+@pytest.mark.slow
 def test_many_inputs_convert_in_linear_time(tmp_path: Path) -> None:
     """20,000 inputs into one Sum: onnxruntime's Python feed check is quadratic; the check
     runs past it."""

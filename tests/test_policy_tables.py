@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import onnx.defs
 import pytest
 
@@ -15,12 +17,17 @@ from mixprec.policy.table import OpClass, load_policy, parse_policy
 TARGETS = list(LowPrecision)
 
 
+@functools.lru_cache(maxsize=1)
+def _schema_index() -> dict[str, list[onnx.defs.OpSchema]]:
+    index: dict[str, list[onnx.defs.OpSchema]] = {}
+    for schema in onnx.defs.get_all_schemas_with_history():
+        if schema.domain in ("", "ai.onnx"):
+            index.setdefault(schema.name, []).append(schema)
+    return index
+
+
 def _schemas(op_type: str) -> list[onnx.defs.OpSchema]:
-    return [
-        s
-        for s in onnx.defs.get_all_schemas_with_history()
-        if s.name == op_type and s.domain in ("", "ai.onnx")
-    ]
+    return _schema_index().get(op_type, [])
 
 
 def _runtime_kernel(domain: str, op: str) -> bool:

@@ -397,6 +397,7 @@ def _has_colour(pixels: np.ndarray, rgb: tuple[int, int, int], at_least: int = 2
     _chromium() is None,
     reason="no chromium browser (Debian: apt-get install -y chromium) for the headless render check",
 )
+@pytest.mark.slow
 def test_headless_chromium_renders_the_page(tmp_path: Path) -> None:
     result = mixprec.convert(transformer_block(), validate="run")
     report_path = write_html_report(result.report, tmp_path / "report.html")
