@@ -56,15 +56,17 @@ def _external_tensors(model: ir.Model) -> Iterator[tuple[str, ir.ExternalTensor]
                 if isinstance(value.const_value, ir.ExternalTensor):
                     yield value.name or "", value.const_value
         for node in graph:
+            if node.op_type != "Constant" and not node.attributes:
+                continue
             for attr in node.attributes.values():
                 if attr.type is ir.AttributeType.TENSOR and isinstance(attr.value, ir.ExternalTensor):
                     yield f"{node.name or node.op_type}.{attr.name}", attr.value
 
 
-def _check_locations(model: ir.Model, path: Path) -> None:
+def _check_locations(tensors: list[tuple[str, ir.ExternalTensor]], path: Path) -> None:
     """Refuse external data outside the model's folder, before any file of it is touched."""
     root = os.path.realpath(path.parent)
-    for name, tensor in _external_tensors(model):
+    for name, tensor in tensors:
         location = str(tensor.location)
         parts = PurePath(location).parts
         escapes = not location or "\0" in location or PurePath(location).is_absolute() or ".." in parts
@@ -79,8 +81,9 @@ def _check_locations(model: ir.Model, path: Path) -> None:
 
 
 def _check_external_data(model: ir.Model, path: Path) -> None:
-    _check_locations(model, path)
-    for name, tensor in _external_tensors(model):
+    tensors = list(_external_tensors(model))
+    _check_locations(tensors, path)
+    for name, tensor in tensors:
         data_path = Path(tensor.path)
         if not data_path.is_file():
             raise ModelLoadError(
@@ -230,6 +233,8 @@ def wants_external_data(model: ir.Model, weights: int | None = None) -> bool:
 
 def _inline_external(model: ir.Model) -> None:
     """Read external tensors into memory, for a save without external data."""
+    if not uses_external_data(model):
+        return
     total = sum(t.nbytes for _, t in _external_tensors(model))
     if total > _PROTOBUF_LIMIT:
         raise InputError(
@@ -376,7 +381,7 @@ def staged_save(
         os.replace(staged, destination)  # the atomic switch from the old pair to the new one
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    current = _data_files_of(destination)
+    current = {data_name} if data_name is not None else set()  # what the new model refers to
     for name in previous - current:  # the old pair's data file, if it was one of ours
         if name == f"{destination.name}.data" or _OUR_DATA.match(name.removeprefix(f"{destination.name}.")):
             (parent / name).unlink(missing_ok=True)

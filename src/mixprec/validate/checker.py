@@ -30,12 +30,12 @@ def input_problem(model: str | Path | onnx.ModelProto) -> str | None:
     valid if onnxruntime loads it with default options (ONNX's own inference of some function
     ops, MeanVarianceNormalization for one, rejects models onnx ships as tests).
     """
+    strict = checker_error(model, full_check=True)
+    if strict is None:
+        return None  # the common case: one pass
     problem = checker_error(model, full_check=False)
     if problem is not None:
         return problem
-    strict = checker_error(model, full_check=True)
-    if strict is None:
-        return None
     from mixprec.validate.isolated import run_isolated  # noqa: PLC0415
 
     if isinstance(model, onnx.ModelProto):
