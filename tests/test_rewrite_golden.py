@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 from helpers import (
     BFLOAT16,
     FLOAT,
@@ -910,3 +911,23 @@ def test_builtin_validation_agrees(target: str, runtime: str) -> None:
     assert [o.name for o in validation.outputs] == ["y"]
     assert validation.outputs[0].within_tolerance is True
     assert validation.outputs[0].new_nonfinite == 0
+
+
+def test_weights_in_constant_nodes_count_in_the_report() -> None:
+    """Exporters that keep weights in Constant nodes (Paddle): the weights card counts them."""
+    rng = np.random.default_rng(0)
+    w1 = helper.make_node("Constant", [], ["w1"], value=numpy_helper.from_array(rng.normal(size=(64, 64)).astype(np.float32)))
+    w2 = helper.make_node("Constant", [], ["w2"], value=numpy_helper.from_array(rng.normal(size=(64, 8)).astype(np.float32)))
+    graph = helper.make_graph(
+        [w1, w2, helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+         helper.make_node("MatMul", ["r", "w2"], ["y"])],
+        "constants",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    result, _ = convert(model, target_dtype="float16")
+    report = result.report
+    assert report.weight_bytes_before == (64 * 64 + 64 * 8) * 4
+    assert report.weight_bytes_after == (64 * 64 + 64 * 8) * 2
+    assert report.constants_lowered == 2

@@ -148,3 +148,15 @@ def test_merge_over_batches_equals_whole() -> None:
     assert m.shape == (None,) and m.max_abs_error == 1.0 and m.mean_abs_error == pytest.approx(0.6)
     with pytest.raises(ValidationError):
         a[0].merge(compare_arrays("z", np.zeros(1), np.zeros(1)))
+
+
+def test_scaled_error_is_relative_to_the_output_scale() -> None:
+    # A reference value near zero makes the elementwise relative error enormous; the error
+    # relative to the output's largest magnitude stays meaningful, also across batches.
+    ref = {"y": np.array([1e-30, 2.0, -4.0], np.float32)}
+    cand = {"y": np.array([1e-3, 2.0, -3.9], np.float32)}
+    (c,) = compare_outputs(ref, cand)
+    assert c.max_rel_error > 1e20
+    assert c.scaled_error == pytest.approx(0.1 / 4.0, rel=1e-5)
+    (d,) = compare_outputs({"y": np.array([8.0], np.float32)}, {"y": np.array([8.0], np.float32)})
+    assert c.merge(d).scaled_error == pytest.approx(0.1 / 8.0, rel=1e-5)

@@ -205,13 +205,16 @@ def weight_free_proto(model: ir.Model, max_inline_bytes: int = 1024) -> onnx.Mod
 
 
 def weight_bytes(model: ir.Model) -> int:
-    """Total bytes of all initializers (subgraphs included)."""
-    return sum(
-        v.const_value.nbytes
-        for graph in all_graphs(model)
-        for v in graph.initializers.values()
-        if v.const_value is not None
-    )
+    """Total bytes of the weights: initializers and tensors held in Constant nodes (as some
+    exporters store them), subgraphs included."""
+    total = 0
+    for graph in all_graphs(model):
+        total += sum(v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None)
+        for node in graph:
+            if node.op_type == "Constant" and (attr := node.attributes.get("value")) is not None:
+                if attr.type is ir.AttributeType.TENSOR:
+                    total += attr.value.nbytes
+    return total
 
 
 def uses_external_data(model: ir.Model) -> bool:

@@ -41,6 +41,7 @@ class OutputError:
     inf_count: int
     new_nonfinite: int
     within_tolerance: bool | None = None
+    scaled_error: float | None = None  # max |diff| / max |reference|
 
 
 @dataclass
@@ -184,9 +185,10 @@ class Report:
         for label, outputs in groups:
             for out in outputs:
                 flag = "" if out.within_tolerance is None else ("  ok" if out.within_tolerance else "  OUT OF TOLERANCE")
+                relative = "" if out.scaled_error is None else f" ({out.scaled_error:.2%} of max |FP32|)"
                 lines.append(
-                    f"    {out.name}{f' ({label})' if label else ''}: max abs {out.max_abs_error:.3g}, "
-                    f"max rel {out.max_rel_error:.3g}, nan {out.nan_count}, inf {out.inf_count}{flag}"
+                    f"    {out.name}{f' ({label})' if label else ''}: max abs {out.max_abs_error:.3g}"
+                    f"{relative}, nan {out.nan_count}, inf {out.inf_count}{flag}"
                 )
         if v.speed_ratio is not None:
             lines.append(f"    latency on {v.real_runtime}: {v.speed_ratio:.2f}x the FP32 model's")

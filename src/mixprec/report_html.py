@@ -576,7 +576,7 @@ def _outputs_section(report: Report) -> str:
         return "".join(out)
     out.append(
         '<table class="data sortable"><thead><tr><th>output</th><th class="n">max abs error</th>'
-        '<th class="n">max rel error</th><th class="n">NaN</th><th class="n">Inf</th>'
+        '<th class="n">max error / max |FP32|</th><th class="n">NaN</th><th class="n">Inf</th>'
         '<th class="n">new non-finite</th><th>within tolerance</th></tr></thead><tbody>'
     )
     for o in v.outputs:
@@ -584,7 +584,7 @@ def _outputs_section(report: Report) -> str:
         within = "\u2014" if o.within_tolerance is None else ("yes" if o.within_tolerance else "NO")
         out.append(
             f"<tr{_BAD if bad else ''}><td>{_e(o.name)}</td>"
-            f"{_num_cell(o.max_abs_error)}{_num_cell(o.max_rel_error)}"
+            f"{_num_cell(o.max_abs_error)}{_num_cell(o.scaled_error if o.scaled_error is not None else o.max_rel_error)}"
             f"{_num_cell(o.nan_count)}{_num_cell(o.inf_count)}{_num_cell(o.new_nonfinite)}"
             f"<td>{within}</td></tr>"
         )

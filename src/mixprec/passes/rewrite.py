@@ -270,6 +270,7 @@ class _Rewriter:
             array = np.asarray(tensor.numpy()).astype(self.target.numpy_dtype)
             node.attributes.clear()
             node.attributes["value"] = ir.AttrTensor("value", ir.Tensor(array, name=tensor.name))
+            self.stats.constants_lowered += 1  # a weight held in a Constant node
         else:  # ConstantOfShape
             attr = node.attributes.get("value")
             fill = attr.as_tensor().numpy() if attr is not None else np.zeros([1], np.float32)

@@ -245,6 +245,7 @@ def _output_errors(comparisons: Iterable[compare.OutputComparison], tolerance: t
         OutputError(
             c.name, float(c.max_abs_error), float(c.max_rel_error), int(c.nan_count), int(c.inf_count),
             int(c.new_nonfinite), c.within(*tolerance) if tolerance is not None else None,
+            scaled_error=float(c.scaled_error),
         )
         for c in comparisons
     ]

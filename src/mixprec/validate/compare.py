@@ -65,6 +65,7 @@ class OutputComparison:
         envelope: Internal. Upper-left convex hull of the points
             ``(|r|, |c - r|)``; it decides the allclose rule exactly for any
             ``atol``/``rtol`` and merges across batches.
+        reference_absmax: Max ``|r|`` over the compared positions (the output's scale).
     """
 
     name: str
@@ -86,6 +87,15 @@ class OutputComparison:
     exact: bool
     shapes_match: bool
     envelope: Envelope = field(default=(), repr=False, compare=False)
+    reference_absmax: float = 0.0
+
+    @property
+    def scaled_error(self) -> float:
+        """``max |c - r| / max |r|``: the error relative to the output's own scale (unlike
+        ``max_rel_error``, not blown up by reference values near zero)."""
+        if self.reference_absmax > 0:
+            return self.max_abs_error / self.reference_absmax
+        return 0.0 if self.max_abs_error == 0 else math.inf
 
     def within(self, atol: float, rtol: float) -> bool:
         """Whether every element satisfies ``|c - r| <= atol + rtol * |r|``.
@@ -148,6 +158,7 @@ class OutputComparison:
             exact=self.exact or other.exact,
             shapes_match=self.shapes_match and other.shapes_match,
             envelope=_envelope_of_points(self.envelope + other.envelope),
+            reference_absmax=max(self.reference_absmax, other.reference_absmax),
         )
 
 
@@ -259,6 +270,7 @@ def _compare_numeric(base: dict, reference: np.ndarray, candidate: np.ndarray) -
         mismatches=mismatches,
         shapes_match=True,
         envelope=_envelope(mag, err),
+        reference_absmax=float(mag.max()) if mag.size else 0.0,
     )
 
 
@@ -297,6 +309,7 @@ def _compare_exact(base: dict, reference: np.ndarray, candidate: np.ndarray) -> 
         nonfinite_mismatches=0,
         mismatches=mismatches,
         shapes_match=True,
+        reference_absmax=float(np.abs(rf).max()) if rf.size else 0.0,
     )
 
 
