@@ -33,7 +33,7 @@ from mixprec.io import (
     weight_bytes,
 )
 from mixprec.passes.norm_blocks import fuse_norm_blocks
-from mixprec.passes.opset import default_opset, required_opset, upgrade_opset
+from mixprec.passes.opset import upgrade_for_target
 from mixprec.passes.rewrite import apply_plan
 from mixprec.policy.runtime import RuntimeProfile, load_runtime
 from mixprec.policy.schemas import op_exists
@@ -95,43 +95,6 @@ def _check_user_ops(model: ir.Model, names: Iterable[str]) -> None:
             raise InputError(
                 f"unknown op {name!r} in an op list: it is neither an ONNX op nor used in the model"
             )
-
-
-def _upgrade_for_target(
-    model: ir.Model,
-    opset: int | None,
-    policy: Policy,
-    target: LowPrecision,
-    profile: RuntimeProfile,
-    notes: list[str],
-) -> ir.Model | None:
-    """Upgrade the model's opset when asked (`opset`), or when its compute-bound ops admit the
-    target type only at a newer opset; None when the model stays as it is."""
-    current = default_opset(model)
-    if opset is not None:
-        if current is None or current >= opset:
-            return None
-        notes.append(f"opset upgraded from {current} to {opset} (--opset)")
-        return upgrade_opset(model, opset)
-    needed = required_opset(model, policy, target, profile)
-    if needed is None:
-        return None
-    version, ops = needed
-    try:
-        upgraded = upgrade_opset(model, version)
-    except InputError as e:
-        notes.append(f"{', '.join(ops)} need opset {version} for {target.value} but {e}; they stay FP32")
-        return None
-    notes.append(
-        f"opset upgraded from {current} to {version}: {', '.join(ops)} admit {target.value} from "
-        f"opset {version} (pin a version with --opset)"
-    )
-    if profile.opset_range is not None and version > profile.opset_range[1]:
-        notes.append(
-            f"the {profile.name} table covers opsets {profile.opset_range[0]}-{profile.opset_range[1]}; "
-            f"check that your {profile.name} version parses opset {version}"
-        )
-    return upgraded
 
 
 def _normalize_ir_version(model: ir.Model) -> list[str]:
@@ -380,7 +343,7 @@ def _convert(
     )
     matcher = NodeMatcher(exclude_nodes)
     unchanged_source = source_path
-    upgraded = _upgrade_for_target(ir_model, opset, policy, target, profile, notes)
+    upgraded = upgrade_for_target(ir_model, opset, policy, target, profile, notes)
     if upgraded is not None:
         ir_model, unchanged_source = upgraded, None
 

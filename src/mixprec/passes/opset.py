@@ -101,3 +101,40 @@ def upgrade_opset(model: ir.Model, opset: int) -> ir.Model:
         new_graph.inputs.clear()
         new_graph.inputs.extend(remaining)
     return result
+
+
+def upgrade_for_target(
+    model: ir.Model,
+    opset: int | None,
+    policy: Policy,
+    target: LowPrecision,
+    profile: RuntimeProfile,
+    notes: list[str],
+) -> ir.Model | None:
+    """Upgrade the model's opset when asked (`opset`), or when its compute-bound ops admit the
+    target type only at a newer opset; None when the model stays as it is."""
+    current = default_opset(model)
+    if opset is not None:
+        if current is None or current >= opset:
+            return None
+        notes.append(f"opset upgraded from {current} to {opset} (--opset)")
+        return upgrade_opset(model, opset)
+    needed = required_opset(model, policy, target, profile)
+    if needed is None:
+        return None
+    version, ops = needed
+    try:
+        upgraded = upgrade_opset(model, version)
+    except InputError as e:
+        notes.append(f"{', '.join(ops)} need opset {version} for {target.value} but {e}; they stay FP32")
+        return None
+    notes.append(
+        f"opset upgraded from {current} to {version}: {', '.join(ops)} admit {target.value} from "
+        f"opset {version} (pin a version with --opset)"
+    )
+    if profile.opset_range is not None and version > profile.opset_range[1]:
+        notes.append(
+            f"the {profile.name} table covers opsets {profile.opset_range[0]}-{profile.opset_range[1]}; "
+            f"check that your {profile.name} version parses opset {version}"
+        )
+    return upgraded
