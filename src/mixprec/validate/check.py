@@ -114,41 +114,39 @@ def _graph_only(path: Path, name: str) -> Path:
 
 
 def _load_check(path: Path, reference: Path | None, target: LowPrecision, result: Validation, weights_large: bool) -> None:
-    load_path = path
     if weights_large:
-        load_path = _graph_only(path, "graph_only.onnx")
         result.notes.append("onnxruntime load check on the graph with weights as inputs")
-    outcome = run_isolated(load_path)
-    _judge_load(outcome, path, reference, target, result, weights_large)
-    if outcome.ok:
+    if _runtime_check(path, reference, target, result, weights_large=weights_large).ok:
         result.runtime = "loaded"
 
 
-def _judge_load(
-    outcome: RuntimeOutcome, path: Path, reference: Path | None, target: LowPrecision,
-    result: Validation, weights_large: bool = False, feeds: Batch | None = None,
-) -> None:
-    """Record a child-process outcome; raise RuntimeRejection when only the converted model fails."""
+def _runtime_check(
+    path: Path, reference: Path | None, target: LowPrecision, result: Validation, *,
+    feeds: Batch | None = None, weights_large: bool = False,
+) -> RuntimeOutcome:
+    """Load (and with `feeds` run) the converted model as users do, in the child process;
+    record the outcome; raise RuntimeRejection when only the converted model fails."""
+    outcome = run_isolated(_graph_only(path, "graph_only.onnx") if weights_large else path, feeds)
     result.notes.append(
         f"onnxruntime CPU session with default graph optimizations in a child process: {outcome.seconds:.2f} s"
     )
     if outcome.ok:
-        return
+        return outcome
     if outcome.missing_kernel and target is LowPrecision.BFLOAT16:
         result.runtime = "no cpu kernels"
         result.notes.append(
             "onnxruntime's CPU provider has no bfloat16 kernels: the graph resolved, but kernel "
             f"assignment and its fused form were not checked ({outcome.error})"
         )
-        return
+        return outcome
     ref = reference
     if ref is not None and weights_large:
-        ref = _graph_only(reference, "reference_graph_only.onnx")  # type: ignore[arg-type]
+        ref = _graph_only(ref, "reference_graph_only.onnx")
     reference_outcome = run_isolated(ref, feeds) if ref is not None else None
     if reference_outcome is not None and not reference_outcome.ok:
         result.runtime = "reference-fails"
         result.notes.append(f"onnxruntime fails on the FP32 model too: {reference_outcome.error}")
-        return
+        return outcome
     raise RuntimeRejection(outcome, feeds)
 
 
@@ -165,27 +163,23 @@ def _run_check(
     from mixprec.validate.emulate import emulate_low_precision  # noqa: PLC0415
 
     if reference is None:
-        outcome = run_isolated(path)
-        _judge_load(outcome, path, reference, target, result)
-        result.runtime = "loaded" if outcome.ok else result.runtime
+        if _runtime_check(path, reference, target, result).ok:
+            result.runtime = "loaded"
         _unchecked(result, f"not checked: no FP32 reference model; {_PASS_DATA}")
         return
     try:
         reference_session = runner.make_session(reference, graph_optimization="disable")
     except ValidationError as e:
-        outcome = run_isolated(path)
-        _judge_load(outcome, path, reference, target, result)
+        _runtime_check(path, reference, target, result)
         result.runtime = "reference-fails"
         _unchecked(result, f"not checked: the FP32 model does not load in onnxruntime ({e})")
         return
     batches = list(_reference_batches(data, reference, reference_session, max_batches, result))
     if not batches:
-        outcome = run_isolated(path)
-        _judge_load(outcome, path, reference, target, result)
+        _runtime_check(path, reference, target, result)
         return
     # The converted model as users run it: default optimizations, first batch, own process.
-    outcome = run_isolated(path, batches[0][0])
-    _judge_load(outcome, path, reference, target, result, feeds=batches[0][0])
+    outcome = _runtime_check(path, reference, target, result, feeds=batches[0][0])
     if runtime == "openvino":
         _openvino_check(path, reference, batches, tolerance, result)
     elif outcome.ran and outcome.outputs is not None:
