@@ -931,3 +931,25 @@ def test_weights_in_constant_nodes_count_in_the_report() -> None:
     assert report.weight_bytes_before == (64 * 64 + 64 * 8) * 4
     assert report.weight_bytes_after == (64 * 64 + 64 * 8) * 2
     assert report.constants_lowered == 2
+
+
+def test_identity_cast_of_a_value_shares_its_16bit_cast() -> None:
+    """x and Cast(x, to=FLOAT) both feed 16-bit compute: one Cast of x, since the identity Cast
+    is removed (found by the random-graph property test)."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.normal(size=(8, 4)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Cast", ["x"], ["same"], to=TensorProto.FLOAT),
+            helper.make_node("Concat", ["x", "same"], ["both"], axis=1),
+            helper.make_node("MatMul", ["both", "w"], ["y"]),
+        ],
+        "identity_cast",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        [w],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    _, out = convert(model, target_dtype="float16")
+    casts_of_x = [n for n in out.graph.node if n.op_type == "Cast" and n.input[0] == "x"]
+    assert len(casts_of_x) == 1, [(n.name, n.input, n.output) for n in out.graph.node]

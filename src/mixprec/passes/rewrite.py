@@ -142,6 +142,7 @@ class _Rewriter:
 
     # -- casts ----------------------------------------------------------------------------
     def cast_of(self, value: ir.Value, dtype: ir.DataType) -> ir.Value:
+        value = _through_noop_casts(value)  # Rule 6 removes them: cast their input instead
         key = (value, dtype)
         cached = self.cache.get(key)
         if cached is not None:
@@ -204,15 +205,20 @@ class _Rewriter:
         return copy
 
     def _seed_cache_with_existing_casts(self) -> None:
-        """The model's own Casts of converted values serve as the shared Cast for that type."""
+        """The model's own Casts between FP32 and the 16-bit type (as they stand after
+        retargeting) serve as the shared Cast of their input to that type."""
         for node in self.plan.order:
             if node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or not node.inputs:
                 continue
             source, out = node.inputs[0], node.outputs[0]
             to = node.attributes.get("to")
-            if source is None or to is None or source not in self.lowered:
+            if source is None or to is None or source not in self.fp32:
                 continue
-            if ir.DataType(to.as_int()) != FLOAT or out in self.lowered or (source, FLOAT) in self.cache:
+            dtype = ir.DataType(to.as_int())
+            # FP32 -> 16-bit (a retargeted Cast of an FP32 value) or 16-bit -> FP32.
+            if dtype != ({FLOAT, self.low} - {self._actual(source)}).pop() or (source, dtype) in self.cache:
+                continue
+            if (out in self.lowered) != (dtype == self.low):
                 continue
             producer = source.producer()
             home = producer.graph if producer is not None else source.graph
@@ -221,7 +227,7 @@ class _Rewriter:
             # Move it next to its input so that every consumer of the input can use it.
             home.remove(node)
             self._place_after_definition(source, node)
-            self.cache[(source, FLOAT)] = out
+            self.cache[(source, dtype)] = out
 
     def _place_after_definition(self, value: ir.Value, node: ir.Node) -> None:
         """Insert `node` right after the producer of `value` (or first, for graph inputs)."""
@@ -335,14 +341,9 @@ class _Rewriter:
     def _remove_noop_casts(self) -> None:
         """Rule 6."""
         for node in self.plan.order:
-            if node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or not node.inputs:
+            if not _is_noop_cast(node):
                 continue
             source, out = node.inputs[0], node.outputs[0]
-            to = node.attributes.get("to")
-            if source is None or to is None or source.dtype is None or source.dtype != ir.DataType(to.as_int()):
-                continue
-            if out.is_graph_output():
-                continue
             out.replace_all_uses_with(source)
             if node.graph is not None:
                 node.graph.remove(node, safe=True)
@@ -381,6 +382,24 @@ class _Rewriter:
         self._remove_noop_casts()
         self._ensure_default_opset()
         return self.stats
+
+
+def _is_noop_cast(node: ir.Node) -> bool:
+    """A Cast to its input's own type (removable unless its output is a graph output)."""
+    if node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or not node.inputs:
+        return False
+    source, to = node.inputs[0], node.attributes.get("to")
+    if source is None or to is None or source.dtype is None or source.dtype != ir.DataType(to.as_int()):
+        return False
+    return not node.outputs[0].is_graph_output()
+
+
+def _through_noop_casts(value: ir.Value) -> ir.Value:
+    producer = value.producer()
+    while producer is not None and _is_noop_cast(producer):
+        value = producer.inputs[0]  # type: ignore[assignment]
+        producer = value.producer()
+    return value
 
 
 def apply_plan(model: ir.Model, plan: PrecisionPlan) -> RewriteStats:
