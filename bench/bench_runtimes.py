@@ -62,7 +62,7 @@ import onnxruntime as ort
 import mixprec
 from mixprec.demo_models import DEMO_MODELS
 from mixprec.validate.emulate import emulate_low_precision
-from mixprec.validate.openvino_runner import OpenVinoSession, openvino_available
+from mixprec.runtime.openvino import OpenVinoSession, openvino_available
 
 ROOT = Path(__file__).resolve().parent.parent
 

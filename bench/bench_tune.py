@@ -166,15 +166,15 @@ def _within(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndar
 
 def _check(path: Path, reference: Mapping[str, np.ndarray], batch: Batch, atol: float, rtol: float,
            *, emulated: bool) -> str:
-    from mixprec.validate import runner  # noqa: PLC0415
+    from mixprec.runtime import sessions  # noqa: PLC0415
     from mixprec.validate.emulate import emulate_low_precision_file  # noqa: PLC0415
 
     try:
         run_path = path
         if emulated:
             run_path = emulate_low_precision_file(path, path.with_name(path.stem + ".emulated.onnx"))
-        session = runner.make_session(run_path, graph_optimization="disable")
-        outputs = runner.run_session(session, batch)
+        session = sessions.make_session(run_path, graph_optimization="disable")
+        outputs = sessions.run_session(session, batch)
     except Exception as e:  # noqa: BLE001 - a failing run is a result
         return f"error: {str(e)[:60]}"
     return "yes" if _within(reference, outputs, atol, rtol) else "no"
@@ -238,11 +238,11 @@ FLOAT16_ONLY = frozenset({"auto_mp keep_io_types=True", "auto_mp keep_io_types=F
 def bench_model(name: str, folder: Path, target: str, tolerance: float | None,
                 opset: int | None = None) -> list[Row]:
     """Run every tool on one model; failures become rows."""
-    from mixprec.validate import runner  # noqa: PLC0415
+    from mixprec.runtime import sessions  # noqa: PLC0415
 
     path, batch = MODELS[name](folder)
     atol = rtol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[name]
-    reference = runner.run_session(runner.make_session(path, graph_optimization="disable"), batch)
+    reference = sessions.run_session(sessions.make_session(path, graph_optimization="disable"), batch)
     rows = []
     for tool, run in TOOLS.items():
         out = folder / f"{name}.{tool.replace(' ', '_').replace('=', '-')}.onnx"

@@ -19,20 +19,15 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import mixprec
-from mixprec.analysis.calibrate import (
-    BatchSource,
-    IntermediateRunner,
-    RangeTable,
-    ValueRange,
-    calibrate,
-    wide_values_from_ranges,
-)
+from mixprec.analysis.calibrate import RangeTable, ValueRange, calibrate, wide_values_from_ranges
+from mixprec.runtime.batches import BatchSource
+from mixprec.runtime.intermediates import IntermediateRunner
 from mixprec.analysis.typeinfo import infer_types
 from mixprec.cli import main
 from mixprec.dtypes import LowPrecision
 from mixprec.errors import InputError
 from mixprec.validate.emulate import emulate_low_precision
-from mixprec.validate.runner import make_session, run_session
+from mixprec.runtime.sessions import make_session, run_session
 
 DATA_RANGE = "range measured on data"
 

@@ -11,7 +11,7 @@ import onnx
 import onnxruntime as ort
 
 import mixprec
-from mixprec.validate.data import load_batches, load_expected_outputs
+from mixprec.runtime.data import load_batches, load_expected_outputs
 from mixprec.validate.emulate import emulate_low_precision
 
 DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"

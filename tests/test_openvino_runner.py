@@ -17,7 +17,7 @@ import pytest
 
 import mixprec
 from mixprec.demo_models import DEMO_MODELS
-from mixprec.validate.openvino_runner import OpenVinoSession, openvino_available
+from mixprec.runtime.openvino import OpenVinoSession, openvino_available
 
 if not openvino_available():
     pytest.skip("openvino is not installed", allow_module_level=True)
@@ -126,7 +126,7 @@ def test_validation_runs_the_model_on_openvino_for_real(models: dict[str, Path],
 
 def test_tune_evaluates_candidates_on_openvino(models: dict[str, Path], images: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     from mixprec.tune import Tolerance, tune  # noqa: PLC0415
-    from mixprec.validate import openvino_runner  # noqa: PLC0415
+    from mixprec.runtime import openvino as openvino_runner  # noqa: PLC0415
 
     built: list[str] = []
     original = openvino_runner.OpenVinoSession.__init__

@@ -21,8 +21,8 @@ import torch_models  # tests/ is on sys.path via conftest.py
 
 import mixprec
 from mixprec.cli import main
-from mixprec.validate import isolated
-from mixprec.validate.isolated import run_isolated
+from mixprec.runtime import isolated
+from mixprec.runtime.isolated import run_isolated
 
 RNG = np.random.default_rng(0)
 

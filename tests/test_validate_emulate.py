@@ -1,4 +1,4 @@
-"""Tests for mixprec.validate.emulate and mixprec.validate.runner."""
+"""Tests for mixprec.validate.emulate and mixprec.runtime.sessions."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from mixprec.errors import InputError, ModelLoadError, ValidationError
 from mixprec.validate.compare import compare_outputs
 from mixprec.validate.emulate import emulate_low_precision, emulate_low_precision_file
-from mixprec.validate.runner import make_session, run_session
+from mixprec.runtime.sessions import make_session, run_session
 
 FP16 = TensorProto.FLOAT16
 BF16 = TensorProto.BFLOAT16

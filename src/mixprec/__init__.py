@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from mixprec.analysis.plan import Decision, Precision, PrecisionPlan, plan_precision
 from mixprec.analysis.typeinfo import infer_types
-from mixprec.api import ConversionResult, build_policy, convert
+from mixprec.api import ConversionResult, build_policy, convert, convert_with_config
+from mixprec.config import Config
 from mixprec.dtypes import LowPrecision
 from mixprec.errors import (
     ConversionError,
@@ -19,11 +20,13 @@ from mixprec.passes.rewrite import apply_plan
 from mixprec.plan_file import load_plan, save_plan
 from mixprec.policy.table import OpClass, Policy, load_policy
 from mixprec.report import Report
-from mixprec.tune import Tolerance, TuneResult  # the search itself: mixprec.tune.tune
+from mixprec.tolerance import Tolerance
+from mixprec.tune import TuneResult  # the search itself: mixprec.tune.tune
+from mixprec.version import __version__
 
-__version__ = "0.1.0"
 
 __all__ = [
+    "Config",
     "ConversionError",
     "ConversionResult",
     "Decision",
@@ -44,6 +47,7 @@ __all__ = [
     "apply_plan",
     "build_policy",
     "convert",
+    "convert_with_config",
     "infer_types",
     "load_model",
     "load_plan",

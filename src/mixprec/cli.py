@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from mixprec.config import Config
 from mixprec.errors import ConversionError, InputError, MixprecError, ModelLoadError, PolicyError
 from mixprec.policy.runtime import DEFAULT_RUNTIME, RUNTIMES
 
@@ -146,34 +147,40 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _cmd_convert(args: argparse.Namespace) -> int:
-    from mixprec.api import convert  # noqa: PLC0415
+def _config(args: argparse.Namespace) -> Config:
+    """The conversion options of `convert` and `tune` (tune has a subset of the flags)."""
+    options = {
+        "target_dtype": args.to,
+        "exclude_nodes": args.exclude_node,
+        "fp32_ops": args.fp32_op,
+        "keep_io_types": not args.io_16bit,
+        "opset": args.opset,
+        "runtime": args.runtime,
+        "plan": args.plan,
+    }
+    if args.command == "convert":
+        options.update(
+            low_precision_ops=args.low_op,
+            follow_ops=args.follow_op,
+            policy_file=args.policy,
+            validate=args.validate,
+            data=args.data,
+            calibrate=not args.no_calibrate,
+            tolerance=args.tolerance,
+            external_data={"auto": None, "yes": True, "no": False}[args.external_data],
+            progress=None,
+            weights_only=args.weights_only,
+            allow_invalid=args.allow_invalid,
+            overwrite=args.overwrite,
+        )
+    return Config.from_options(**options)
 
-    external = {"auto": None, "yes": True, "no": False}[args.external_data]
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from mixprec.api import convert_with_config  # noqa: PLC0415
+
     _check_outputs(args.input, {"OUTPUT": args.output, "--report": args.report, "--plan-out": args.plan_out, "--html": args.html})
-    result = convert(
-        args.input,
-        args.output,
-        target_dtype=args.to,
-        low_precision_ops=args.low_op,
-        fp32_ops=args.fp32_op,
-        follow_ops=args.follow_op,
-        exclude_nodes=args.exclude_node,
-        keep_io_types=not args.io_16bit,
-        policy_file=args.policy,
-        validate=args.validate,
-        data=args.data,
-        calibrate=not args.no_calibrate,
-        tolerance=args.tolerance,
-        external_data=external,
-        opset=args.opset,
-        progress=None,
-        plan=args.plan,
-        runtime=args.runtime,
-        weights_only=args.weights_only,
-        allow_invalid=args.allow_invalid,
-        overwrite=args.overwrite,
-    )
+    result = convert_with_config(args.input, args.output, _config(args))
     report = result.report
     if args.plan_out:
         from mixprec.plan_file import save_plan  # noqa: PLC0415
@@ -182,7 +189,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if args.report:
         _write_text(Path(args.report), report.to_json())
     if args.html:
-        from mixprec.report_html import write_html_report  # noqa: PLC0415
+        from mixprec.report import write_html_report  # noqa: PLC0415
 
         write_html_report(report, args.html)
     if args.json:
@@ -224,7 +231,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if args.plan_out:
         result.save_plan(args.plan_out)
     if args.html and result.report is not None:
-        from mixprec.report_html import write_html_report  # noqa: PLC0415
+        from mixprec.report import write_html_report  # noqa: PLC0415
 
         write_html_report(result.report, args.html, per_node_errors=list(result.contributions))
     if args.json:

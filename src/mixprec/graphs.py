@@ -1,6 +1,10 @@
-"""Traversal of a model's graphs: the main graph, subgraphs of control-flow nodes, functions."""
+"""Traversal of a model's graphs (the main graph, subgraphs of control-flow nodes, functions),
+the stable node keys that plan files, reports and the accuracy search share, and op names (the
+default ONNX domain, ``domain::Op``)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
 
 import onnx_ir as ir
 
@@ -68,3 +72,69 @@ def all_nodes(model: ir.Model) -> list[ir.Node]:
         _collect(graph, nodes)
     _collect(model.graph, nodes)
     return nodes
+
+
+def unique_names(nodes: Iterable[ir.Node]) -> dict[ir.Node, str]:
+    """Unique, deterministic names of `nodes`, in the order given.
+
+    A node keeps its own name when no earlier node has it; otherwise (unnamed or duplicate) it
+    gets ``<op_type>#<index>`` (plus ``_<n>`` in the unlikely case that is taken too).
+    """
+    nodes = list(nodes)
+    own = {node.name for node in nodes if node.name}
+    taken: set[str] = set()
+    names: dict[ir.Node, str] = {}
+    for index, node in enumerate(nodes):
+        name = node.name or ""
+        if not name or name in taken:
+            base = f"{node.op_type}#{index}"
+            name, counter = base, 1
+            while name in taken or name in own:
+                name = f"{base}_{counter}"
+                counter += 1
+        taken.add(name)
+        names[node] = name
+    return names
+
+
+def node_keys(model: ir.Model) -> dict[ir.Node, str]:
+    """The stable key of every node of `model` (in :func:`all_nodes` order): its name, or
+    ``<op_type>#<index>`` when it has none or an earlier node took it. A copy of the model
+    (``model.clone()``) and the same file loaded again give every node the same key."""
+    return unique_names(all_nodes(model))
+
+
+# -- op names --------------------------------------------------------------------------------
+
+# The default ONNX domain is written "" or "ai.onnx"; mixprec names it "".
+DEFAULT_DOMAIN = ""
+_DEFAULT_DOMAIN_NAMES = frozenset({"", "ai.onnx"})
+
+
+def is_default_domain(domain: str) -> bool:
+    """Whether `domain` names the default ONNX domain ("" or "ai.onnx")."""
+    return domain in _DEFAULT_DOMAIN_NAMES
+
+
+def normalize_domain(domain: str) -> str:
+    """Map `ai.onnx` to the empty default domain."""
+    return DEFAULT_DOMAIN if domain in _DEFAULT_DOMAIN_NAMES else domain
+
+
+def default_domain_version(opset_imports: Mapping[str, int]) -> int | None:
+    """The default domain's version in an opset import table (under either name), else None."""
+    version = opset_imports.get(DEFAULT_DOMAIN)
+    return opset_imports.get("ai.onnx") if version is None else version
+
+
+def parse_op_name(name: str) -> tuple[str, str]:
+    """Split `Op` or `domain::Op` into (domain, op_type)."""
+    if "::" in name:
+        domain, op_type = name.rsplit("::", 1)
+        return normalize_domain(domain), op_type
+    return DEFAULT_DOMAIN, name
+
+
+def format_op_name(domain: str, op_type: str) -> str:
+    """Inverse of :func:`parse_op_name`."""
+    return op_type if is_default_domain(domain) else f"{domain}::{op_type}"

@@ -251,7 +251,51 @@ def _inline_external(model: ir.Model) -> None:
                 value.const_value = ir.Tensor(tensor.numpy(), name=tensor.name)
 
 
-def _write(model: ir.Model, path: Path, data_name: str | None, progress: bool | None) -> None:
+def typed_values(model: ir.Model) -> set[ir.Value]:
+    """Node outputs and initializers that carry a type or shape now (in a loaded model: those
+    the file declared in its value_info)."""
+    typed: set[ir.Value] = set()
+    for graph in all_graphs(model):
+        typed.update(v for v in graph.initializers.values() if v.type is not None or v.shape is not None)
+        for node in graph:
+            typed.update(v for v in node.outputs if v.type is not None or v.shape is not None)
+    return typed
+
+
+@contextlib.contextmanager
+def _value_info_of(model: ir.Model, declared: set[ir.Value] | None) -> Iterator[None]:
+    """Leave out of the saved file the types and shapes of intermediate values and initializers
+    that the input did not declare (`declared`; None: keep all): inference filled them in, a
+    runtime infers them again, and writing them costs as much as writing the nodes."""
+    if declared is None:
+        yield
+        return
+    stashed: list[tuple[ir.Value, ir.TypeProtocol | None, ir.Shape | None]] = []
+    for graph in all_graphs(model):
+        boundary = {*graph.inputs, *graph.outputs}
+        values = [*graph.initializers.values(), *(v for node in graph for v in node.outputs)]
+        for value in values:
+            if value in declared or value in boundary or (value.type is None and value.shape is None):
+                continue
+            stashed.append((value, value.type, value.shape))
+            value.type = None
+            value.shape = None
+    try:
+        yield
+    finally:
+        for value, type_, shape in stashed:
+            value.type = type_
+            value.shape = shape
+
+
+def _write(
+    model: ir.Model, path: Path, data_name: str | None, progress: bool | None, declared: set[ir.Value] | None = None
+) -> None:
+    with _value_info_of(model, declared):
+        _write_all(model, path, data_name, progress)
+
+
+def _write_all(model: ir.Model, path: Path, data_name: str | None, progress: bool | None) -> None:
     if data_name is not None:
         sizes = {
             v.name: v.const_value.nbytes
@@ -353,6 +397,7 @@ def staged_save(
     *,
     external_data: bool | None = None,
     progress: bool | None = False,
+    declared: set[ir.Value] | None = None,
 ) -> Iterator[Path]:
     """Save `model` into a staging folder beside `destination`; publish on clean exit.
 
@@ -365,6 +410,8 @@ def staged_save(
         external_data: Save weights to a data file beside it; default: when the weights exceed
             1 GiB or the model already used external data.
         progress: Show a progress line while writing weights (None: when stderr is a terminal).
+        declared: Save the types and shapes of intermediate values only for these values
+            (see `typed_values`); None: for every value that has them.
     """
     destination = check_output_path(destination)
     parent = destination.parent if str(destination.parent) else Path(".")
@@ -377,7 +424,7 @@ def staged_save(
     staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.mixprec-{token}-", dir=parent))
     staged = staging / destination.name
     try:
-        _write(model, staged, data_name, progress)
+        _write(model, staged, data_name, progress, declared)
         yield staged
         if data_name is not None and (staging / data_name).exists():
             os.replace(staging / data_name, parent / data_name)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,8 @@ import onnx_ir as ir
 from mixprec.analysis.plan import Category, Precision, PrecisionPlan
 from mixprec.dtypes import LowPrecision, parse_low_precision
 from mixprec.errors import InputError
-from mixprec.graphs import all_nodes
+from mixprec.graphs import node_keys, unique_names
+from mixprec.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -55,39 +56,19 @@ _NOTE_NODES = 5
 PlanLike = str | os.PathLike | Mapping[str, Any]
 
 
-def node_names(nodes: Iterable[ir.Node]) -> dict[ir.Node, str]:
-    """Unique, deterministic names of `nodes` (in the order given, e.g. `all_nodes(model)`).
-
-    A node keeps its own name when no earlier node has it; otherwise (unnamed or duplicate) it
-    gets ``<op_type>#<index>`` (plus ``_<n>`` in the unlikely case that is taken too).
-    """
-    nodes = list(nodes)
-    own = {node.name for node in nodes if node.name}
-    taken: set[str] = set()
-    names: dict[ir.Node, str] = {}
-    for index, node in enumerate(nodes):
-        name = node.name or ""
-        if not name or name in taken:
-            base = f"{node.op_type}#{index}"
-            name, counter = base, 1
-            while name in taken or name in own:
-                name = f"{base}_{counter}"
-                counter += 1
-        taken.add(name)
-        names[node] = name
-    return names
-
-
 def model_node_names(model: ir.Model) -> dict[str, ir.Node]:
-    """Plan-file key -> node for every node of `model` (see :func:`node_names`)."""
-    return {name: node for node, name in node_names(all_nodes(model)).items()}
+    """Plan-file key -> node for every node of `model` (see :func:`mixprec.graphs.node_keys`)."""
+    return {name: node for node, name in node_keys(model).items()}
+
+
+def model_keys_of(plan: PrecisionPlan) -> dict[ir.Node, str]:
+    """The plan's node keys (computed from its node order for a plan made without them)."""
+    return plan.keys or unique_names(plan.order)
 
 
 def plan_to_dict(plan: PrecisionPlan) -> dict[str, Any]:
     """The JSON-ready form of a plan: per node precision, category, reason and op type."""
-    from mixprec import __version__  # noqa: PLC0415 - the package imports this module lazily
-
-    names = node_names(plan.order)
+    names = model_keys_of(plan)
     nodes: dict[str, dict[str, str]] = {}
     for node in plan.order:
         decision = plan.decisions.get(node)

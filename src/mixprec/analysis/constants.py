@@ -13,6 +13,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mixprec.dtypes import LowPrecision
+from mixprec.graphs import is_default_domain
 
 _CHUNK_BYTES = 64 * 1024 * 1024
 _META_RANGE = "mixprec.constant_range"
@@ -25,7 +26,7 @@ def constant_tensor(value: ir.Value) -> ir.TensorProtocol | None:
     if value.const_value is not None:
         return value.const_value
     producer = value.producer()
-    if producer is not None and producer.op_type == "Constant" and producer.domain in ("", "ai.onnx"):
+    if producer is not None and producer.op_type == "Constant" and is_default_domain(producer.domain):
         return constant_node_tensor(producer)
     return None
 

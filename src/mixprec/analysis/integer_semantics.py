@@ -15,7 +15,9 @@ The rule, on FP32 values:
 * **Carriers**: arithmetic and data movement (Add, Sub, Mul, Div, Floor, Ceil, Round, Neg, Abs,
   Max, Min, Mod, Sum, Relu, Clip, Reshape, Concat, Gather, Slice, Squeeze, Unsqueeze, Identity,
   Expand, Tile, Transpose, Split, Where, Cast, and MatMul/Gemm that contract over a static
-  dimension of 1: outer products such as positions times inverse frequencies). The taint goes
+  dimension of 1: outer products such as positions times inverse frequencies). Which op is
+  what comes from the op facts (`policy/tables/opfacts.toml`: ``carrier``, ``interval``,
+  ``comparison``, ``exact_use``, ``integer_inputs``, ``shape_only``, ``random``). The taint goes
   forward only when every FP32 input is tainted or *data-free* (computed from constants and
   shapes only): an activation mixed with an integer (``mask * x``, ``x / length``) is
   ordinary data and stops it.
@@ -57,7 +59,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,7 +68,8 @@ import onnx_ir as ir
 from mixprec.analysis.constants import constant_tensor, is_constant
 from mixprec.analysis.plan import Category
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
-from mixprec.graphs import subgraphs_of, walk_nodes
+from mixprec.graphs import format_op_name, is_default_domain, subgraphs_of, walk_nodes
+from mixprec.policy.opfacts import Carrier, OpFacts, op_facts
 
 logger = logging.getLogger(__name__)
 
@@ -75,37 +78,6 @@ _MAX_CONSTANT_ELEMENTS = 4096
 # Per-element bounds are kept for 1-D values up to this length (shapes, small index vectors).
 _MAX_ELEMS = 64
 _INF = math.inf
-
-# fmt: off
-_ARITHMETIC = frozenset({
-    "Add", "Sub", "Mul", "Div", "Floor", "Ceil", "Round", "Neg", "Abs", "Max", "Min", "Mod", "Sum",
-    "Relu", "Clip",
-})
-_MOVEMENT = frozenset({
-    "Reshape", "Concat", "Gather", "GatherElements", "GatherND", "Slice", "Squeeze", "Unsqueeze",
-    "Identity", "Flatten", "Expand", "Tile", "Transpose", "Split", "Where", "Cast",
-})
-# fmt: on
-_CARRIERS = _ARITHMETIC | _MOVEMENT | {"MatMul", "Gemm"}  # products: outer products only
-# Integer-valued outputs of these ops inherit the origin of their inputs (for the evidence).
-_INT_CARRIERS = _CARRIERS | {"Range", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceSum", "CumSum"}
-_COMPARISONS = frozenset({"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual"})
-# Uses that need an integer's absolute value even where it meets activations: periodic functions
-# of positions, comparisons, remainders. Other standard ops mix it into data, where its 16-bit
-# rounding costs what rounding any 16-bit value costs.
-_EXACT_USES = frozenset({"Sin", "Cos", "Tan", "Mod"}) | _COMPARISONS
-# Ops whose outputs depend on more than their inputs.
-_NONDETERMINISTIC = frozenset({
-    "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
-    "Bernoulli",
-})  # fmt: skip
-# Float inputs read as integers: op -> (input indices, description).
-_SINK_INPUTS: dict[str, tuple[tuple[int, ...], str]] = {
-    "Range": ((0, 1, 2), "Range"),
-    "Resize": ((2,), "Resize scales"),
-    "Upsample": ((1,), "Upsample scales"),
-    "OneHot": ((0, 1), "OneHot indices and depth"),
-}
 
 Interval = tuple[float, float]
 
@@ -179,23 +151,24 @@ def _mod(a: Interval, b: Interval) -> Interval:
     return (0.0, m) if a[0] >= 0 and b[0] > 0 else (-m, m)
 
 
+# Interval rules by name (the `interval` fact); variadic ops fold the binary rule.
 _BINARY: dict[str, Callable[[Interval, Interval], Interval]] = {
-    "Add": lambda a, b: (a[0] + b[0], a[1] + b[1]),
-    "Sub": lambda a, b: (a[0] - b[1], a[1] - b[0]),
-    "Mul": _mul,
-    "Div": _div,
-    "Max": lambda a, b: (max(a[0], b[0]), max(a[1], b[1])),
-    "Min": lambda a, b: (min(a[0], b[0]), min(a[1], b[1])),
-    "Sum": lambda a, b: (a[0] + b[0], a[1] + b[1]),
-    "Mod": _mod,
+    "add": lambda a, b: (a[0] + b[0], a[1] + b[1]),
+    "sub": lambda a, b: (a[0] - b[1], a[1] - b[0]),
+    "mul": _mul,
+    "div": _div,
+    "max": lambda a, b: (max(a[0], b[0]), max(a[1], b[1])),
+    "min": lambda a, b: (min(a[0], b[0]), min(a[1], b[1])),
+    "mod": _mod,
 }
-_UNARY: dict[str, Callable[[Interval], Interval]] = {
-    "Neg": lambda a: (-a[1], -a[0]),
-    "Abs": _abs,
-    "Floor": lambda a: (_floor(a[0]), _floor(a[1])),
-    "Ceil": lambda a: (_ceil(a[0]), _ceil(a[1])),
-    "Round": lambda a: (_floor(a[0]), _ceil(a[1])),
-    "Relu": lambda a: (max(a[0], 0.0), max(a[1], 0.0)),
+# Unary rules: (interval function, whether the results are integers whatever the operand).
+_UNARY: dict[str, tuple[Callable[[Interval], Interval], bool]] = {
+    "neg": (lambda a: (-a[1], -a[0]), False),
+    "abs": (_abs, False),
+    "floor": (lambda a: (_floor(a[0]), _floor(a[1])), True),
+    "ceil": (lambda a: (_ceil(a[0]), _ceil(a[1])), True),
+    "round": (lambda a: (_floor(a[0]), _ceil(a[1])), True),
+    "relu": (lambda a: (max(a[0], 0.0), max(a[1], 0.0)), False),
 }
 
 
@@ -228,10 +201,6 @@ def _singletons_integral(bound: _Bound) -> bool:
     return all(lo == hi and math.isfinite(lo) and float(lo).is_integer() for lo, hi in pairs)
 
 
-def _is_std(node: ir.Node) -> bool:
-    return node.domain in ("", "ai.onnx")
-
-
 def _attr_int(node: ir.Node, name: str, default: int | None) -> int | None:
     attr = node.attributes.get(name)
     return default if attr is None else int(attr.as_int())
@@ -256,7 +225,7 @@ def _is_outer_product(node: ir.Node) -> bool:
     shape = first.shape if first is not None else None
     if shape is None or len(shape) == 0:
         return False
-    transposed = node.op_type == "Gemm" and _attr_int(node, "transA", 0)
+    transposed = _attr_int(node, "transA", 0)  # Gemm; MatMul has no such attribute
     return shape[0 if transposed else -1] == 1
 
 
@@ -280,6 +249,7 @@ class _Analysis:
         for function in model.functions.values():
             self.order.extend(walk_nodes(function))
         self.order.extend(walk_nodes(model.graph))
+        self.facts: dict[ir.Node, OpFacts] = {n: op_facts(n.domain, n.op_type) for n in self.order}
         self.bounds: dict[ir.Value, _Bound] = {}
         self.taint: dict[ir.Value, _Taint | None] = {}
         self.int_origin: dict[ir.Value, str] = {}
@@ -336,37 +306,47 @@ class _Analysis:
         self.bounds[value] = result
         return result
 
-    def _shape_bound(self, node: ir.Node) -> _Bound:
+    def shape_bound(self, node: ir.Node, size: bool) -> _Bound:
+        """The bound of a Shape (`size` False) or Size output of the node's input."""
         shape = node.inputs[0].shape if node.inputs and node.inputs[0] is not None else None
         if shape is None:
             return _Bound(0.0, _INF, True)
         dims = [(float(d), float(d)) if isinstance(d, int) else (0.0, _INF) for d in shape.dims]
-        if node.op_type == "Size":
+        if size:
             if all(lo == hi for lo, hi in dims):
-                size = float(math.prod(lo for lo, _ in dims))
-                return _Bound(size, size, True, ((size, size),))
+                product = float(math.prod(lo for lo, _ in dims))
+                return _Bound(product, product, True, ((product, product),))
             return _Bound(0.0, _INF, True)
         start = _attr_int(node, "start", 0)
         end = _attr_int(node, "end", None)
         return _from_elems(dims[start:end], True)
 
-    def _select(self, node: ir.Node, data: _Bound) -> _Bound:
-        """Gather or Slice of a 1-D value with constant indices; else the data's interval."""
+    def _index_arrays(self, node: ir.Node) -> list[np.ndarray | None]:
+        return [self.constant_array(v) if v is not None else None for v in node.inputs[1:]]
+
+    def gathered(self, node: ir.Node, data: _Bound) -> _Bound:
+        """Gather of a 1-D value with constant indices; else the data's interval."""
         if data.elems is None:
             return data.whole()
         elems = list(data.elems)
-        arrays = [self.constant_array(v) if v is not None else None for v in node.inputs[1:]]
-        if node.op_type == "Gather":
-            indices = arrays[0] if arrays else None
-            if indices is None or _attr_int(node, "axis", 0) not in (0, -1):
+        arrays = self._index_arrays(node)
+        indices = arrays[0] if arrays else None
+        if indices is None or _attr_int(node, "axis", 0) not in (0, -1):
+            return data.whole()
+        picked = []
+        for index in indices.reshape(-1).tolist():
+            index = int(index) + (len(elems) if index < 0 else 0)
+            if not 0 <= index < len(elems):
                 return data.whole()
-            picked = []
-            for index in indices.reshape(-1).tolist():
-                index = int(index) + (len(elems) if index < 0 else 0)
-                if not 0 <= index < len(elems):
-                    return data.whole()
-                picked.append(elems[index])
-            return _from_elems(picked, data.integral)
+            picked.append(elems[index])
+        return _from_elems(picked, data.integral)
+
+    def sliced(self, node: ir.Node, data: _Bound) -> _Bound:
+        """Slice of a 1-D value with constant starts, ends, axes and steps; else the interval."""
+        if data.elems is None:
+            return data.whole()
+        elems = list(data.elems)
+        arrays = self._index_arrays(node)
         starts, ends = (arrays + [None, None])[:2]
         axes = arrays[2] if len(arrays) > 2 else None
         steps = arrays[3] if len(arrays) > 3 else None
@@ -382,66 +362,18 @@ class _Analysis:
         return _from_elems(picked, data.integral)
 
     def _output_bounds(self, node: ir.Node) -> list[_Bound] | None:
-        op = node.op_type
-        inputs = node.inputs
-        if not _is_std(node):
+        rule = self.facts[node].interval
+        if rule is None or not is_default_domain(node.domain):
             return None
-        if op in ("Shape", "Size"):
-            return [self._shape_bound(node)]
-        operands = [self.bound(v) for v in inputs if v is not None]
+        if rule in _SHAPE_RULES:
+            return _INTERVAL_RULES[rule](self, node, [])
+        operands = [self.bound(v) for v in node.inputs if v is not None]
         if not operands:
             return None
-        first = self.bound(inputs[0])
-        if op in ("Identity", "Squeeze", "Unsqueeze", "Reshape", "Flatten"):
-            return [first]
-        if op in ("Expand", "Tile", "Transpose", "GatherElements", "GatherND", "Split"):
-            return [first.whole()] * len(node.outputs)
-        if op in ("Gather", "Slice"):
-            return [self._select(node, first)]
-        if op == "Concat":
-            if all(b.elems is not None for b in operands):
-                elems = [e for b in operands for e in b.elems]  # type: ignore[union-attr]
-                return [_from_elems(elems, all(b.integral for b in operands))]
-            return [
-                _elementwise(
-                    lambda *xs: (min(x[0] for x in xs), max(x[1] for x in xs)),
-                    [b.whole() for b in operands],
-                    all(b.integral for b in operands),
-                )
-            ]
-        if op == "Cast":
-            to = _attr_int(node, "to", None)
-            if to == ir.DataType.BOOL:
-                return [_BOOL]
-            return [first]  # integer targets are widened to integers below
-        integral = all(b.integral for b in operands)
-        if op in _UNARY:
-            return [_elementwise(_UNARY[op], [first], integral or op in ("Floor", "Ceil", "Round"))]
-        if op in _BINARY:
-            fn = _BINARY[op]
-            bound = operands[0]
-            for other in operands[1:]:
-                bound = _elementwise(fn, [bound, other], integral)
-            if op == "Div" and not _singletons_integral(bound):
-                bound = _Bound(bound.lo, bound.hi, False, bound.elems)
-            return [bound]
-        if op == "Where" and len(inputs) == 3:
-            a, b = self.bound(inputs[1]), self.bound(inputs[2])
-            return [_Bound(min(a.lo, b.lo), max(a.hi, b.hi), a.integral and b.integral)]
-        if op == "Clip":
-            lo, hi = first.lo, first.hi
-            if len(inputs) > 1 and inputs[1] is not None:
-                lo = max(lo, self.bound(inputs[1]).lo)
-            if len(inputs) > 2 and inputs[2] is not None:
-                hi = min(hi, self.bound(inputs[2]).hi)
-            return [_Bound(min(lo, hi), max(lo, hi), integral)]
-        if op == "Range" and len(inputs) == 3:
-            start, limit = self.bound(inputs[0]), self.bound(inputs[1])
-            return [_Bound(min(start.lo, limit.lo), max(start.hi, limit.hi), integral)]
-        return None
+        return _INTERVAL_RULES[rule](self, node, operands)
 
     def _record_bounds(self, node: ir.Node) -> None:
-        if node.op_type not in ("Shape", "Size") and not any(
+        if not self.facts[node].shape_only and not any(
             v is not None
             and (self.taint.get(v) is not None or v.dtype in _INTEGER_OR_BOOL_TYPES)
             for v in node.inputs
@@ -527,12 +459,13 @@ class _Analysis:
 
     def _record_int_origin(self, node: ir.Node) -> None:
         outs = [o for o in node.outputs if o is not None and not is_fp32_tensor(o)]
-        if not outs or not _is_std(node):
+        if not outs or not is_default_domain(node.domain):
             return
+        facts = self.facts[node]
         origin: str | None = None
-        if node.op_type in ("Shape", "Size") and node.inputs and node.inputs[0] is not None:
+        if facts.shape_only and node.inputs and node.inputs[0] is not None:
             origin = f"{node.op_type} of {node.inputs[0].name!r}"
-        elif node.op_type in _INT_CARRIERS:
+        elif facts.carrier is not None:
             for value in node.inputs:
                 if value is None:
                     continue
@@ -557,9 +490,11 @@ class _Analysis:
         return known
 
     def _record_data_free(self, node: ir.Node) -> None:
-        if node.op_type in ("Shape", "Size") and _is_std(node):
+        facts = self.facts[node]
+        std = is_default_domain(node.domain)
+        if facts.shape_only and std:
             free = True
-        elif node in self.owners or node.op_type in _NONDETERMINISTIC or not _is_std(node):
+        elif node in self.owners or facts.random or not std:
             free = False
         else:
             free = all(self.is_data_free(v) for v in node.inputs if v is not None)
@@ -569,7 +504,7 @@ class _Analysis:
 
     def integer_operands(self, node: ir.Node) -> bool:
         """At least one FP32 input is tainted, and every other is tainted or data-free."""
-        if node.op_type in ("MatMul", "Gemm") and not _is_outer_product(node):
+        if self.facts[node].carrier is Carrier.OUTER_PRODUCT and not _is_outer_product(node):
             return False
         values = _fp32_values(node.inputs)
         # Activations first: constants are read only when every other input qualifies.
@@ -583,13 +518,14 @@ class _Analysis:
         if not outs:
             return False
         result: _Taint | None = None
+        facts = self.facts[node]
         if node in self.owners:
             subgraphs = subgraphs_of(node)
             inner = [self.taint_of(v) for sub in subgraphs for v in _fp32_values(sub.outputs)]
             found = next((t for t in inner if t is not None), None)
             if found is not None:
                 result = _Taint(found.origin, any(t is not None and t.from_cast for t in inner))
-        elif not _is_std(node):
+        elif not is_default_domain(node.domain):
             result = None
         elif node.op_type == "Cast" and node.inputs and node.inputs[0] is not None:
             source = node.inputs[0]
@@ -599,11 +535,11 @@ class _Analysis:
                 result = _Taint(self.origin_of_int(source), True)
             elif is_fp32_tensor(source):
                 result = self.taint_of(source)
-        elif node.op_type == "Range":
-            # Float positions from integer bounds: integers themselves.
+        elif facts.carrier is Carrier.GENERATOR:
+            # Float positions from integer bounds (Range): integers themselves.
             taints = [self.taint_of(v) for v in _fp32_values(node.inputs)]
             result = next((t for t in taints if t is not None), None)
-        elif node.op_type in _CARRIERS and self.integer_operands(node):
+        elif facts.carries_floats and self.integer_operands(node):
             taints = [self.taint_of(v) for v in _fp32_values(node.inputs)]
             first = next(t for t in taints if t is not None)
             result = _Taint(first.origin, any(t is not None and t.from_cast for t in taints))
@@ -625,21 +561,26 @@ class _Analysis:
                 self._mark(table, outer, why)
 
     def _propagate(self, node: ir.Node) -> None:
-        op = node.op_type if _is_std(node) else f"{node.domain}::{node.op_type}"
+        std = is_default_domain(node.domain)
+        facts = self.facts[node]
+        op = format_op_name(node.domain, node.op_type)
         inputs = node.inputs
-        if op == "Cast" and inputs and inputs[0] is not None:
+        if std and node.op_type == "Cast" and inputs and inputs[0] is not None:
             to = _attr_int(node, "to", None)
             if to is not None and to != ir.DataType.BOOL and ir.DataType(to).is_integer():
                 self._mark(self.sink, inputs[0], f"Cast to {ir.DataType(to).name.lower()}")
-        if op in _SINK_INPUTS:
-            indices, why = _SINK_INPUTS[op]
-            for index in indices:
+        if facts.integer_inputs:
+            roles = dict(facts.integer_inputs)
+            # Named by its roles, unless every input is one (Range).
+            every = all(index in roles for index in range(len(inputs)))
+            why = op if every else f"{op} {_join(roles.values())}"
+            for index in roles:
                 if index < len(inputs):
                     self._mark(self.sink, inputs[index], why)
-        if op in _COMPARISONS and self.integer_operands(node):
+        if facts.comparison and self.integer_operands(node):
             for value in inputs:
                 self._mark(self.sink, value, f"{op} of integers")
-        carrying = op in _CARRIERS and any(
+        carrying = facts.carries_floats and any(
             self.taint_of(o) is not None for o in _fp32_values(node.outputs)
         )
         if carrying:
@@ -650,7 +591,7 @@ class _Analysis:
                     for value in inputs:
                         self._mark(table, value, why)
             return
-        if _is_std(node) and op not in _EXACT_USES and node not in self.owners:
+        if std and not facts.exact_use and node not in self.owners:
             return
         for value in inputs:
             if value is not None and self.taint_of(value) is not None:
@@ -701,6 +642,113 @@ class _Analysis:
                 why = f"carries integers from {origin} into {use}, not provably exact ({limit})"
             forced[node] = (Category.INTEGER, why)
         return forced
+
+
+# -- interval rules (the `interval` fact): (analysis, node, bounds of its inputs) -> outputs ------
+
+_IntervalRule = Callable[[_Analysis, ir.Node, list[_Bound]], list[_Bound] | None]
+_SHAPE_RULES = frozenset({"shape", "size"})  # read the input's shape: no operand bounds
+
+
+def _same(analysis: _Analysis, node: ir.Node, operands: list[_Bound]) -> list[_Bound] | None:
+    return [analysis.bound(node.inputs[0])]
+
+
+def _whole(analysis: _Analysis, node: ir.Node, operands: list[_Bound]) -> list[_Bound] | None:
+    return [analysis.bound(node.inputs[0]).whole()] * len(node.outputs)
+
+
+def _concat(analysis: _Analysis, node: ir.Node, operands: list[_Bound]) -> list[_Bound] | None:
+    if all(b.elems is not None for b in operands):
+        elems = [e for b in operands for e in b.elems]  # type: ignore[union-attr]
+        return [_from_elems(elems, all(b.integral for b in operands))]
+    return [
+        _elementwise(
+            lambda *xs: (min(x[0] for x in xs), max(x[1] for x in xs)),
+            [b.whole() for b in operands],
+            all(b.integral for b in operands),
+        )
+    ]
+
+
+def _cast(analysis: _Analysis, node: ir.Node, operands: list[_Bound]) -> list[_Bound] | None:
+    if _attr_int(node, "to", None) == ir.DataType.BOOL:
+        return [_BOOL]
+    return [analysis.bound(node.inputs[0])]  # integer targets are widened to integers later
+
+
+def _unary(name: str) -> _IntervalRule:
+    fn, integral_result = _UNARY[name]
+
+    def rule(analysis: _Analysis, node: ir.Node, operands: list[_Bound]) -> list[_Bound] | None:
+        integral = integral_result or all(b.integral for b in operands)
+        return [_elementwise(fn, [analysis.bound(node.inputs[0])], integral)]
+
+    return rule
+
+
+def _binary(name: str) -> _IntervalRule:
+    fn = _BINARY[name]
+
+    def rule(analysis: _Analysis, node: ir.Node, operands: list[_Bound]) -> list[_Bound] | None:
+        integral = all(b.integral for b in operands)
+        bound = operands[0]
+        for other in operands[1:]:
+            bound = _elementwise(fn, [bound, other], integral)
+        if name == "div" and not _singletons_integral(bound):
+            bound = _Bound(bound.lo, bound.hi, False, bound.elems)
+        return [bound]
+
+    return rule
+
+
+def _where(analysis: _Analysis, node: ir.Node, operands: list[_Bound]) -> list[_Bound] | None:
+    if len(node.inputs) != 3:
+        return None
+    a, b = analysis.bound(node.inputs[1]), analysis.bound(node.inputs[2])
+    return [_Bound(min(a.lo, b.lo), max(a.hi, b.hi), a.integral and b.integral)]
+
+
+def _clip(analysis: _Analysis, node: ir.Node, operands: list[_Bound]) -> list[_Bound] | None:
+    inputs = node.inputs
+    first = analysis.bound(inputs[0])
+    lo, hi = first.lo, first.hi
+    if len(inputs) > 1 and inputs[1] is not None:
+        lo = max(lo, analysis.bound(inputs[1]).lo)
+    if len(inputs) > 2 and inputs[2] is not None:
+        hi = min(hi, analysis.bound(inputs[2]).hi)
+    return [_Bound(min(lo, hi), max(lo, hi), all(b.integral for b in operands))]
+
+
+def _range(analysis: _Analysis, node: ir.Node, operands: list[_Bound]) -> list[_Bound] | None:
+    if len(node.inputs) != 3:
+        return None
+    start, limit = analysis.bound(node.inputs[0]), analysis.bound(node.inputs[1])
+    integral = all(b.integral for b in operands)
+    return [_Bound(min(start.lo, limit.lo), max(start.hi, limit.hi), integral)]
+
+
+_INTERVAL_RULES: dict[str, _IntervalRule] = {
+    "same": _same,
+    "whole": _whole,
+    "gather": lambda analysis, node, _: [analysis.gathered(node, analysis.bound(node.inputs[0]))],
+    "slice": lambda analysis, node, _: [analysis.sliced(node, analysis.bound(node.inputs[0]))],
+    "concat": _concat,
+    "cast": _cast,
+    "where": _where,
+    "clip": _clip,
+    "range": _range,
+    "shape": lambda analysis, node, _: [analysis.shape_bound(node, size=False)],
+    "size": lambda analysis, node, _: [analysis.shape_bound(node, size=True)],
+    **{name: _unary(name) for name in _UNARY},
+    **{name: _binary(name) for name in _BINARY},
+}
+
+
+def _join(words: Iterable[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    items = list(words)
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
 def integer_semantics(model: ir.Model, target: LowPrecision) -> dict[ir.Node, tuple[Category, str]]:

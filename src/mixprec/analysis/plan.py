@@ -34,16 +34,22 @@ import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_range, is_constant, small_constant_array
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
-from mixprec.graphs import all_nodes, function_graphs, subgraphs_of
+from mixprec.graphs import (
+    all_nodes,
+    default_domain_version,
+    function_graphs,
+    is_default_domain,
+    subgraphs_of,
+    unique_names,
+)
 from mixprec.errors import InputError
 from mixprec.policy.conditions import CONDITIONS
 from mixprec.policy.runtime import RuntimeProfile, load_runtime
 from mixprec.policy.schemas import Signature, signature
+from mixprec.policy.opfacts import op_facts
 from mixprec.policy.table import OpClass, OpRule, Policy, format_op_name, normalize_domain
 
 FLOAT = ir.DataType.FLOAT
-# Ops that read a slice of a (possibly large) constant: candidates to keep the constant 16-bit.
-_GATHER_LIKE = frozenset({"Gather", "GatherElements", "GatherND", "Slice"})
 # Constants of at least this many elements count as large weights.
 _HEAVY_CONSTANT_ELEMENTS = 1 << 16
 
@@ -143,6 +149,9 @@ class PrecisionPlan:
         constant_notes: Constants kept FP32 or saturated because of their values -> evidence.
         saturated: Constants whose out-of-range values saturate to the 16-bit maximum.
         order: All nodes, subgraph nodes before their owner, in topological order.
+        graphs: The main graph, function bodies and subgraphs.
+        keys: Node -> stable key (`mixprec.graphs.node_keys`): the name plan files, reports
+            and the accuracy search use for it.
     """
 
     target: LowPrecision
@@ -155,6 +164,7 @@ class PrecisionPlan:
     saturated: set[ir.Value]
     order: list[ir.Node]
     graphs: list[ir.Graph]
+    keys: dict[ir.Node, str] = field(default_factory=dict)
 
     def input_is_lowered(self, node: ir.Node, index: int) -> bool:
         """Whether input `index` of `node` is computed in the 16-bit type."""
@@ -226,10 +236,6 @@ class NodeMatcher:
         return [p for p in self.patterns if p not in self.used]
 
 
-def _is_std(domain: str) -> bool:
-    return normalize_domain(domain) == ""
-
-
 _ANY_FLOAT = frozenset({"tensor(float)", "tensor(float16)", "tensor(bfloat16)"})
 
 
@@ -276,6 +282,7 @@ class _Planner:
         forced: Mapping[ir.Node, tuple[Category, str]] | None = None,
         wide_values: Mapping[ir.Value, str] | None = None,
         runtime: RuntimeProfile | None = None,
+        keys: Mapping[ir.Node, str] | None = None,
     ) -> None:
         self.model = model
         self.runtime = runtime if runtime is not None else load_runtime("onnx")
@@ -297,6 +304,7 @@ class _Planner:
         self.main_outputs = frozenset(model.graph.outputs)
         self.sub_outputs: set[ir.Value] = set()
         self.order = all_nodes(model)
+        self.keys = dict(keys) if keys is not None else unique_names(self.order)
         self.graphs = [model.graph, *function_graphs(model)]
         self.owners: set[ir.Node] = set()  # nodes with subgraphs (control flow)
         for node in self.order:
@@ -350,9 +358,7 @@ class _Planner:
         graph = node.graph
         opsets = getattr(graph, "opset_imports", None) or self.opsets
         domain = normalize_domain(node.domain)
-        version = opsets.get(domain)
-        if version is None and domain == "":
-            version = opsets.get("ai.onnx")
+        version = default_domain_version(opsets) if domain == "" else opsets.get(domain)
         if version is None:
             version = self.opsets.get(domain)
         return version
@@ -365,7 +371,7 @@ class _Planner:
             return cached
         rule = self.policy.rule_for(node.domain, node.op_type)
         sig = None
-        if _is_std(node.domain) and opset is not None:
+        if is_default_domain(node.domain) and opset is not None:
             sig = signature(node.op_type, node.domain, opset, len(node.inputs), len(node.outputs))
         blocked: frozenset[str] = frozenset()
         runtime_reason = None
@@ -379,7 +385,7 @@ class _Planner:
                     f"no {self.target.value} kernel for {format_op_name(node.domain, node.op_type)}"
                     f"({sig.since_version}) on {self.runtime.provider}"
                 )
-        if sig is None and rule is not None and rule.source == "user" and not _is_std(node.domain):
+        if sig is None and rule is not None and rule.source == "user" and not is_default_domain(node.domain):
             sig = _user_op_signature(len(node.inputs), len(node.outputs))
         excluded: set[str] = set()
         if sig is not None:
@@ -397,7 +403,7 @@ class _Planner:
                             excluded.add(var)
         if sig is not None and self.runtime.has_table and not blocked:
             candidates = frozenset(v for v, allowed in sig.allowed.items() if self.target_type in allowed)
-            version = sig.since_version if _is_std(node.domain) else (opset or 1)
+            version = sig.since_version if is_default_domain(node.domain) else (opset or 1)
             blocked, runtime_reason = self.runtime.blocked_vars(
                 node.domain, node.op_type, version, sig, self.target_type, candidates - excluded
             )
@@ -409,13 +415,6 @@ class _Planner:
 
     def _facts(self, node: ir.Node, template: _OpTemplate) -> NodeFacts:
         rule, sig, excluded = template.rule, template.sig, template.excluded
-        if rule is not None and rule.source == "user" and not _is_std(node.domain):
-            # A custom op the user classified: ONNX cannot infer its outputs; they are taken to
-            # have the type of its float inputs.
-            if any(is_fp32_tensor(v) for v in node.inputs):
-                for out in node.outputs:
-                    if out.dtype is None:
-                        out.dtype = FLOAT
         facts = NodeFacts(
             rule=rule, sig=sig, runtime_blocked=template.runtime_blocked, runtime_reason=template.runtime_reason
         )
@@ -475,6 +474,7 @@ class _Planner:
             saturated=self.saturated,
             order=self.order,
             graphs=self.graphs,
+            keys=self.keys,
         )
 
     def _decision(self, precision: Precision, category: Category, reason: str) -> Decision:
@@ -792,7 +792,8 @@ class _Planner:
         Storing such a constant (an embedding table read by Gather, say) in 16 bits and casting
         the small output is cheaper than keeping the table in FP32.
         """
-        if facts.sig is None or node.op_type not in _GATHER_LIKE:
+        # Ops that read a selection of a (possibly large) constant (`gathers` in the op facts).
+        if facts.sig is None or not op_facts(node.domain, node.op_type).gathers:
             return False
         constant_elements = 0
         for value, var in zip(node.inputs, facts.sig.input_vars):
@@ -817,7 +818,7 @@ class _Planner:
                     continue
                 self.storage[value] = self._storage_for(value)
         for node in self.order:
-            if node.op_type == "Constant" and _is_std(node.domain) and node.outputs:
+            if node.op_type == "Constant" and is_default_domain(node.domain) and node.outputs:
                 out = node.outputs[0]
                 if is_fp32_tensor(out) and self.decisions[node].precision is not Precision.LOW:
                     wanted = self.demands(out)
@@ -846,6 +847,7 @@ def plan_precision(
     forced_fp32: Mapping[ir.Node, tuple[Category, str]] | None = None,
     wide_values: Mapping[ir.Value, str] | None = None,
     runtime: RuntimeProfile | None = None,
+    keys: Mapping[ir.Node, str] | None = None,
 ) -> PrecisionPlan:
     """Decide the precision of every node of a typed model.
 
@@ -860,12 +862,13 @@ def plan_precision(
             evidence: they are never narrowed, and nodes producing them stay FP32.
         runtime: The runtime profile whose kernels the converted nodes must have (default: the
             ONNX schema alone).
+        keys: The nodes' stable keys, when already known (default: `node_keys(model)`).
 
     Returns:
         The plan.
     """
     matcher = exclude_nodes if isinstance(exclude_nodes, NodeMatcher) else NodeMatcher(exclude_nodes)
-    return _Planner(model, policy, matcher, keep_io_types, forced_fp32, wide_values, runtime).run()
+    return _Planner(model, policy, matcher, keep_io_types, forced_fp32, wide_values, runtime, keys).run()
 
 
 # Weights-only storage skips tensors smaller than this: a Cast node costs more than it saves.

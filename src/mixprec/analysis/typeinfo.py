@@ -18,7 +18,7 @@ import onnx.shape_inference
 import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_node_tensor
-from mixprec.graphs import all_graphs, has_subgraphs, walk_nodes
+from mixprec.graphs import all_graphs, all_nodes, has_subgraphs, walk_nodes
 from mixprec.io import graph_only_proto, weight_free_proto
 from mixprec.policy.runtime import binding_signature
 from mixprec.policy.schemas import Signature, signature
@@ -167,6 +167,20 @@ def infer_types(model: ir.Model, source: Path | None = None) -> TypeInfo:
         1 for node in main_nodes for out in node.outputs if out.dtype is None and out.uses()
     )
     return TypeInfo(inferred=inferred, unknown=unknown, warning=warning)
+
+
+def assume_float_outputs(model: ir.Model, ops: frozenset[tuple[str, str]]) -> None:
+    """Custom ops the user classified: ONNX cannot infer their outputs; untyped outputs of such a
+    node with a float32 input are taken to be float32."""
+    if not ops:
+        return
+    for node in all_nodes(model):
+        if (normalize_domain(node.domain), node.op_type) not in ops:
+            continue
+        if any(v is not None and v.dtype == ir.DataType.FLOAT for v in node.inputs):
+            for out in node.outputs:
+                if out.dtype is None:
+                    out.dtype = ir.DataType.FLOAT
 
 
 def _signature_of(node: ir.Node, opsets: dict[str, int]) -> Signature | None:

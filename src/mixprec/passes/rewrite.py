@@ -293,7 +293,7 @@ class _Rewriter:
             value.const_value = cast_tensor_lazily(
                 value.const_value, self.target, saturate=value in self.plan.saturated, name=value.name
             )
-            value.dtype = self.low
+            value.type = ir.TensorType(self.low)  # a new type object: a copy of the model may share the old one
             self.stats.constants_lowered += 1
 
     def _required(self, node: ir.Node, index: int, value: ir.Value) -> ir.DataType | None:
@@ -368,11 +368,11 @@ class _Rewriter:
         self._lower_constants()
         for value in self.lowered:
             if value.const_value is None:
-                value.dtype = self.low
+                value.type = ir.TensorType(self.low)  # a new type object: a copy of the model may share the old one
             elif value.is_graph_input() and value.dtype == FLOAT:
                 # An overridable initializer of a model whose inputs become 16-bit.
                 value.const_value = cast_tensor_lazily(value.const_value, self.target, name=value.name)
-                value.dtype = self.low
+                value.type = ir.TensorType(self.low)  # a new type object: a copy of the model may share the old one
         self._seed_cache_with_existing_casts()
         for node in plan.order:
             self._fix_inputs(node)

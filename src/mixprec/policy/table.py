@@ -18,13 +18,18 @@ from typing import Any
 
 from mixprec.dtypes import LowPrecision
 from mixprec.errors import PolicyError
+from mixprec.graphs import DEFAULT_DOMAIN, format_op_name, normalize_domain, parse_op_name
+from mixprec.policy.opfacts import op_facts
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-DEFAULT_DOMAIN = ""
+__all__ = [
+    "DEFAULT_DOMAIN", "OpClass", "OpRule", "Policy", "format_op_name", "load_policy",
+    "normalize_domain", "parse_op_name", "parse_policy",
+]  # fmt: skip
 
 
 class OpClass(str, enum.Enum):
@@ -47,7 +52,7 @@ class OpRule:
     fp32_inputs: frozenset[int] = frozenset()
     flexible_inputs: frozenset[int] = frozenset()
     saturate_inputs: frozenset[int] = frozenset()
-    dtype_attribute: str | None = None
+    dtype_attribute: str | None = None  # with `retarget_dtype`: the attribute (opfacts.toml)
     condition: str | None = None
     params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     source: str = "default"
@@ -62,29 +67,12 @@ _RULE_KEYS = {
     "fp32_inputs",
     "flexible_inputs",
     "saturate_inputs",
-    "dtype_attribute",
+    "retarget_dtype",
+    "dtype_attribute",  # older spelling of retarget_dtype: the attribute's name
     "condition",
     "params",
     "compute_bound",
 }
-
-
-def normalize_domain(domain: str) -> str:
-    """Map `ai.onnx` to the empty default domain."""
-    return DEFAULT_DOMAIN if domain in ("", "ai.onnx") else domain
-
-
-def parse_op_name(name: str) -> tuple[str, str]:
-    """Split `Op` or `domain::Op` into (domain, op_type)."""
-    if "::" in name:
-        domain, op_type = name.rsplit("::", 1)
-        return normalize_domain(domain), op_type
-    return DEFAULT_DOMAIN, name
-
-
-def format_op_name(domain: str, op_type: str) -> str:
-    """Inverse of :func:`parse_op_name`."""
-    return op_type if normalize_domain(domain) == DEFAULT_DOMAIN else f"{domain}::{op_type}"
 
 
 @dataclass(frozen=True)
@@ -97,6 +85,10 @@ class Policy:
     def rule_for(self, domain: str, op_type: str) -> OpRule | None:
         """The rule for an op, or None for ops the policy does not know."""
         return self.rules.get((normalize_domain(domain), op_type))
+
+    def user_custom_ops(self) -> frozenset[tuple[str, str]]:
+        """(domain, op) of the non-ONNX ops the user put in a class."""
+        return frozenset(key for key, rule in self.rules.items() if rule.source == "user" and key[0] != "")
 
     def ops_in(self, op_class: OpClass) -> list[str]:
         """Names of the ops in one class, sorted."""
@@ -153,6 +145,27 @@ def _int_set(value: Any, where: str, key: str) -> frozenset[int]:
     return frozenset(value)
 
 
+def _dtype_attribute(
+    entry: Mapping[str, Any], domain: str, op_type: str, where: str
+) -> str | None:
+    """The attribute a `retarget_dtype` rule retargets: the op's fact, never the table's."""
+    legacy = entry.get("dtype_attribute")
+    if not _flag(entry.get("retarget_dtype", legacy is not None), where, "retarget_dtype"):
+        return None
+    name = op_facts(domain, op_type).dtype_attribute
+    if name is None:
+        raise PolicyError(
+            f"{where}: {format_op_name(domain, op_type)} has no attribute that sets its output "
+            "type (opfacts.toml); it cannot be retargeted"
+        )
+    if legacy is not None and legacy != name:
+        raise PolicyError(
+            f"{where}: the output type of {format_op_name(domain, op_type)} is set by "
+            f"{name!r}, not {legacy!r}"
+        )
+    return name
+
+
 def parse_policy(document: Mapping[str, Any], target: LowPrecision, source: str) -> Policy:
     """Build a :class:`Policy` for `target` from a parsed table document."""
     unknown_top = set(document) - {"rule"}
@@ -198,7 +211,7 @@ def parse_policy(document: Mapping[str, Any], target: LowPrecision, source: str)
                 fp32_inputs=_int_set(entry.get("fp32_inputs", []), where, "fp32_inputs"),
                 flexible_inputs=_int_set(entry.get("flexible_inputs", []), where, "flexible_inputs"),
                 saturate_inputs=_int_set(entry.get("saturate_inputs", []), where, "saturate_inputs"),
-                dtype_attribute=entry.get("dtype_attribute"),
+                dtype_attribute=_dtype_attribute(entry, domain, op_type, where),
                 condition=condition,
                 params=MappingProxyType(dict(entry.get("params", {}))),
                 source=source,

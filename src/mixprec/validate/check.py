@@ -25,10 +25,11 @@ from mixprec.dtypes import LowPrecision
 from mixprec.errors import ConversionError, InputError, MixprecError, ValidationError
 from mixprec.io import graph_only_proto
 from mixprec.report import OutputError, Validation
-from mixprec.validate import compare, runner
-from mixprec.validate import data as data_mod
+from mixprec.validate import compare
+from mixprec.runtime import sessions
+from mixprec.runtime import data as data_mod
 from mixprec.validate.checker import check_model_file
-from mixprec.validate.isolated import RuntimeOutcome, run_isolated
+from mixprec.runtime.isolated import RuntimeOutcome, run_isolated
 
 Batch = Mapping[str, np.ndarray]
 # Sizes tried for symbolic dimensions of generated inputs until the FP32 model runs.
@@ -168,7 +169,7 @@ def _run_check(
         _unchecked(result, f"not checked: no FP32 reference model; {_PASS_DATA}")
         return
     try:
-        reference_session = runner.make_session(reference, graph_optimization="disable")
+        reference_session = sessions.make_session(reference, graph_optimization="disable")
     except ValidationError as e:
         _runtime_check(path, reference, target, result)
         result.runtime = "reference-fails"
@@ -191,14 +192,14 @@ def _run_check(
         f"{target.value} numerics measured on an emulated model (FP32 compute, {target.short_name} rounding)"
     )
     try:
-        candidate = runner.make_session(candidate_path, graph_optimization="disable")
+        candidate = sessions.make_session(candidate_path, graph_optimization="disable")
     except ValidationError as e:
         raise ConversionError(f"the emulated converted model does not load in onnxruntime: {e}") from e
     merged: list | None = None
     nonfinite_feeds = None  # the first batch with new non-finite outputs
     for feeds, expected in batches:
         try:
-            actual = runner.run_session(candidate, feeds)
+            actual = sessions.run_session(candidate, feeds)
         except ValidationError as e:
             raise ConversionError(f"the converted model fails to run in onnxruntime: {e}") from e
         comparison = compare.compare_outputs(expected, actual)
@@ -254,7 +255,7 @@ def _openvino_check(
 ) -> None:
     """Run the converted model on OpenVINO's CPU plugin in its own element types, beside the
     FP32 model at f32, and record the real errors and the latency ratio."""
-    from mixprec.validate import openvino_runner  # noqa: PLC0415
+    from mixprec.runtime import openvino as openvino_runner  # noqa: PLC0415
 
     if not openvino_runner.openvino_available():
         result.notes.append("openvino is not installed (pip install openvino): its real run was not checked")
@@ -290,7 +291,7 @@ def _reference_batches(
             if index >= max_batches:
                 return
             try:
-                expected = runner.run_session(session, feeds)  # type: ignore[arg-type]
+                expected = sessions.run_session(session, feeds)  # type: ignore[arg-type]
             except ValidationError as e:
                 result.runtime = "reference-fails"
                 _unchecked(result, f"not checked: the FP32 model fails on the data ({e})")
@@ -308,7 +309,7 @@ def _reference_batches(
         if any(np.asarray(a).size > _MAX_GENERATED_ELEMENTS for a in feeds.values()):
             break
         try:
-            expected = runner.run_session(session, feeds)  # type: ignore[arg-type]
+            expected = sessions.run_session(session, feeds)  # type: ignore[arg-type]
         except (ValidationError, InputError) as e:
             errors.append(f"{size}: {e}")
             continue

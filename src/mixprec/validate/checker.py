@@ -36,7 +36,7 @@ def input_problem(model: str | Path | onnx.ModelProto) -> str | None:
     problem = checker_error(model, full_check=False)
     if problem is not None:
         return problem
-    from mixprec.validate.isolated import run_isolated  # noqa: PLC0415
+    from mixprec.runtime.isolated import run_isolated  # noqa: PLC0415
 
     if isinstance(model, onnx.ModelProto):
         with tempfile.TemporaryDirectory(prefix="mixprec-input-") as tmp:

@@ -15,13 +15,14 @@ Details of the rewrite:
 * 16-bit initializers and ``Constant``/``ConstantOfShape`` tensors are converted to
   float32 exactly (values unchanged; they need no rounding).
 * ``Cast(to=16-bit)`` keeps its rounding and gets a ``Cast(to=FLOAT)`` after it;
-  ``CastLike`` to a 16-bit type becomes that pair; ``dtype``/``output_dtype``
-  attributes of ``RandomNormal*``, ``RandomUniform*``, ``EyeLike``, ``Bernoulli``
-  and ``DequantizeLinear`` become FLOAT and the output is rounded.
-* Outputs of ops that only move or select 16-bit values (``Reshape``, ``Concat``,
-  ``Relu``, ``Max`` and similar), of control flow (``If``/``Loop``/``Scan``: their
-  bodies round) and 16-bit sequence/optional values are retyped but not re-rounded:
-  their values are already exactly representable.
+  ``CastLike`` to a 16-bit type becomes that pair; element-type attributes
+  (``dtype_attribute`` in the op facts, ``policy/tables/opfacts.toml``: ``dtype`` of
+  ``RandomNormal*``, ``RandomUniform*``, ``EyeLike``, ``Bernoulli``, ``output_dtype`` of
+  ``DequantizeLinear``) that name a 16-bit type become FLOAT and the output is rounded.
+* Outputs of ops that only move or select 16-bit values (``value_preserving`` in the
+  op facts: ``Reshape``, ``Concat``, ``Relu``, ``Max`` and similar), of control flow
+  (``If``/``Loop``/``Scan``: their bodies round) and 16-bit sequence/optional values are
+  retyped but not re-rounded: their values are already exactly representable.
 * Model-local functions are inlined first (onnxruntime inlines them too): ONNX
   functions are untyped, so their 16-bit values are only known after inlining.
 
@@ -42,7 +43,9 @@ import onnx_ir as ir
 import onnx_ir.passes.common as ir_passes
 
 from mixprec.errors import InputError, ModelLoadError, ValidationError
+from mixprec.graphs import default_domain_version, is_default_domain
 from mixprec.io import weight_free_proto
+from mixprec.policy.opfacts import NO_FACTS, op_facts
 
 logger = logging.getLogger(__name__)
 
@@ -51,37 +54,11 @@ ModelLike = onnx.ModelProto | ir.Model | str | os.PathLike
 _FLOAT = ir.DataType.FLOAT
 _LOW = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 _SUFFIX = {ir.DataType.FLOAT16: "fp16", ir.DataType.BFLOAT16: "bf16"}
-_DEFAULT_DOMAINS = frozenset({"", "ai.onnx"})
 
-# Ops whose element-type attribute sets the output type: (op_type, attribute name).
-_DTYPE_ATTRS: dict[str, str] = {
-    "RandomNormal": "dtype",
-    "RandomUniform": "dtype",
-    "RandomNormalLike": "dtype",
-    "RandomUniformLike": "dtype",
-    "EyeLike": "dtype",
-    "Bernoulli": "dtype",
-    "DequantizeLinear": "output_dtype",
-}
-
-# Ops whose 16-bit outputs only copy, rearrange or select values of their 16-bit
-# inputs (already rounded), so rounding them again would change nothing. (Not Pad or
-# Clip: their old opsets take float32 attributes.)
-_VALUE_PRESERVING = frozenset(
-    {
-        "Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Expand",
-        "Tile", "Concat", "Split", "Slice", "Gather", "GatherElements", "GatherND",
-        "DepthToSpace", "SpaceToDepth", "Compress", "ReverseSequence", "Trilu", "Relu",
-        "Neg", "Abs", "Max", "Min", "Where", "MaxPool", "GlobalMaxPool",
-        "ReduceMax", "ReduceMin", "TopK", "SequenceAt", "OptionalGetElement",
-        "ConcatFromSequence",
-    }
-)  # fmt: skip
-
+# Ops whose 16-bit outputs need no rounding besides the value-preserving ones: control flow
+# (its bodies round) and constants (their tensors are converted exactly).
 _CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
 _CONSTANTS = frozenset({"Constant", "ConstantOfShape"})
-# Ops whose 16-bit outputs need no rounding.
-_NO_ROUNDING = _VALUE_PRESERVING | _CONTROL_FLOW | _CONSTANTS
 
 # Above this many bytes of initializers, emulate_low_precision_file writes external data.
 _EXTERNAL_DATA_THRESHOLD = 1 << 30
@@ -140,6 +117,14 @@ def emulate_low_precision_file(
         ir_model = ir.load(src)
     except Exception as exc:  # protobuf and onnx_ir raise assorted types
         raise ModelLoadError(f"cannot load model {src}: {exc}") from exc
+    return emulate_into_file(ir_model, dst)
+
+
+def emulate_into_file(ir_model: ir.Model, output_path: str | os.PathLike[str]) -> Path:
+    """Rewrite `ir_model` in place into its emulation model and save it at `output_path`
+    (external data as :func:`emulate_low_precision_file` decides). For a model that is not
+    needed afterwards: no copy, no reload."""
+    dst = Path(output_path)
     external = [t for t in _initializer_tensors(ir_model) if isinstance(t, ir.ExternalTensor)]
     _emulate_in_place(ir_model)
 
@@ -201,7 +186,7 @@ def _emulate_in_place(model: ir.Model) -> None:
             "are not rounded to 16-bit",
             ", ".join(sorted(untyped)),
         )
-    if rounded and "" not in model.opset_imports:
+    if rounded and default_domain_version(model.opset_imports) is None:
         model.opset_imports[""] = 13
     logger.info("emulation: %d values rounded through 16-bit", rounded)
 
@@ -320,14 +305,15 @@ def _emulate_graph(graph: ir.Graph, is_main: bool, names: _Names, untyped: set[s
 
 
 def _emulate_node(graph: ir.Graph, node: ir.Node, names: _Names, untyped: set[str]) -> int:
-    op = node.op_type if node.domain in _DEFAULT_DOMAINS else None
+    op = node.op_type if is_default_domain(node.domain) else None
+    facts = op_facts("", op) if op is not None else NO_FACTS
     if op in _CONSTANTS:
         _convert_tensor_attributes(node)
     if op == "Cast" and "to" in node.attributes:
         to = ir.DataType(node.attributes["to"].value)
         out = node.outputs[0]
         if to in _LOW:
-            out.dtype = to
+            out.type = ir.TensorType(to)  # a new type object: the model may share types with its original
             _append_cast_to_float(graph, node, out, to, names)
             return 1
         _retype(out)
@@ -344,14 +330,17 @@ def _emulate_node(graph: ir.Graph, node: ir.Node, names: _Names, untyped: set[st
         return 0
 
     attr_low: ir.DataType | None = None
-    if op in _DTYPE_ATTRS:
-        attr = node.attributes.get(_DTYPE_ATTRS[op])
-        if attr is not None and ir.DataType(attr.value) in _LOW:
-            attr_low = ir.DataType(attr.value)
-            node.attributes[attr.name] = ir.AttrInt64(attr.name, _FLOAT)
+    if facts.dtype_attribute is not None:
+        attr = node.attributes.get(facts.dtype_attribute)
+        # An element type (an int); the "value" tensors of constants were converted above.
+        if attr is not None and attr.type == ir.AttributeType.INT:
+            dtype = ir.DataType(attr.value)
+            if dtype in _LOW:
+                attr_low = dtype
+                node.attributes[attr.name] = ir.AttrInt64(attr.name, _FLOAT)
 
     rounded = 0
-    skip_rounding = op in _NO_ROUNDING
+    skip_rounding = facts.value_preserving or op in _CONTROL_FLOW or op in _CONSTANTS
     for out in node.outputs:
         if not out.name:
             continue  # omitted optional output
@@ -361,7 +350,7 @@ def _emulate_node(graph: ir.Graph, node: ir.Node, names: _Names, untyped: set[st
                     continue  # type follows the (converted) tensor attribute
                 untyped.add(f"{node.domain + '::' if node.domain else ''}{node.op_type}")
                 continue
-            out.dtype = attr_low
+            out.type = ir.TensorType(attr_low)
         low = _low_dtype(out)
         _retype(out)
         if low is None or skip_rounding:

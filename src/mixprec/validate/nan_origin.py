@@ -2,7 +2,7 @@
 
 :func:`find_nan_origin` runs the FP32 reference and the converted model on one batch,
 exposing intermediate values a chunk at a time (see
-:class:`mixprec.analysis.calibrate.IntermediateRunner`), and walks the converted model's main
+:class:`mixprec.runtime.intermediates.IntermediateRunner`), and walks the converted model's main
 graph in topological order. The origin is the first node whose output holds a non-finite value
 at a position where the FP32 value is finite.
 
@@ -36,9 +36,10 @@ from typing import Any
 import numpy as np
 import onnx
 
-from mixprec.analysis.calibrate import IntermediateRunner, elem_types
+from mixprec.runtime.intermediates import IntermediateRunner, elem_types
 from mixprec.dtypes import LowPrecision, parse_low_precision
 from mixprec.errors import InputError, ModelLoadError
+from mixprec.graphs import is_default_domain
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,6 @@ _FLOAT_ELEM_TYPES = frozenset(
         onnx.TensorProto.DOUBLE,
     }
 )
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
 @dataclass(frozen=True)
@@ -308,7 +308,7 @@ def _search(
                 result = name
             elif (
                 node.op_type == "Cast"
-                and node.domain in _DEFAULT_DOMAINS
+                and is_default_domain(node.domain)
                 and node.input
                 and depth < 64
             ):

@@ -1,6 +1,8 @@
-"""The conversion report: what runs in which precision, why, what it cost, how it validated.
+"""The conversion report as data: what runs in which precision, why, what it cost, how it
+validated.
 
-A :class:`Report` is plain data; it renders as JSON (machine) and as a text table (human).
+A :class:`Report` renders as JSON (machine) and as a text table (human); the HTML page is
+:mod:`mixprec.report.html`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 import onnx_ir as ir
 
+from mixprec.plan_file import model_keys_of
 from mixprec.analysis.plan import Category, Precision, PrecisionPlan
 from mixprec.graphs import walk_nodes
 from mixprec.passes.rewrite import RewriteStats
@@ -65,7 +68,7 @@ class Validation:
 class NodeGraph:
     """Every planned node, compact and column-wise: entry ``i`` of each column is node ``i`` of
     the plan's topological order (function bodies, then the main graph; subgraph nodes before
-    their owner). Used to draw the graph (:mod:`mixprec.report_html`); about 50 bytes per node.
+    their owner). Used to draw the graph (:mod:`mixprec.report.layout`); about 60 bytes per node.
 
     Attributes:
         names: Node names ("" for unnamed nodes).
@@ -77,6 +80,15 @@ class NodeGraph:
             conversion are looked through), without repeats.
         categories: The distinct category texts.
         reasons: The distinct reason texts.
+        constant: One letter per node: "1" when it computes only from constants (a Constant
+            node, or one fed only by initializers and such nodes), else "0". The drawing folds
+            these into their consumers. Empty when not known.
+        constant_inputs: Per node, how many of its inputs are constants (initializers or outputs
+            of constant nodes).
+        cast_inputs: Per node, the entries of `inputs` whose value reaches it through a Cast
+            inserted by the conversion; -1 for a model input or stored constant cast on its way in.
+        cast_outputs: Per node, how many of its outputs leave the graph (as model outputs)
+            through a Cast inserted by the conversion.
     """
 
     names: list[str]
@@ -87,6 +99,10 @@ class NodeGraph:
     inputs: list[list[int]]
     categories: list[str]
     reasons: list[str]
+    constant: str = ""
+    constant_inputs: list[int] = field(default_factory=list)
+    cast_inputs: list[list[int]] = field(default_factory=list)
+    cast_outputs: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -193,6 +209,9 @@ class Report:
         if v.speed_ratio is not None:
             lines.append(f"    latency on {v.real_runtime}: {v.speed_ratio:.2f}x the FP32 model's")
         lines.extend(f"  note: {n}" for n in [*self.notes, *v.notes])
+        if self.seconds:
+            steps = ", ".join(f"{name} {s:.2f}" for name, s in self.seconds.items() if name != "total")
+            lines.append(f"  time: {self.seconds.get('total', 0.0):.2f} s ({steps})")
         if self.type_inference_warning:
             lines.append(f"  warning: type inference incomplete: {self.type_inference_warning}")
         return "\n".join(lines)
@@ -218,6 +237,7 @@ def build_report(
 ) -> Report:
     """Summarise a finished conversion (`profile`: the runtime it was converted for)."""
     target = plan.target
+    keys = model_keys_of(plan)
     # Counted by enum member (a str, hashed as its value), reported by value.
     by_precision: Counter[Precision] = Counter()
     low_by_op: Counter[str] = Counter()
@@ -236,7 +256,7 @@ def build_report(
             by_category[category] += 1
             if category is not Category.NO_FLOAT:
                 kept.append(
-                    KeptNode(node.name or "", node.op_type, category.value, decision.reason)
+                    KeptNode(keys[node], node.op_type, category.value, decision.reason)
                 )
     runtime = [c for c in stats.casts if c.runtime]
     known = [c.elements for c in runtime]
@@ -291,40 +311,88 @@ def node_graph(plan: PrecisionPlan) -> NodeGraph:
     """The compact per-node listing of a plan (call after the rewrite or before: inserted Casts
     are looked through)."""
     index = {node: i for i, node in enumerate(plan.order)}
+    keys = model_keys_of(plan)
     letters = {Precision.LOW: "l", Precision.FP32: "f", Precision.NONE: "n"}
     categories: dict[Category, int] = {}
     reasons: dict[str, int] = {}
     names, op_types, precision, category, reason, inputs = [], [], [], [], [], []
+    constant: list[bool] = []
+    constant_inputs: list[int] = []
+    cast_inputs: list[list[int]] = []
+    cast_outputs: list[int] = []
     for node in plan.order:
         decision = plan.decisions[node]
-        names.append(node.name or "")
+        names.append(keys[node])
         op_types.append(node.op_type)
         precision.append(letters[decision.precision])
         category.append(categories.setdefault(decision.category, len(categories)))
         reason.append(reasons.setdefault(decision.reason, len(reasons)))
         preds: list[int] = []
+        cast_from: list[int] = []
+        constants = 0
+        only_constants = not _has_subgraph(node)
         for value in node.inputs:
-            source = _source_node(value, index)
+            if value is None:
+                continue
+            source, through_cast, stored = _trace_input(value, index)
             if source is not None and source not in preds:
                 preds.append(source)
+            if through_cast and (-1 if source is None else source) not in cast_from:
+                cast_from.append(-1 if source is None else source)
+            if stored or (source is not None and constant[source]):
+                constants += 1
+            else:
+                only_constants = False
         inputs.append(preds)
+        constant.append(only_constants)
+        constant_inputs.append(constants)
+        cast_inputs.append(cast_from)
+        cast_outputs.append(sum(_cast_to_model_output(value, index) for value in node.outputs))
     return NodeGraph(
         names, op_types, "".join(precision), category, reason, inputs,
         categories=[c.value for c in categories], reasons=list(reasons),
+        constant="".join("1" if c else "0" for c in constant),
+        constant_inputs=constant_inputs, cast_inputs=cast_inputs, cast_outputs=cast_outputs,
     )
 
 
-def _source_node(value: ir.Value | None, index: dict[ir.Node, int]) -> int | None:
-    """Index of the planned node producing `value`, through Casts the rewrite inserted."""
+def _trace_input(value: ir.Value, index: dict[ir.Node, int]) -> tuple[int | None, bool, bool]:
+    """Where input `value` comes from, through nodes the rewrite inserted: the planned node
+    producing it (or None), whether an inserted Cast sits on the way, and whether it is a stored
+    constant (an initializer that is not a model input, or an inserted Constant)."""
+    through_cast = False
+    current: ir.Value | None = value
     for _ in range(4):
-        producer = value.producer() if value is not None else None
+        producer = current.producer() if current is not None else None
         if producer is None:
-            return None
+            stored = (
+                current is not None and current.is_initializer() and not current.is_graph_input()
+            )
+            return None, through_cast, stored
         found = index.get(producer)
         if found is not None:
-            return found
-        value = producer.inputs[0] if producer.inputs else None
-    return None
+            return found, through_cast, False
+        if producer.op_type == "Constant" and not producer.inputs:
+            return None, through_cast, True
+        through_cast = through_cast or producer.op_type == "Cast"
+        current = producer.inputs[0] if producer.inputs else None
+    return None, through_cast, False
+
+
+def _cast_to_model_output(value: ir.Value, index: dict[ir.Node, int]) -> bool:
+    """Whether an inserted Cast turns `value` into a model output."""
+    return any(
+        consumer not in index and consumer.op_type == "Cast"
+        and any(out.is_graph_output() for out in consumer.outputs)
+        for consumer in value.consumers()
+    )
+
+
+def _has_subgraph(node: ir.Node) -> bool:
+    return any(
+        attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+        for attr in node.attributes.values()
+    )
 
 
 def count_nodes(model: ir.Model) -> int:

@@ -5,7 +5,7 @@ a kernel) or fail only once the runtime's default graph optimizations fuse it. T
 created in a child Python process with onnxruntime's default options; a crash comes back as an
 outcome naming the signal instead of killing the converter.
 
-The child (`python -m mixprec.validate.isolated`) lives on between checks and answers one JSON
+The child (`python -m mixprec.runtime.isolated`) lives on between checks and answers one JSON
 request per line: `[MODEL]` or `[MODEL, FEEDS.npz, OUT.npz]`.
 """
 
@@ -74,7 +74,7 @@ class _Worker:
     def _start(self) -> subprocess.Popen[str]:
         if self.process is None or self.process.poll() is not None:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "mixprec.validate.isolated"],
+                [sys.executable, "-m", "mixprec.runtime.isolated"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             )
         return self.process
@@ -156,11 +156,11 @@ def _last_json(text: str) -> dict | None:
 
 def _child(argv: list[str]) -> dict:
     from mixprec.errors import MixprecError  # noqa: PLC0415
-    from mixprec.validate import runner  # noqa: PLC0415
+    from mixprec.runtime import sessions  # noqa: PLC0415
 
     status: dict = {"loaded": False, "ran": False, "error": None}
     try:
-        session = runner.make_session(argv[0], graph_optimization="all")  # onnxruntime's default
+        session = sessions.make_session(argv[0], graph_optimization="all")  # onnxruntime's default
     except MixprecError as e:
         status["error"] = str(e)
         return status
@@ -170,7 +170,7 @@ def _child(argv: list[str]) -> dict:
     with np.load(argv[1]) as archive:
         feeds = {name: archive[name] for name in archive.files}
     try:
-        outputs = runner.run_session(session, feeds)
+        outputs = sessions.run_session(session, feeds)
     except MixprecError as e:
         status["error"] = str(e)
         return status

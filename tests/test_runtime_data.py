@@ -1,4 +1,4 @@
-"""Tests for mixprec.validate.data."""
+"""Tests for mixprec.runtime.data."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from mixprec.errors import InputError
-from mixprec.validate.data import (
+from mixprec.runtime.data import (
     InputSpec,
     generate_inputs,
     input_specs,

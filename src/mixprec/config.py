@@ -1,0 +1,194 @@
+"""The options of a conversion, grouped: what `convert`, `tune` and the command line share.
+
+    config = Config.from_options(target_dtype="bf16", fp32_ops=["Sigmoid"], runtime="openvino")
+    config.ops.target            # LowPrecision.BFLOAT16
+    config.replace(validation=ValidationConfig(level="none"))
+
+Every option is checked once, here, with a one-line `InputError` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mixprec.dtypes import LowPrecision, parse_low_precision
+from mixprec.errors import InputError
+from mixprec.tolerance import Tolerance, as_tolerance
+
+Batch = Mapping[str, np.ndarray]
+_LEVELS = ("auto", "run", "load", "checker", "none")
+
+
+@dataclass(frozen=True)
+class OpsConfig:
+    """Which ops convert: the target type, the policy table and the user's class overrides."""
+
+    target: LowPrecision = LowPrecision.FLOAT16
+    low_precision_ops: tuple[str, ...] = ()
+    fp32_ops: tuple[str, ...] = ()
+    follow_ops: tuple[str, ...] = ()
+    policy_file: str | os.PathLike | None = None
+    weights_only: bool = False
+
+
+@dataclass(frozen=True)
+class NodesConfig:
+    """Per-node choices: excluded node names/patterns and a plan file (or its dict)."""
+
+    exclude: tuple[str, ...] = ()
+    plan: str | os.PathLike | Mapping[str, object] | None = None
+
+
+@dataclass(frozen=True)
+class IOConfig:
+    """The model's interface and file: I/O types, opset, external data, invalid input."""
+
+    keep_io_types: bool = True
+    opset: int | None = None
+    external_data: bool | None = None
+    allow_invalid: bool = False
+    overwrite: bool = False
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """Input data and the range measurement on it."""
+
+    data: Any = None
+    max_batches: int = 8
+    calibrate: bool = True
+    ranges: Any = None  # a mixprec.analysis.calibrate.RangeTable measured before
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    """How the converted model is checked, and what its outputs must meet."""
+
+    level: str = "auto"
+    tolerance: Tolerance | None = None
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """How the work shows itself."""
+
+    progress: bool | None = False
+
+
+@dataclass(frozen=True)
+class Config:
+    """All options of one conversion (see `mixprec.convert` for each one's meaning)."""
+
+    ops: OpsConfig = field(default_factory=OpsConfig)
+    nodes: NodesConfig = field(default_factory=NodesConfig)
+    io: IOConfig = field(default_factory=IOConfig)
+    runtime: str | None = None
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    @classmethod
+    def from_options(cls, **options: Any) -> Config:
+        """Build a config from `convert`'s keyword names (unknown names are an `InputError`)."""
+        groups: dict[str, dict[str, Any]] = {name: {} for name in _GROUP_TYPES}
+        runtime = None
+        for name, value in options.items():
+            if name == "runtime":
+                runtime = value
+                continue
+            where = OPTIONS.get(name)
+            if where is None:
+                raise InputError(f"unknown option {name!r}")
+            group, attribute = where
+            groups[group][attribute] = _normalize(name, value)
+        built = {name: _GROUP_TYPES[name](**values) for name, values in groups.items()}
+        return cls(runtime=runtime, **built)
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with whole groups (or `runtime`) replaced."""
+        return dataclasses.replace(self, **changes)
+
+    def with_options(self, **options: Any) -> Config:
+        """A copy with some of `convert`'s keyword options changed."""
+        config = self
+        for name, value in options.items():
+            if name == "runtime":
+                config = dataclasses.replace(config, runtime=value)
+                continue
+            where = OPTIONS.get(name)
+            if where is None:
+                raise InputError(f"unknown option {name!r}")
+            group, attribute = where
+            updated = dataclasses.replace(getattr(config, group), **{attribute: _normalize(name, value)})
+            config = dataclasses.replace(config, **{group: updated})
+        return config
+
+    @staticmethod
+    def groups_of(options: Iterable[str]) -> set[str]:
+        """The groups the named options belong to."""
+        return {"runtime" if name == "runtime" else OPTIONS[name][0] for name in options if name in OPTIONS or name == "runtime"}
+
+
+_GROUP_TYPES: dict[str, type] = {
+    "ops": OpsConfig,
+    "nodes": NodesConfig,
+    "io": IOConfig,
+    "calibration": CalibrationConfig,
+    "validation": ValidationConfig,
+    "output": OutputConfig,
+}
+
+# `convert`'s keyword name -> (group, attribute).
+OPTIONS: dict[str, tuple[str, str]] = {
+    "target_dtype": ("ops", "target"),
+    "low_precision_ops": ("ops", "low_precision_ops"),
+    "fp32_ops": ("ops", "fp32_ops"),
+    "follow_ops": ("ops", "follow_ops"),
+    "policy_file": ("ops", "policy_file"),
+    "weights_only": ("ops", "weights_only"),
+    "exclude_nodes": ("nodes", "exclude"),
+    "plan": ("nodes", "plan"),
+    "keep_io_types": ("io", "keep_io_types"),
+    "opset": ("io", "opset"),
+    "external_data": ("io", "external_data"),
+    "allow_invalid": ("io", "allow_invalid"),
+    "overwrite": ("io", "overwrite"),
+    "data": ("calibration", "data"),
+    "max_batches": ("calibration", "max_batches"),
+    "calibrate": ("calibration", "calibrate"),
+    "ranges": ("calibration", "ranges"),
+    "validate": ("validation", "level"),
+    "tolerance": ("validation", "tolerance"),
+    "progress": ("output", "progress"),
+}
+
+
+def _normalize(name: str, value: Any) -> Any:
+    """Check one option and bring it to its stored form."""
+    if name == "target_dtype":
+        return parse_low_precision(value)
+    if name in ("low_precision_ops", "fp32_ops", "follow_ops", "exclude_nodes"):
+        if isinstance(value, str):
+            return (value,)
+        return tuple(value)
+    if name == "tolerance":
+        return as_tolerance(value)
+    if name == "validate":
+        if value is True:
+            return "auto"
+        if value is False:
+            return "none"
+        if value not in _LEVELS:
+            raise InputError(f"unknown validation level {value!r}: use auto, run, load, checker or none")
+        return str(value)
+    if name == "max_batches" and (not isinstance(value, int) or value < 1):
+        raise InputError(f"max_batches must be an integer >= 1, got {value!r}")
+    if name == "opset" and value is not None and (not isinstance(value, int) or value < 1):
+        raise InputError(f"opset must be a positive integer, got {value!r}")
+    return value

@@ -1,0 +1,156 @@
+"""Op facts: what ONNX ops do with their values, read by every analysis.
+
+The facts are package data (`tables/opfacts.toml`), parsed strictly once. They say what an op
+*is* (it moves values without arithmetic, it draws random numbers, its ``dtype`` attribute sets
+its output type, its FLOPs follow the matrix-product formula ...); what to *do* with it is the
+policy (:mod:`mixprec.policy.table`) or the analysis reading the fact. Named rules (interval
+rules, FLOPs formulas) are implemented in Python next to their use, keyed by the name.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from types import MappingProxyType
+from typing import Any
+
+from mixprec.errors import PolicyError
+from mixprec.graphs import normalize_domain, parse_op_name
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+_SOURCE = "opfacts.toml"
+
+
+class Carrier(str, enum.Enum):
+    """How integer values go through an op (see `tables/opfacts.toml`)."""
+
+    ARITHMETIC = "arithmetic"
+    MOVEMENT = "movement"
+    OUTER_PRODUCT = "outer_product"
+    GENERATOR = "generator"
+    REDUCTION = "reduction"
+
+
+# Carriers whose float outputs carry the integers of float inputs.
+FLOAT_CARRIERS = frozenset({Carrier.ARITHMETIC, Carrier.MOVEMENT, Carrier.OUTER_PRODUCT})
+
+# Names the `interval` and `flops` keys may take (implemented in
+# mixprec.analysis.integer_semantics and mixprec.tune.flops).
+INTERVAL_RULES = frozenset({
+    "same", "whole", "gather", "slice", "concat", "cast", "neg", "abs", "floor", "ceil", "round",
+    "relu", "add", "sub", "mul", "div", "max", "min", "mod", "where", "clip", "range", "shape",
+    "size",
+})  # fmt: skip
+FLOPS_FORMULAS = frozenset({"matmul", "gemm", "conv", "conv_transpose"})
+
+
+@dataclass(frozen=True)
+class OpFacts:
+    """The facts about one op; an op not in the table has none (all false / None)."""
+
+    carrier: Carrier | None = None
+    interval: str | None = None
+    shape_only: bool = False
+    comparison: bool = False
+    exact_use: bool = False
+    random: bool = False
+    integer_inputs: tuple[tuple[int, str], ...] = ()  # (input index, role), by index
+    value_preserving: bool = False
+    gathers: bool = False
+    dtype_attribute: str | None = None
+    flops: str | None = None
+
+    @property
+    def carries_floats(self) -> bool:
+        """Whether float outputs carry the integers of the op's float inputs."""
+        return self.carrier in FLOAT_CARRIERS
+
+
+NO_FACTS = OpFacts()
+
+_FLAGS = ("shape_only", "comparison", "exact_use", "random", "value_preserving", "gathers")
+_NAMES = {"interval": INTERVAL_RULES, "flops": FLOPS_FORMULAS}
+_KEYS = frozenset({*_FLAGS, *_NAMES, "carrier", "integer_inputs", "dtype_attribute"})
+
+
+def op_facts(domain: str, op_type: str) -> OpFacts:
+    """The facts about `op_type` of `domain` ("" or "ai.onnx": the default domain)."""
+    return _shipped().get((normalize_domain(domain), op_type), NO_FACTS)
+
+
+def all_op_facts() -> Mapping[tuple[str, str], OpFacts]:
+    """(domain, op_type) -> facts for every op in the shipped table."""
+    return _shipped()
+
+
+@functools.lru_cache(maxsize=1)
+def _shipped() -> Mapping[tuple[str, str], OpFacts]:
+    text = resources.files("mixprec.policy").joinpath(f"tables/{_SOURCE}").read_text()
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise PolicyError(f"{_SOURCE}: not valid TOML: {e}") from e
+    return parse_op_facts(document, _SOURCE)
+
+
+def parse_op_facts(document: Mapping[str, Any], source: str) -> Mapping[tuple[str, str], OpFacts]:
+    """Build the fact table from a parsed document; `source` names it in errors."""
+    table: dict[tuple[str, str], OpFacts] = {}
+    for name, entry in document.items():
+        where = f"{source}: [{name}]"
+        if not isinstance(entry, Mapping):
+            raise PolicyError(f"{where}: expected a table of facts, got {entry!r}")
+        unknown = sorted(set(entry) - _KEYS)
+        if unknown:
+            raise PolicyError(f"{where}: unknown key {unknown[0]!r}")
+        table[parse_op_name(name)] = _parse_entry(entry, where)
+    return MappingProxyType(table)
+
+
+def _parse_entry(entry: Mapping[str, Any], where: str) -> OpFacts:
+    values: dict[str, Any] = {}
+    for key in _FLAGS:
+        if key in entry:
+            if not isinstance(entry[key], bool):
+                raise PolicyError(f"{where}: {key!r} must be true or false, got {entry[key]!r}")
+            values[key] = entry[key]
+    for key, known in _NAMES.items():
+        if key in entry:
+            if entry[key] not in known:
+                names = ", ".join(sorted(known))
+                raise PolicyError(f"{where}: unknown {key} {entry[key]!r} (known: {names})")
+            values[key] = entry[key]
+    if "carrier" in entry:
+        try:
+            values["carrier"] = Carrier(entry["carrier"])
+        except ValueError:
+            known = ", ".join(c.value for c in Carrier)
+            carrier = entry["carrier"]
+            raise PolicyError(f"{where}: unknown carrier {carrier!r} (known: {known})") from None
+    if "dtype_attribute" in entry:
+        if not isinstance(entry["dtype_attribute"], str) or not entry["dtype_attribute"]:
+            raise PolicyError(f"{where}: 'dtype_attribute' must be an attribute name")
+        values["dtype_attribute"] = entry["dtype_attribute"]
+    if "integer_inputs" in entry:
+        values["integer_inputs"] = _integer_inputs(entry["integer_inputs"], where)
+    return OpFacts(**values)
+
+
+def _integer_inputs(value: Any, where: str) -> tuple[tuple[int, str], ...]:
+    bad = PolicyError(f"{where}: 'integer_inputs' must map input indices to roles, got {value!r}")
+    if not isinstance(value, Mapping) or not value:
+        raise bad
+    roles: list[tuple[int, str]] = []
+    for index, role in value.items():
+        if not index.isdigit() or not isinstance(role, str) or not role:
+            raise bad
+        roles.append((int(index), role))
+    return tuple(sorted(roles))
