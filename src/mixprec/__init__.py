@@ -13,7 +13,9 @@ from mixprec.errors import (
     MixprecError,
     ModelLoadError,
     PolicyError,
+    RunError,
     ValidationError,
+    ValidationFailure,
 )
 from mixprec.io import load_model, save_model
 from mixprec.passes.rewrite import apply_plan
@@ -23,7 +25,6 @@ from mixprec.report import Report
 from mixprec.tolerance import Tolerance
 from mixprec.tune import TuneResult  # the search itself: mixprec.tune.tune
 from mixprec.version import __version__
-
 
 __all__ = [
     "Config",
@@ -40,9 +41,11 @@ __all__ = [
     "Precision",
     "PrecisionPlan",
     "Report",
+    "RunError",
     "Tolerance",
     "TuneResult",
     "ValidationError",
+    "ValidationFailure",
     "__version__",
     "apply_plan",
     "build_policy",

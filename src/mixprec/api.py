@@ -21,7 +21,7 @@ from mixprec.analysis.calibrate import RangeTable
 from mixprec.analysis.plan import PrecisionPlan
 from mixprec.config import Config
 from mixprec.dtypes import LowPrecision
-from mixprec.errors import ConversionError, InputError
+from mixprec.errors import InputError, ValidationFailure
 from mixprec.io import check_output_path, save_model, wants_external_data
 from mixprec.pipeline import Conversion, run
 from mixprec.policy.table import Policy, load_policy
@@ -126,7 +126,7 @@ def convert(
         calibrate: With `data`, first measure the range of every FP32 value on it (one FP32
             run, see `mixprec.analysis.calibrate`); values that leave the 16-bit range keep
             their producers in FP32 (category "range measured on data").
-        tolerance: What every output must meet, else `ConversionError`: a `Tolerance` (its
+        tolerance: What every output must meet, else `ValidationFailure`: a `Tolerance` (its
             allclose rule) or an (atol, rtol) pair.
         external_data: Force (True) or forbid (False) external data for the output; default:
             when weights exceed 1 GiB or the input used external data.
@@ -228,7 +228,7 @@ def _repair(rejection: RuntimeRejection, output: str | os.PathLike | None, confi
     logger.warning("%s; searching for the nodes to keep FP32", rejection)
     culprits = find_culprits(rejection.converted, fails)
     if culprits.names is None:
-        raise ConversionError(f"{rejection}; it fails even with every converted node FP32") from rejection
+        raise ValidationFailure(f"{rejection}; it fails even with every converted node FP32") from rejection
     result = _run(source, output, config, runtime_fp32=dict.fromkeys(culprits.names, reason))
     result.report.notes.append(
         f"onnxruntime {what} the first conversion ({outcome.error}); kept {len(culprits.names)} node(s) "

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mixprec.config import Config
-from mixprec.errors import ConversionError, InputError, MixprecError, ModelLoadError, PolicyError
+from mixprec.io import write_text_atomic
+from mixprec.errors import InputError, MixprecError, ModelLoadError, PolicyError, ValidationFailure
 from mixprec.policy.runtime import DEFAULT_RUNTIME, RUNTIMES
 
 logger = logging.getLogger("mixprec")
@@ -187,7 +188,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
         save_plan(result.plan, args.plan_out)
     if args.report:
-        _write_text(Path(args.report), report.to_json())
+        write_text_atomic(args.report, report.to_json())
     if args.html:
         from mixprec.report import write_html_report  # noqa: PLC0415
 
@@ -266,14 +267,6 @@ def _check_outputs(source: str, outputs: dict[str, str | None]) -> None:
         seen[resolved] = flag
 
 
-def _write_text(path: Path, text: str) -> None:
-    if not path.parent.is_dir():
-        raise InputError(f"{path}: folder {path.parent} does not exist")
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from mixprec.summary import summarize_model  # noqa: PLC0415
 
@@ -350,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModelLoadError as e:
         print(f"mixprec: error: {e}", file=sys.stderr)
         return EXIT_MODEL
-    except ConversionError as e:
+    except ValidationFailure as e:
         print(f"mixprec: error: {e} (nothing written)", file=sys.stderr)
         return EXIT_VALIDATION
     except (InputError, PolicyError, MixprecError) as e:

@@ -19,9 +19,15 @@ class PolicyError(MixprecError):
     """An op policy table or a user policy override is invalid."""
 
 
-class ConversionError(MixprecError):
-    """The conversion produced a model that fails validation; nothing was written."""
+class ValidationFailure(MixprecError):
+    """The converted model fails a check (the ONNX checker, the runtime as users run it, the
+    tolerance); nothing was written."""
 
 
-class ValidationError(MixprecError):
-    """Running or comparing models failed."""
+class RunError(MixprecError):
+    """A model could not be run or compared (onnxruntime, OpenVINO, the emulation)."""
+
+
+# The earlier names of the two, kept for code written against them.
+ConversionError = ValidationFailure
+ValidationError = RunError

@@ -322,6 +322,26 @@ def _write_all(model: ir.Model, path: Path, data_name: str | None, progress: boo
         ir.save(model, path)
 
 
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write a text file atomically: a temporary file in the same folder, then renamed over
+    `path` (readers see the old file or the new one, never a part)."""
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise InputError(f"{path}: folder {folder} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
 def check_output_path(destination: str | os.PathLike) -> Path:
     """Refuse an output path that cannot be written, before any work is done."""
     destination = Path(destination)

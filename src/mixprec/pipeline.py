@@ -30,7 +30,7 @@ from mixprec.analysis.plan import Category, NodeMatcher, Precision, PrecisionPla
 from mixprec.analysis.plan import weights_only as weights_only_plan
 from mixprec.analysis.typeinfo import TypeInfo, assume_float_outputs, infer_types
 from mixprec.config import Config
-from mixprec.errors import InputError, ModelLoadError, ValidationError
+from mixprec.errors import InputError, ModelLoadError, RunError
 from mixprec.graphs import node_keys, walk_nodes
 from mixprec.io import load_model, staged_save, typed_values, uses_external_data, wants_external_data, weight_bytes
 from mixprec.passes.norm_blocks import fuse_norm_blocks
@@ -433,7 +433,7 @@ def _calibrate(c: Conversion) -> RangeTable | None:
     assert c.reference_path is not None and c.data is not None
     try:
         table = calibrate(c.reference_path, c.data, progress=c.config.output.progress)
-    except ValidationError as e:
+    except RunError as e:
         c.notes.append(f"calibration skipped: the FP32 model does not run in onnxruntime: {e}")
         return None
     wide = wide_values_from_ranges(c.model, table, c.target)

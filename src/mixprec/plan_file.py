@@ -42,7 +42,8 @@ import onnx_ir as ir
 from mixprec.analysis.plan import Category, Precision, PrecisionPlan
 from mixprec.dtypes import LowPrecision, parse_low_precision
 from mixprec.errors import InputError
-from mixprec.graphs import node_keys, unique_names
+from mixprec.graphs import node_keys
+from mixprec.io import write_text_atomic
 from mixprec.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -61,14 +62,9 @@ def model_node_names(model: ir.Model) -> dict[str, ir.Node]:
     return {name: node for node, name in node_keys(model).items()}
 
 
-def model_keys_of(plan: PrecisionPlan) -> dict[ir.Node, str]:
-    """The plan's node keys (computed from its node order for a plan made without them)."""
-    return plan.keys or unique_names(plan.order)
-
-
 def plan_to_dict(plan: PrecisionPlan) -> dict[str, Any]:
     """The JSON-ready form of a plan: per node precision, category, reason and op type."""
-    names = model_keys_of(plan)
+    names = plan.keys
     nodes: dict[str, dict[str, str]] = {}
     for node in plan.order:
         decision = plan.decisions.get(node)
@@ -121,12 +117,7 @@ def save_plan(plan: PrecisionPlan | Mapping[str, Any], path: str | os.PathLike) 
     Raises:
         InputError: The destination folder does not exist.
     """
-    target = Path(path)
-    if not target.parent.is_dir():
-        raise InputError(f"{target}: folder {target.parent} does not exist")
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(dumps_plan(plan))
-    tmp.replace(target)
+    target = write_text_atomic(path, dumps_plan(plan))
     logger.info("wrote plan %s", target)
     return target
 

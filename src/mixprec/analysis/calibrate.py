@@ -33,6 +33,7 @@ import onnx_ir as ir
 from mixprec.analysis.constants import is_constant
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.errors import InputError
+from mixprec.io import write_text_atomic
 from mixprec.progress import Progress
 from mixprec.runtime.batches import BatchesLike, BatchSource
 from mixprec.runtime.intermediates import IntermediateRunner, chunks
@@ -154,9 +155,7 @@ class RangeTable(Mapping[str, ValueRange]):
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the table as JSON."""
-        path = Path(path)
-        path.write_text(self.to_json())
-        return path
+        return write_text_atomic(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> RangeTable:
@@ -199,7 +198,7 @@ def calibrate(
     Raises:
         ModelLoadError: The model cannot be read.
         InputError: No batches, a batch lacks an input, or a bad argument.
-        ValidationError: onnxruntime cannot load or run the model.
+        RunError: onnxruntime cannot load or run the model.
     """
     if max_outputs_per_run < 0:
         raise InputError(f"max_outputs_per_run must be >= 0, got {max_outputs_per_run}")

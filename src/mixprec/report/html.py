@@ -13,14 +13,12 @@ the graph layout used.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from mixprec.errors import InputError
+from mixprec.io import write_text_atomic
 from mixprec.report.model import Report
 from mixprec.report.svg import (
     MAX_ERROR_BARS,
@@ -59,7 +57,7 @@ def write_html_report(
     """
     target = Path(path)
     text = render_html_report(report, per_node_errors=per_node_errors)
-    _write_atomic(target, text)
+    write_text_atomic(target, text)
     return target
 
 
@@ -385,19 +383,3 @@ def _ops_section(report: Report) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    folder = path.parent
-    if not folder.is_dir():
-        raise InputError(f"{path}: folder {folder} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise

@@ -14,9 +14,8 @@ from typing import Any
 
 import onnx_ir as ir
 
-from mixprec.plan_file import model_keys_of
 from mixprec.analysis.plan import Category, Precision, PrecisionPlan
-from mixprec.graphs import walk_nodes
+from mixprec.graphs import has_subgraphs, walk_nodes
 from mixprec.passes.rewrite import RewriteStats
 from mixprec.passes.opset import first_opset_admitting
 from mixprec.policy.runtime import RuntimeProfile
@@ -237,7 +236,7 @@ def build_report(
 ) -> Report:
     """Summarise a finished conversion (`profile`: the runtime it was converted for)."""
     target = plan.target
-    keys = model_keys_of(plan)
+    keys = plan.keys
     # Counted by enum member (a str, hashed as its value), reported by value.
     by_precision: Counter[Precision] = Counter()
     low_by_op: Counter[str] = Counter()
@@ -311,7 +310,7 @@ def node_graph(plan: PrecisionPlan) -> NodeGraph:
     """The compact per-node listing of a plan (call after the rewrite or before: inserted Casts
     are looked through)."""
     index = {node: i for i, node in enumerate(plan.order)}
-    keys = model_keys_of(plan)
+    keys = plan.keys
     letters = {Precision.LOW: "l", Precision.FP32: "f", Precision.NONE: "n"}
     categories: dict[Category, int] = {}
     reasons: dict[str, int] = {}
@@ -330,7 +329,7 @@ def node_graph(plan: PrecisionPlan) -> NodeGraph:
         preds: list[int] = []
         cast_from: list[int] = []
         constants = 0
-        only_constants = not _has_subgraph(node)
+        only_constants = not has_subgraphs(node)
         for value in node.inputs:
             if value is None:
                 continue
@@ -385,13 +384,6 @@ def _cast_to_model_output(value: ir.Value, index: dict[ir.Node, int]) -> bool:
         consumer not in index and consumer.op_type == "Cast"
         and any(out.is_graph_output() for out in consumer.outputs)
         for consumer in value.consumers()
-    )
-
-
-def _has_subgraph(node: ir.Node) -> bool:
-    return any(
-        attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
-        for attr in node.attributes.values()
     )
 
 

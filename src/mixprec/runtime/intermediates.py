@@ -279,7 +279,7 @@ class IntermediateRunner:
             (feeds, outputs by name) per batch; outputs that are not arrays are left out.
 
         Raises:
-            ValidationError: onnxruntime cannot load or run the model.
+            RunError: onnxruntime cannot load or run the model.
             InputError: A batch lacks a model input.
         """
         names = list(dict.fromkeys(names))

@@ -85,7 +85,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from mixprec.errors import InputError, ModelLoadError, ValidationError
+from mixprec.errors import InputError, ModelLoadError, RunError
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def _openvino() -> Any:
     try:
         import openvino as ov
     except Exception as exc:
-        raise ValidationError(
+        raise RunError(
             "openvino is not installed or cannot be imported (pip install openvino)"
         ) from exc
     return ov
@@ -142,7 +142,7 @@ class OpenVinoSession:
     Raises:
         InputError: Unknown precision or bad thread count.
         ModelLoadError: The model file does not exist.
-        ValidationError: openvino is missing, or OpenVINO cannot read or compile the
+        RunError: openvino is missing, or OpenVINO cannot read or compile the
             model; the one-line message names the file.
     """
 
@@ -171,7 +171,7 @@ class OpenVinoSession:
         try:
             self._compiled = _core().compile_model(model, _DEVICE, config)
         except Exception as exc:
-            raise ValidationError(
+            raise RunError(
                 f"OpenVINO cannot compile {self.path}: {_summary(exc)}"
             ) from exc
         self._request = self._compiled.create_infer_request()
@@ -193,7 +193,7 @@ class OpenVinoSession:
             frontend = FrontEndManager().load_by_framework("onnx")
             return frontend.convert(frontend.load(str(self.path)))
         except Exception as exc:
-            raise ValidationError(f"OpenVINO cannot read {self.path}: {_summary(exc)}") from exc
+            raise RunError(f"OpenVINO cannot read {self.path}: {_summary(exc)}") from exc
 
     @property
     def input_names(self) -> list[str]:
@@ -241,7 +241,7 @@ class OpenVinoSession:
         try:
             self._request.infer()
         except Exception as exc:
-            raise ValidationError(f"OpenVINO run of {self.path} failed: {_summary(exc)}") from exc
+            raise RunError(f"OpenVINO run of {self.path} failed: {_summary(exc)}") from exc
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one inference.
@@ -256,7 +256,7 @@ class OpenVinoSession:
 
         Raises:
             InputError: An input is missing from ``feeds``.
-            ValidationError: OpenVINO failed.
+            RunError: OpenVINO failed.
         """
         self._set_inputs(feeds)
         self._infer()

@@ -14,7 +14,7 @@ import onnx
 import onnxruntime as ort
 
 from mixprec.dtypes import is_float_dtype
-from mixprec.errors import InputError, ModelLoadError, ValidationError
+from mixprec.errors import InputError, ModelLoadError, RunError
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def make_session(
     Raises:
         InputError: Unknown optimization level, unavailable provider, or bad thread count.
         ModelLoadError: The model file does not exist.
-        ValidationError: onnxruntime rejected the model; the message names the file
+        RunError: onnxruntime rejected the model; the message names the file
             and holds onnxruntime's first error line (which usually names the node).
     """
     path = Path(model_path)
@@ -93,7 +93,7 @@ def make_session(
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=list(providers))
     except Exception as exc:  # onnxruntime raises several pybind exception types
-        raise ValidationError(f"onnxruntime cannot load {path}: {_first_line(exc)}") from exc
+        raise RunError(f"onnxruntime cannot load {path}: {_first_line(exc)}") from exc
     logger.debug(
         "session for %s: providers=%s optimization=%s",
         path,
@@ -123,7 +123,7 @@ def run_session(
 
     Raises:
         InputError: A session input is missing from ``feeds``.
-        ValidationError: onnxruntime failed; the message holds its first error line.
+        RunError: onnxruntime failed; the message holds its first error line.
     """
     inputs = session.get_inputs()
     outputs = session.get_outputs()
@@ -145,10 +145,10 @@ def run_session(
             results = _run_many_inputs(session, prepared, output_names)
         else:
             results = session.run(output_names, prepared)
-    except (InputError, ValidationError):
+    except (InputError, RunError):
         raise
     except Exception as exc:  # onnxruntime raises several pybind exception types
-        raise ValidationError(f"onnxruntime run failed: {_first_line(exc)}") from exc
+        raise RunError(f"onnxruntime run failed: {_first_line(exc)}") from exc
     return dict(zip(output_names, results))
 
 
@@ -180,7 +180,7 @@ def _run_with_ort_values(
     for name, array in feeds.items():
         if types[name] == _BFLOAT16:
             if array.dtype != np.dtype(ml_dtypes.bfloat16):
-                raise ValidationError(f"input {name!r} is bfloat16; got {array.dtype} data")
+                raise RunError(f"input {name!r} is bfloat16; got {array.dtype} data")
             ort_feeds[name] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
                 np.ascontiguousarray(array).view(np.uint16), onnx.TensorProto.BFLOAT16
             )
@@ -194,7 +194,7 @@ def _ort_value_to_numpy(name: str, value: ort.OrtValue) -> np.ndarray:
     if value.data_type() != _BFLOAT16:
         return value.numpy()
     if value.device_name().lower() != "cpu":
-        raise ValidationError(f"bfloat16 output {name!r} is not on the CPU")
+        raise RunError(f"bfloat16 output {name!r} is not on the CPU")
     shape = tuple(value.shape())
     nbytes = value.tensor_size_in_bytes()
     if nbytes == 0:

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from mixprec.analysis.plan import Precision, PrecisionPlan
-from mixprec.plan_file import model_keys_of
 
 _FLOAT_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
 _EXACT_DTYPES = frozenset(
@@ -35,7 +34,7 @@ class Candidate:
 
 def candidates_of(plan: PrecisionPlan) -> list[Candidate]:
     """The default plan's 16-bit nodes and what the plan lowers in each."""
-    names = model_keys_of(plan)
+    names = plan.keys
     candidates = []
     for index, node in enumerate(plan.order):
         decision = plan.decisions.get(node)

@@ -13,7 +13,6 @@ import onnx_ir as ir
 
 from mixprec.analysis.plan import Category, Precision, PrecisionPlan
 from mixprec.graphs import is_default_domain, node_keys
-from mixprec.plan_file import model_keys_of
 from mixprec.policy.opfacts import op_facts
 
 logger = logging.getLogger(__name__)
@@ -108,7 +107,7 @@ def flops_of(node: ir.Node) -> float | None:
 
 def fp32_share(plan: PrecisionPlan, flops: Mapping[str, float]) -> tuple[float, float | None]:
     """FP32 share of the nodes that compute floats (control-flow and function-call nodes aside)."""
-    names = model_keys_of(plan)
+    names = plan.keys
     low = fp32 = 0
     low_flops = fp32_flops = 0.0
     known = False

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 
 from mixprec.dtypes import LowPrecision
-from mixprec.errors import ConversionError, InputError, MixprecError, ValidationError
+from mixprec.errors import InputError, MixprecError, RunError, ValidationFailure
 from mixprec.io import graph_only_proto
 from mixprec.report import OutputError, Validation
 from mixprec.validate import compare
@@ -39,7 +39,7 @@ _MAX_GENERATED_ELEMENTS = 1 << 23
 _PASS_DATA = "pass --data"
 
 
-class RuntimeRejection(ConversionError):
+class RuntimeRejection(ValidationFailure):
     """onnxruntime fails or crashes on the converted model where it runs the FP32 model.
 
     Carries what a repair needs: the runtime's outcome and the feeds it ran on; the conversion
@@ -80,7 +80,7 @@ def validate_staged(
     weights_large: bool = False,
     runtime: str = "onnx",
 ) -> Validation:
-    """Check a staged converted model; raise ConversionError to stop it being published.
+    """Check a staged converted model; raise ValidationFailure to stop it being published.
 
     `runtime`: the target runtime's profile name; `openvino` (when installed) also runs both
     models on OpenVINO's CPU plugin for real (bfloat16 arithmetic on AVX512-BF16/AMX).
@@ -170,7 +170,7 @@ def _run_check(
         return
     try:
         reference_session = sessions.make_session(reference, graph_optimization="disable")
-    except ValidationError as e:
+    except RunError as e:
         _runtime_check(path, reference, target, result)
         result.runtime = "reference-fails"
         _unchecked(result, f"not checked: the FP32 model does not load in onnxruntime ({e})")
@@ -193,15 +193,15 @@ def _run_check(
     )
     try:
         candidate = sessions.make_session(candidate_path, graph_optimization="disable")
-    except ValidationError as e:
-        raise ConversionError(f"the emulated converted model does not load in onnxruntime: {e}") from e
+    except RunError as e:
+        raise ValidationFailure(f"the emulated converted model does not load in onnxruntime: {e}") from e
     merged: list | None = None
     nonfinite_feeds = None  # the first batch with new non-finite outputs
     for feeds, expected in batches:
         try:
             actual = sessions.run_session(candidate, feeds)
-        except ValidationError as e:
-            raise ConversionError(f"the converted model fails to run in onnxruntime: {e}") from e
+        except RunError as e:
+            raise ValidationFailure(f"the converted model fails to run in onnxruntime: {e}") from e
         comparison = compare.compare_outputs(expected, actual)
         if nonfinite_feeds is None and any(c.new_nonfinite for c in comparison):
             nonfinite_feeds = feeds
@@ -223,7 +223,7 @@ def _run_check(
     if tolerance is not None:
         failing = [o.name for o in (*result.outputs, *result.real_outputs) if o.within_tolerance is False]
         if failing:
-            raise ConversionError(
+            raise ValidationFailure(
                 f"output {failing[0]!r} differs from the FP32 model beyond atol={tolerance[0]}, "
                 f"rtol={tolerance[1]}" + (f"; {origin}" if origin else "")
             )
@@ -270,7 +270,7 @@ def _openvino_check(
         feeds = batches[0][0]
         ratio = converted.latency(feeds) / max(fp32.latency(feeds), 1e-9)
     except MixprecError as e:
-        raise ConversionError(f"OpenVINO cannot run the converted model: {e}") from e
+        raise ValidationFailure(f"OpenVINO cannot run the converted model: {e}") from e
     result.real_runtime = f"OpenVINO CPU ({converted.inference_precision} hint, model types)"
     result.real_outputs = _output_errors(merged or [], tolerance)
     result.speed_ratio = ratio
@@ -292,7 +292,7 @@ def _reference_batches(
                 return
             try:
                 expected = sessions.run_session(session, feeds)  # type: ignore[arg-type]
-            except ValidationError as e:
+            except RunError as e:
                 result.runtime = "reference-fails"
                 _unchecked(result, f"not checked: the FP32 model fails on the data ({e})")
                 return
@@ -310,7 +310,7 @@ def _reference_batches(
             break
         try:
             expected = sessions.run_session(session, feeds)  # type: ignore[arg-type]
-        except (ValidationError, InputError) as e:
+        except (RunError, InputError) as e:
             errors.append(f"{size}: {e}")
             continue
         if size != _DIM_LADDER[0]:

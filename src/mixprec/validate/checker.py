@@ -9,7 +9,7 @@ from pathlib import Path
 import onnx
 import onnx.checker
 
-from mixprec.errors import ConversionError
+from mixprec.errors import ValidationFailure
 
 
 def checker_error(model: str | Path | onnx.ModelProto, *, full_check: bool = True) -> str | None:
@@ -61,7 +61,7 @@ def check_model_file(path: str | Path, original: Callable[[], str | None] | None
         conversion did not cause it).
 
     Raises:
-        ConversionError: The converted model is invalid and the FP32 model is not.
+        ValidationFailure: The converted model is invalid and the FP32 model is not.
     """
     error = checker_error(path)
     if error is None:
@@ -70,4 +70,4 @@ def check_model_file(path: str | Path, original: Callable[[], str | None] | None
         original_error = original()
         if original_error is not None and original_error == error:
             return error
-    raise ConversionError(f"the converted model fails the ONNX checker: {error}")
+    raise ValidationFailure(f"the converted model fails the ONNX checker: {error}")

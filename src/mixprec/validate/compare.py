@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from mixprec.dtypes import is_float_dtype
-from mixprec.errors import ValidationError
+from mixprec.errors import RunError
 
 logger = logging.getLogger(__name__)
 
@@ -129,10 +129,10 @@ class OutputComparison:
             mean weighted by ``num_finite``, lowest cosine.
 
         Raises:
-            ValidationError: The names differ.
+            RunError: The names differ.
         """
         if other.name != self.name:
-            raise ValidationError(f"cannot merge comparisons of {self.name!r} and {other.name!r}")
+            raise RunError(f"cannot merge comparisons of {self.name!r} and {other.name!r}")
         finite = self.num_finite + other.num_finite
         mean = (
             (self.mean_abs_error * self.num_finite + other.mean_abs_error * other.num_finite)
@@ -175,12 +175,12 @@ def compare_outputs(
         One comparison per reference output, in the reference's order.
 
     Raises:
-        ValidationError: A reference output is missing from the candidate.
+        RunError: A reference output is missing from the candidate.
     """
     results: list[OutputComparison] = []
     for name, ref in reference.items():
         if name not in candidate:
-            raise ValidationError(
+            raise RunError(
                 f"output {name!r} is missing from the candidate outputs "
                 f"(candidate has: {', '.join(sorted(candidate)) or 'nothing'})"
             )

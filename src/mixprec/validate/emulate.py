@@ -42,7 +42,7 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as ir_passes
 
-from mixprec.errors import InputError, ModelLoadError, ValidationError
+from mixprec.errors import InputError, ModelLoadError, RunError
 from mixprec.graphs import default_domain_version, is_default_domain
 from mixprec.io import weight_free_proto
 from mixprec.policy.opfacts import NO_FACTS, op_facts
@@ -80,7 +80,7 @@ def emulate_low_precision(model: ModelLike) -> onnx.ModelProto:
 
     Raises:
         ModelLoadError: A path cannot be loaded.
-        ValidationError: The model cannot be rewritten (e.g. functions cannot be inlined).
+        RunError: The model cannot be rewritten (e.g. functions cannot be inlined).
     """
     ir_model = _load_copy(model)
     _emulate_in_place(ir_model)
@@ -105,7 +105,7 @@ def emulate_low_precision_file(
     Raises:
         InputError: The destination would overwrite the source or its external data.
         ModelLoadError: The source cannot be loaded.
-        ValidationError: The model cannot be rewritten.
+        RunError: The model cannot be rewritten.
     """
     src = Path(model_path)
     dst = Path(output_path)
@@ -233,7 +233,7 @@ def _inline_functions(model: ir.Model) -> None:
         ir_passes.InlinePass()(model)
         ir_passes.RemoveUnusedFunctionsPass()(model)
     except Exception as exc:  # the inliner raises ValueError and pass errors
-        raise ValidationError(f"cannot inline model-local functions for emulation: {exc}") from exc
+        raise RunError(f"cannot inline model-local functions for emulation: {exc}") from exc
 
 
 class _Names:
@@ -398,7 +398,7 @@ def _convert_tensor_attributes(node: ir.Node) -> None:
         if attr.type == ir.AttributeType.TENSOR and attr.value.dtype in _LOW:
             node.attributes[name] = ir.AttrTensor(name, _float32_tensor(attr.value))
         elif attr.type == ir.AttributeType.SPARSE_TENSOR and attr.value.dtype in _LOW:
-            raise ValidationError(
+            raise RunError(
                 f"node {node.name!r}: 16-bit sparse tensor constants are not supported "
                 "by the emulation"
             )

@@ -231,7 +231,7 @@ def find_nan_origin(
     Raises:
         ModelLoadError: A model cannot be read.
         InputError: `feeds` lacks a model input.
-        ValidationError: onnxruntime cannot load or run a model.
+        RunError: onnxruntime cannot load or run a model.
     """
     target = parse_low_precision(target)
     tmp = Path(tempfile.mkdtemp(prefix="mixprec-nan-"))
