@@ -204,7 +204,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from mixprec.tune import Tolerance, tune  # noqa: PLC0415
+    from mixprec.tolerance import Tolerance  # noqa: PLC0415
+    from mixprec.tune import tune  # noqa: PLC0415
 
     if args.tolerance is not None:
         tolerance = Tolerance(atol=args.tolerance[0], rtol=args.tolerance[1])
@@ -212,22 +213,14 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         tolerance = Tolerance(min_cosine=args.min_cosine)
     else:
         tolerance = Tolerance(topk_agreement=args.topk_agreement)
-    kwargs = {"exclude_nodes": args.exclude_node, "fp32_ops": args.fp32_op, "keep_io_types": not args.io_16bit}
-    if args.opset is not None:
-        kwargs["opset"] = args.opset
-    if args.runtime is not None:
-        kwargs["runtime"] = args.runtime
-    if args.plan:
-        kwargs["plan"] = args.plan
     result = tune(
         args.input,
         args.data if len(args.data) > 1 else args.data[0],
-        target_dtype=args.to,
+        config=_config(args),
         tolerance=tolerance,
         max_batches=args.max_batches,
         progress=sys.stderr.isatty() or args.verbose,
         output=args.output,
-        **kwargs,
     )
     if args.plan_out:
         result.save_plan(args.plan_out)

@@ -245,7 +245,7 @@ def validate(c: Conversion) -> None:
         c.report.validation = validate_staged(
             c.staged, c.reference_path, c.target, c.level, c.data, c.config.calibration.max_batches,
             tolerance, original_checker_error, weights_large=c.weights_before > RUN_MAX_WEIGHT_BYTES,
-            runtime=c.profile.name,
+            runtime=c.profile.name, model=c.model,
         )
     except RuntimeRejection as rejection:
         # Hand what a repair needs to `convert`, which owns the search.

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 
 from mixprec.dtypes import LowPrecision
 from mixprec.errors import InputError, MixprecError, RunError, ValidationFailure
@@ -79,11 +80,14 @@ def validate_staged(
     *,
     weights_large: bool = False,
     runtime: str = "onnx",
+    model: ir.Model | None = None,
 ) -> Validation:
     """Check a staged converted model; raise ValidationFailure to stop it being published.
 
     `runtime`: the target runtime's profile name; `openvino` (when installed) also runs both
     models on OpenVINO's CPU plugin for real (bfloat16 arithmetic on AVX512-BF16/AMX).
+    `model`: the staged model in memory, typed: the emulation starts from a copy of it instead
+    of reading the file and inferring its types again.
     """
     result = Validation()
     if level == "none":
@@ -103,7 +107,7 @@ def validate_staged(
         _load_check(path, reference, target, result, weights_large)
         result.numerics = "not checked: validation level 'load' (auto picks it above 5,000 nodes or 1 GiB); use --validate run"
         return result
-    _run_check(path, reference, target, data, max_batches, tolerance, result, runtime)
+    _run_check(path, reference, target, data, max_batches, tolerance, result, runtime, model)
     return result
 
 
@@ -160,6 +164,7 @@ def _run_check(
     tolerance: tuple[float, float] | None,
     result: Validation,
     runtime: str = "onnx",
+    model: ir.Model | None = None,
 ) -> None:
     from mixprec.validate.emulate import emulate_low_precision  # noqa: PLC0415
 
@@ -187,7 +192,7 @@ def _run_check(
         result.real_runtime = "onnxruntime CPU (batch 1)"
         result.real_outputs = _output_errors(compare.compare_outputs(batches[0][1], outcome.outputs), tolerance)
     candidate_path = path.with_name("emulated.onnx")
-    onnx.save(emulate_low_precision(onnx.load(str(path))), str(candidate_path))
+    onnx.save(emulate_low_precision(model if model is not None else onnx.load(str(path))), str(candidate_path))
     result.notes.append(
         f"{target.value} numerics measured on an emulated model (FP32 compute, {target.short_name} rounding)"
     )
