@@ -387,6 +387,15 @@ def _main_values(model: ir.Model):  # noqa: ANN202 - Iterator[ir.Value]
         yield from node.outputs
 
 
+def _elem_types(model: ir.Model) -> dict[str, int]:
+    """ONNX element type of every typed main-graph value (0 for non-tensors)."""
+    types: dict[str, int] = {}
+    for value in _main_values(model):
+        if value.name and value.type is not None:
+            types[value.name] = int(value.type.dtype) if isinstance(value.type, ir.TensorType) else 0
+    return types
+
+
 def _first(items: list[str], count: int = 5) -> str:
     return ", ".join(items[:count]) + (" ..." if len(items) > count else "")
 
@@ -432,7 +441,7 @@ def _calibrate(c: Conversion) -> RangeTable | None:
 
     assert c.reference_path is not None and c.data is not None
     try:
-        table = calibrate(c.reference_path, c.data, progress=c.config.output.progress)
+        table = calibrate(c.reference_path, c.data, progress=c.config.output.progress, elem_types=_elem_types(c.model))
     except RunError as e:
         c.notes.append(f"calibration skipped: the FP32 model does not run in onnxruntime: {e}")
         return None

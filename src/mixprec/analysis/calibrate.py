@@ -176,6 +176,7 @@ def calibrate(
     providers: Sequence[str] = ("CPUExecutionProvider",),
     progress: bool | None = False,
     max_batches: int | None = None,
+    elem_types: Mapping[str, int | None] | None = None,
 ) -> RangeTable:
     """Measure the range of every float32 tensor of an FP32 model on data.
 
@@ -191,6 +192,7 @@ def calibrate(
         providers: onnxruntime execution providers.
         progress: Show a progress line on stderr (None: when stderr is a terminal).
         max_batches: Use at most this many batches (None: all).
+        elem_types: The model's value types when already known (see `IntermediateRunner`).
 
     Returns:
         The table of measured ranges (graph inputs, then node outputs in graph order).
@@ -203,7 +205,7 @@ def calibrate(
     if max_outputs_per_run < 0:
         raise InputError(f"max_outputs_per_run must be >= 0, got {max_outputs_per_run}")
     start = time.perf_counter()
-    with IntermediateRunner(model_path, providers=providers) as runner:
+    with IntermediateRunner(model_path, providers=providers, elem_types=elem_types) as runner:
         source = BatchSource(batches, runner.input_names, max_batches)
         float_inputs = runner.float_inputs()
         parts = chunks(runner.node_outputs(), max_outputs_per_run)

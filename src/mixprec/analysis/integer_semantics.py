@@ -53,6 +53,9 @@ function bodies count as integer sinks; an owner's outputs are tainted when a su
 
 One forward and one backward pass over the topological order: linear in the model size. The
 backward pass is skipped when no float value carries integers (then no node is kept).
+
+Interval arithmetic lives in :mod:`mixprec.analysis.intervals`; this module is the analysis
+itself (both passes share its state), which is why it is longer than the others.
 """
 
 from __future__ import annotations
@@ -66,6 +69,20 @@ import numpy as np
 import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_tensor, is_constant
+from mixprec.analysis.intervals import (
+    BINARY,
+    BOOL,
+    INF,
+    MAX_ELEMS,
+    UNARY,
+    UNKNOWN,
+    Bound,
+    ceil,
+    elementwise,
+    floor,
+    from_elems,
+    singletons_integral,
+)
 from mixprec.analysis.plan import Category
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.graphs import format_op_name, is_default_domain, subgraphs_of, walk_nodes
@@ -75,33 +92,6 @@ logger = logging.getLogger(__name__)
 
 # Constants larger than this are weights, not index arithmetic: their values are not read.
 _MAX_CONSTANT_ELEMENTS = 4096
-# Per-element bounds are kept for 1-D values up to this length (shapes, small index vectors).
-_MAX_ELEMS = 64
-_INF = math.inf
-
-Interval = tuple[float, float]
-
-
-@dataclass(frozen=True)
-class _Bound:
-    """What is known of a value's elements: an interval, integrality, per-element intervals."""
-
-    lo: float
-    hi: float
-    integral: bool
-    elems: tuple[Interval, ...] | None = None
-
-    @property
-    def magnitude(self) -> float:
-        return max(abs(self.lo), abs(self.hi))
-
-    def whole(self) -> _Bound:
-        return _Bound(self.lo, self.hi, self.integral)
-
-
-_UNKNOWN = _Bound(-_INF, _INF, False)
-_BOOL = _Bound(0.0, 1.0, True)
-
 
 @dataclass(frozen=True)
 class _Taint:
@@ -109,96 +99,6 @@ class _Taint:
 
     origin: str
     from_cast: bool  # descends from a Cast of an integer (else only from integer constants)
-
-
-def _clean(lo: float, hi: float) -> Interval:
-    if math.isnan(lo) or math.isnan(hi):
-        return (-_INF, _INF)
-    return (lo, hi)
-
-
-def _mul(a: Interval, b: Interval) -> Interval:
-    products = [
-        0.0 if math.isnan(p) else p for p in (a[0] * b[0], a[0] * b[1], a[1] * b[0], a[1] * b[1])
-    ]
-    return (min(products), max(products))
-
-
-def _div(a: Interval, b: Interval) -> Interval:
-    if b[0] <= 0.0 <= b[1]:
-        return (-_INF, _INF)
-    return _mul(a, (1.0 / b[1], 1.0 / b[0]))
-
-
-def _floor(x: float) -> float:
-    return x if math.isinf(x) else float(math.floor(x))
-
-
-def _ceil(x: float) -> float:
-    return x if math.isinf(x) else float(math.ceil(x))
-
-
-def _abs(a: Interval) -> Interval:
-    if a[0] >= 0:
-        return a
-    if a[1] <= 0:
-        return (-a[1], -a[0])
-    return (0.0, max(-a[0], a[1]))
-
-
-def _mod(a: Interval, b: Interval) -> Interval:
-    m = max(abs(b[0]), abs(b[1]))
-    return (0.0, m) if a[0] >= 0 and b[0] > 0 else (-m, m)
-
-
-# Interval rules by name (the `interval` fact); variadic ops fold the binary rule.
-_BINARY: dict[str, Callable[[Interval, Interval], Interval]] = {
-    "add": lambda a, b: (a[0] + b[0], a[1] + b[1]),
-    "sub": lambda a, b: (a[0] - b[1], a[1] - b[0]),
-    "mul": _mul,
-    "div": _div,
-    "max": lambda a, b: (max(a[0], b[0]), max(a[1], b[1])),
-    "min": lambda a, b: (min(a[0], b[0]), min(a[1], b[1])),
-    "mod": _mod,
-}
-# Unary rules: (interval function, whether the results are integers whatever the operand).
-_UNARY: dict[str, tuple[Callable[[Interval], Interval], bool]] = {
-    "neg": (lambda a: (-a[1], -a[0]), False),
-    "abs": (_abs, False),
-    "floor": (lambda a: (_floor(a[0]), _floor(a[1])), True),
-    "ceil": (lambda a: (_ceil(a[0]), _ceil(a[1])), True),
-    "round": (lambda a: (_floor(a[0]), _ceil(a[1])), True),
-    "relu": (lambda a: (max(a[0], 0.0), max(a[1], 0.0)), False),
-}
-
-
-def _from_elems(elems: Sequence[Interval], integral: bool) -> _Bound:
-    if not elems:
-        return _Bound(0.0, 0.0, integral, ())
-    lo = min(e[0] for e in elems)
-    hi = max(e[1] for e in elems)
-    return _Bound(lo, hi, integral, tuple(elems) if len(elems) <= _MAX_ELEMS else None)
-
-
-def _element(bound: _Bound, index: int) -> Interval:
-    elems = bound.elems or ()
-    return elems[0 if len(elems) == 1 else index]
-
-
-def _elementwise(fn: Callable[..., Interval], bounds: Sequence[_Bound], integral: bool) -> _Bound:
-    """Apply an interval function elementwise (per element when every operand has elements)."""
-    lengths = {len(b.elems) for b in bounds if b.elems is not None}
-    if all(b.elems is not None for b in bounds) and len(lengths - {1}) <= 1:
-        count = max(lengths)
-        elems = [_clean(*fn(*[_element(b, i) for b in bounds])) for i in range(count)]
-        return _from_elems(elems, integral)
-    lo, hi = _clean(*fn(*[(b.lo, b.hi) for b in bounds]))
-    return _Bound(lo, hi, integral)
-
-
-def _singletons_integral(bound: _Bound) -> bool:
-    pairs = bound.elems if bound.elems is not None else ((bound.lo, bound.hi),)
-    return all(lo == hi and math.isfinite(lo) and float(lo).is_integer() for lo, hi in pairs)
 
 
 def _attr_int(node: ir.Node, name: str, default: int | None) -> int | None:
@@ -229,16 +129,16 @@ def _is_outer_product(node: ir.Node) -> bool:
     return shape[0 if transposed else -1] == 1
 
 
-def _type_bound(dtype: ir.DataType | None) -> _Bound:
+def _type_bound(dtype: ir.DataType | None) -> Bound:
     """The range of an integer or bool element type."""
     if dtype == ir.DataType.BOOL:
-        return _BOOL
+        return BOOL
     if not _is_integer_type(dtype):
-        return _UNKNOWN
+        return UNKNOWN
     bits = dtype.bitwidth  # type: ignore[union-attr]
     if dtype.is_signed():  # type: ignore[union-attr]
-        return _Bound(-float(2 ** (bits - 1)), float(2 ** (bits - 1) - 1), True)
-    return _Bound(0.0, float(2**bits - 1), True)
+        return Bound(-float(2 ** (bits - 1)), float(2 ** (bits - 1) - 1), True)
+    return Bound(0.0, float(2**bits - 1), True)
 
 
 class _Analysis:
@@ -250,7 +150,7 @@ class _Analysis:
             self.order.extend(walk_nodes(function))
         self.order.extend(walk_nodes(model.graph))
         self.facts: dict[ir.Node, OpFacts] = {n: op_facts(n.domain, n.op_type) for n in self.order}
-        self.bounds: dict[ir.Value, _Bound] = {}
+        self.bounds: dict[ir.Value, Bound] = {}
         self.taint: dict[ir.Value, _Taint | None] = {}
         self.int_origin: dict[ir.Value, str] = {}
         self.sink: dict[ir.Value, str] = {}
@@ -285,9 +185,9 @@ class _Analysis:
         except Exception:  # noqa: BLE001 - unreadable or exotic types: no bound
             return None
 
-    def bound(self, value: ir.Value | None) -> _Bound:
+    def bound(self, value: ir.Value | None) -> Bound:
         if value is None:
-            return _UNKNOWN
+            return UNKNOWN
         known = self.bounds.get(value)
         if known is not None:
             return known
@@ -296,35 +196,35 @@ class _Analysis:
         if array is not None and array.dtype.kind in "iufb":
             flat = array.astype(np.float64).reshape(-1)
             if flat.size == 0:
-                result = _Bound(0.0, 0.0, True, ())
+                result = Bound(0.0, 0.0, True, ())
             elif np.isfinite(flat).all():
                 integral = bool((flat == np.round(flat)).all())
-                if array.ndim <= 1 and flat.size <= _MAX_ELEMS:
-                    result = _from_elems([(float(x), float(x)) for x in flat], integral)
+                if array.ndim <= 1 and flat.size <= MAX_ELEMS:
+                    result = from_elems([(float(x), float(x)) for x in flat], integral)
                 else:
-                    result = _Bound(float(flat.min()), float(flat.max()), integral)
+                    result = Bound(float(flat.min()), float(flat.max()), integral)
         self.bounds[value] = result
         return result
 
-    def shape_bound(self, node: ir.Node, size: bool) -> _Bound:
+    def shape_bound(self, node: ir.Node, size: bool) -> Bound:
         """The bound of a Shape (`size` False) or Size output of the node's input."""
         shape = node.inputs[0].shape if node.inputs and node.inputs[0] is not None else None
         if shape is None:
-            return _Bound(0.0, _INF, True)
-        dims = [(float(d), float(d)) if isinstance(d, int) else (0.0, _INF) for d in shape.dims]
+            return Bound(0.0, INF, True)
+        dims = [(float(d), float(d)) if isinstance(d, int) else (0.0, INF) for d in shape.dims]
         if size:
             if all(lo == hi for lo, hi in dims):
                 product = float(math.prod(lo for lo, _ in dims))
-                return _Bound(product, product, True, ((product, product),))
-            return _Bound(0.0, _INF, True)
+                return Bound(product, product, True, ((product, product),))
+            return Bound(0.0, INF, True)
         start = _attr_int(node, "start", 0)
         end = _attr_int(node, "end", None)
-        return _from_elems(dims[start:end], True)
+        return from_elems(dims[start:end], True)
 
     def _index_arrays(self, node: ir.Node) -> list[np.ndarray | None]:
         return [self.constant_array(v) if v is not None else None for v in node.inputs[1:]]
 
-    def gathered(self, node: ir.Node, data: _Bound) -> _Bound:
+    def gathered(self, node: ir.Node, data: Bound) -> Bound:
         """Gather of a 1-D value with constant indices; else the data's interval."""
         if data.elems is None:
             return data.whole()
@@ -339,9 +239,9 @@ class _Analysis:
             if not 0 <= index < len(elems):
                 return data.whole()
             picked.append(elems[index])
-        return _from_elems(picked, data.integral)
+        return from_elems(picked, data.integral)
 
-    def sliced(self, node: ir.Node, data: _Bound) -> _Bound:
+    def sliced(self, node: ir.Node, data: Bound) -> Bound:
         """Slice of a 1-D value with constant starts, ends, axes and steps; else the interval."""
         if data.elems is None:
             return data.whole()
@@ -359,9 +259,9 @@ class _Analysis:
             return data.whole()
         step = int(steps.reshape(-1)[0]) if steps is not None else 1
         picked = elems[int(starts.reshape(-1)[0]) : int(ends.reshape(-1)[0]) : step]
-        return _from_elems(picked, data.integral)
+        return from_elems(picked, data.integral)
 
-    def _output_bounds(self, node: ir.Node) -> list[_Bound] | None:
+    def _output_bounds(self, node: ir.Node) -> list[Bound] | None:
         rule = self.facts[node].interval
         if rule is None or not is_default_domain(node.domain):
             return None
@@ -385,7 +285,7 @@ class _Analysis:
                 continue
             bound = bounds[index] if bounds is not None and index < len(bounds) else None
             if out.dtype == ir.DataType.BOOL:
-                bound = _BOOL
+                bound = BOOL
             elif bound is None:
                 if is_constant(out):
                     continue  # read lazily from the constant
@@ -397,13 +297,13 @@ class _Analysis:
                 elems = None
                 if bound.elems is not None:
                     elems = tuple(
-                        (max(_floor(lo), limits.lo), min(_ceil(hi), limits.hi))
+                        (max(floor(lo), limits.lo), min(ceil(hi), limits.hi))
                         for lo, hi in bound.elems
                     )
                 if elems is not None and any(lo > hi for lo, hi in elems):
                     elems = None
-                lo, hi = max(_floor(bound.lo), limits.lo), min(_ceil(bound.hi), limits.hi)
-                bound = _Bound(lo, hi, True, elems) if lo <= hi else limits
+                lo, hi = max(floor(bound.lo), limits.lo), min(ceil(bound.hi), limits.hi)
+                bound = Bound(lo, hi, True, elems) if lo <= hi else limits
             if bound.elems is not None and (out.shape is None or out.shape.rank() > 1):
                 bound = bound.whole()
             self.bounds[out] = bound
@@ -646,24 +546,24 @@ class _Analysis:
 
 # -- interval rules (the `interval` fact): (analysis, node, bounds of its inputs) -> outputs ------
 
-_IntervalRule = Callable[[_Analysis, ir.Node, list[_Bound]], list[_Bound] | None]
+_IntervalRule = Callable[[_Analysis, ir.Node, list[Bound]], list[Bound] | None]
 _SHAPE_RULES = frozenset({"shape", "size"})  # read the input's shape: no operand bounds
 
 
-def _same(analysis: _Analysis, node: ir.Node, operands: list[_Bound]) -> list[_Bound] | None:
+def _same(analysis: _Analysis, node: ir.Node, operands: list[Bound]) -> list[Bound] | None:
     return [analysis.bound(node.inputs[0])]
 
 
-def _whole(analysis: _Analysis, node: ir.Node, operands: list[_Bound]) -> list[_Bound] | None:
+def _whole(analysis: _Analysis, node: ir.Node, operands: list[Bound]) -> list[Bound] | None:
     return [analysis.bound(node.inputs[0]).whole()] * len(node.outputs)
 
 
-def _concat(analysis: _Analysis, node: ir.Node, operands: list[_Bound]) -> list[_Bound] | None:
+def _concat(analysis: _Analysis, node: ir.Node, operands: list[Bound]) -> list[Bound] | None:
     if all(b.elems is not None for b in operands):
         elems = [e for b in operands for e in b.elems]  # type: ignore[union-attr]
-        return [_from_elems(elems, all(b.integral for b in operands))]
+        return [from_elems(elems, all(b.integral for b in operands))]
     return [
-        _elementwise(
+        elementwise(
             lambda *xs: (min(x[0] for x in xs), max(x[1] for x in xs)),
             [b.whole() for b in operands],
             all(b.integral for b in operands),
@@ -671,45 +571,45 @@ def _concat(analysis: _Analysis, node: ir.Node, operands: list[_Bound]) -> list[
     ]
 
 
-def _cast(analysis: _Analysis, node: ir.Node, operands: list[_Bound]) -> list[_Bound] | None:
+def _cast(analysis: _Analysis, node: ir.Node, operands: list[Bound]) -> list[Bound] | None:
     if _attr_int(node, "to", None) == ir.DataType.BOOL:
-        return [_BOOL]
+        return [BOOL]
     return [analysis.bound(node.inputs[0])]  # integer targets are widened to integers later
 
 
 def _unary(name: str) -> _IntervalRule:
-    fn, integral_result = _UNARY[name]
+    fn, integral_result = UNARY[name]
 
-    def rule(analysis: _Analysis, node: ir.Node, operands: list[_Bound]) -> list[_Bound] | None:
+    def rule(analysis: _Analysis, node: ir.Node, operands: list[Bound]) -> list[Bound] | None:
         integral = integral_result or all(b.integral for b in operands)
-        return [_elementwise(fn, [analysis.bound(node.inputs[0])], integral)]
+        return [elementwise(fn, [analysis.bound(node.inputs[0])], integral)]
 
     return rule
 
 
 def _binary(name: str) -> _IntervalRule:
-    fn = _BINARY[name]
+    fn = BINARY[name]
 
-    def rule(analysis: _Analysis, node: ir.Node, operands: list[_Bound]) -> list[_Bound] | None:
+    def rule(analysis: _Analysis, node: ir.Node, operands: list[Bound]) -> list[Bound] | None:
         integral = all(b.integral for b in operands)
         bound = operands[0]
         for other in operands[1:]:
-            bound = _elementwise(fn, [bound, other], integral)
-        if name == "div" and not _singletons_integral(bound):
-            bound = _Bound(bound.lo, bound.hi, False, bound.elems)
+            bound = elementwise(fn, [bound, other], integral)
+        if name == "div" and not singletons_integral(bound):
+            bound = Bound(bound.lo, bound.hi, False, bound.elems)
         return [bound]
 
     return rule
 
 
-def _where(analysis: _Analysis, node: ir.Node, operands: list[_Bound]) -> list[_Bound] | None:
+def _where(analysis: _Analysis, node: ir.Node, operands: list[Bound]) -> list[Bound] | None:
     if len(node.inputs) != 3:
         return None
     a, b = analysis.bound(node.inputs[1]), analysis.bound(node.inputs[2])
-    return [_Bound(min(a.lo, b.lo), max(a.hi, b.hi), a.integral and b.integral)]
+    return [Bound(min(a.lo, b.lo), max(a.hi, b.hi), a.integral and b.integral)]
 
 
-def _clip(analysis: _Analysis, node: ir.Node, operands: list[_Bound]) -> list[_Bound] | None:
+def _clip(analysis: _Analysis, node: ir.Node, operands: list[Bound]) -> list[Bound] | None:
     inputs = node.inputs
     first = analysis.bound(inputs[0])
     lo, hi = first.lo, first.hi
@@ -717,15 +617,15 @@ def _clip(analysis: _Analysis, node: ir.Node, operands: list[_Bound]) -> list[_B
         lo = max(lo, analysis.bound(inputs[1]).lo)
     if len(inputs) > 2 and inputs[2] is not None:
         hi = min(hi, analysis.bound(inputs[2]).hi)
-    return [_Bound(min(lo, hi), max(lo, hi), all(b.integral for b in operands))]
+    return [Bound(min(lo, hi), max(lo, hi), all(b.integral for b in operands))]
 
 
-def _range(analysis: _Analysis, node: ir.Node, operands: list[_Bound]) -> list[_Bound] | None:
+def _range(analysis: _Analysis, node: ir.Node, operands: list[Bound]) -> list[Bound] | None:
     if len(node.inputs) != 3:
         return None
     start, limit = analysis.bound(node.inputs[0]), analysis.bound(node.inputs[1])
     integral = all(b.integral for b in operands)
-    return [_Bound(min(start.lo, limit.lo), max(start.hi, limit.hi), integral)]
+    return [Bound(min(start.lo, limit.lo), max(start.hi, limit.hi), integral)]
 
 
 _INTERVAL_RULES: dict[str, _IntervalRule] = {
@@ -740,8 +640,8 @@ _INTERVAL_RULES: dict[str, _IntervalRule] = {
     "range": _range,
     "shape": lambda analysis, node, _: [analysis.shape_bound(node, size=False)],
     "size": lambda analysis, node, _: [analysis.shape_bound(node, size=True)],
-    **{name: _unary(name) for name in _UNARY},
-    **{name: _binary(name) for name in _BINARY},
+    **{name: _unary(name) for name in UNARY},
+    **{name: _binary(name) for name in BINARY},
 }
 
 

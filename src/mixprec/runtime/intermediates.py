@@ -15,7 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -120,13 +120,19 @@ class IntermediateRunner:
     Args:
         model_path: The ``.onnx`` file (external data next to it, as ONNX requires).
         providers: onnxruntime execution providers.
+        elem_types: The main graph's value types (ONNX element type, 0 for non-tensors), when
+            already known (a typed model of the same file): no shape inference runs then.
 
     Raises:
         ModelLoadError: The file is missing, unreadable, or its external data is missing.
     """
 
     def __init__(
-        self, model_path: str | os.PathLike, *, providers: Sequence[str] = ("CPUExecutionProvider",)
+        self,
+        model_path: str | os.PathLike,
+        *,
+        providers: Sequence[str] = ("CPUExecutionProvider",),
+        elem_types: Mapping[str, int | None] | None = None,
     ) -> None:
         self.path = Path(model_path)
         self.providers = tuple(providers)
@@ -142,7 +148,7 @@ class IntermediateRunner:
         self.workdir = self._make_workdir()
         try:
             self._externalize_embedded()
-            self.elem_types = self._infer_elem_types()
+            self.elem_types = self._infer_elem_types(elem_types)
         except BaseException:
             shutil.rmtree(self.workdir, ignore_errors=True)
             raise
@@ -222,8 +228,16 @@ class IntermediateRunner:
         if offset == 0:
             (self.workdir / name).unlink()
 
-    def _infer_elem_types(self) -> dict[str, int | None]:
-        return elem_types(self.proto, source=str(self.path))
+    def _infer_elem_types(self, known: Mapping[str, int | None] | None) -> dict[str, int | None]:
+        if known is None:
+            return elem_types(self.proto, source=str(self.path))
+        types = dict(known)
+        for tensor in self.proto.graph.initializer:
+            types[tensor.name] = tensor.data_type
+        for node in self.proto.graph.node:
+            for out in node.output:
+                types.setdefault(out, None)
+        return types
 
     # -- queries ------------------------------------------------------------------------------
     def node_outputs(self, types: frozenset[int] = frozenset({onnx.TensorProto.FLOAT})) -> list[str]:
