@@ -5,7 +5,9 @@ time and wall time are measured in isolation (``os.wait4`` on the child):
 
 * ``floor``: copy the model file and its external data file(s) with fsync, the
   least any converter that reads and rewrites the weights has to do;
-* ``mixprec``: ``mixprec.convert(in, out, target_dtype="float16")``;
+* ``mixprec``: ``mixprec.convert(in, out, target_dtype="float16")`` (its default validation:
+  an onnxruntime session up to 50,000 nodes, the checker above);
+* ``mixprec-checker`` (with ``--tools``): the same with ``validate="checker"`` (no session);
 * ``onnxconverter-common``: ``float16.convert_float_to_float16(model, keep_io_types=True)``
   (its ``..._model_path`` variant for models over 2 GB, as its docs advise);
 * ``ort-float16``: ``onnxruntime.transformers.float16.convert_float_to_float16(path,
@@ -48,7 +50,7 @@ from typing import Any
 LOG = logging.getLogger("bench_convert")
 
 DEFAULT_TOOLS = ("floor", "mixprec", "onnxconverter-common", "ort-float16")
-ALL_TOOLS = (*DEFAULT_TOOLS, "ort-onnxmodel")
+ALL_TOOLS = (*DEFAULT_TOOLS, "mixprec-checker", "ort-onnxmodel")
 TWO_GB = 2**31
 
 
@@ -135,7 +137,7 @@ def _import_tool(tool: str) -> dict[str, Any]:
     try:
         if tool == "floor":
             return {}
-        if tool == "mixprec":
+        if tool in ("mixprec", "mixprec-checker"):
             import mixprec
 
             return {"mixprec": mixprec}
@@ -181,8 +183,10 @@ def _run_tool(tool: str, src: Path, out: Path, meta: dict[str, Any]) -> dict[str
         for f in [src, *map(Path, meta["external_files"])]:
             shutil.copyfile(f, out.parent / f.name)  # sendfile(2): no user-space copy.
         lap("copy_s")
-    elif tool == "mixprec":
-        result = mod["mixprec"].convert(src, out, target_dtype="float16")
+    elif tool in ("mixprec", "mixprec-checker"):
+        # mixprec-checker: the ONNX checker only, no onnxruntime session (as the other tools).
+        validate = "checker" if tool == "mixprec-checker" else "auto"
+        result = mod["mixprec"].convert(src, out, target_dtype="float16", validate=validate)
         lap("convert_s")
         info["report"] = _jsonable(getattr(result, "report", None))
     elif tool == "onnxconverter-common":

@@ -145,3 +145,40 @@ def parse_op_name(name: str) -> tuple[str, str]:
 def format_op_name(domain: str, op_type: str) -> str:
     """Inverse of :func:`parse_op_name`."""
     return op_type if is_default_domain(domain) else f"{domain}::{op_type}"
+
+
+class FreshNames:
+    """Names not taken yet in one namespace (value names or node names of a model): `base` when
+    it is free, else `base_1`, `base_2`, ... Every name it gives is taken from then on."""
+
+    def __init__(self, taken: Iterable[str] = ()) -> None:
+        self.taken = set(taken)
+        self._next: dict[str, int] = {}  # base -> the first suffix that may be free
+
+    def __call__(self, base: str) -> str:
+        name, counter = base, self._next.get(base, 1)
+        if name in self.taken:
+            name = f"{base}_{counter}"
+            while name in self.taken:
+                counter += 1
+                name = f"{base}_{counter}"
+            self._next[base] = counter + 1
+        self.taken.add(name)
+        return name
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.taken
+
+
+def model_names(model: ir.Model) -> tuple[FreshNames, FreshNames]:
+    """Fresh value names and fresh node names for `model` (all graphs and function bodies)."""
+    values: set[str] = set()
+    nodes: set[str] = set()
+    for graph in (*all_graphs(model), *function_graphs(model)):
+        values.update(v.name for v in (*graph.inputs, *graph.outputs) if v is not None and v.name)
+        values.update(name for name in graph.initializers if name)
+        for node in graph:
+            if node.name:
+                nodes.add(node.name)
+            values.update(v.name for v in node.outputs if v.name)
+    return FreshNames(values), FreshNames(nodes)

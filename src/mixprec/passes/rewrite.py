@@ -28,6 +28,7 @@ import onnx_ir as ir
 from mixprec.analysis.constants import constant_tensor, is_constant, iter_chunks
 from mixprec.analysis.plan import Precision, PrecisionPlan, Storage
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
+from mixprec.graphs import FreshNames
 
 logger = logging.getLogger(__name__)
 
@@ -93,29 +94,19 @@ class _Rewriter:
         self.stats = RewriteStats()
         self.cache: dict[tuple[ir.Value, ir.DataType], ir.Value] = {}
         self.created: set[ir.Value] = set()  # outputs of the Casts this rewrite inserted
-        self.value_names: set[str] = set()
-        self.node_names: set[str] = set()
+        values: set[str] = set()
+        nodes: set[str] = set()
         for node in plan.order:
             if node.name:
-                self.node_names.add(node.name)
-            for value in node.outputs:
-                if value.name:
-                    self.value_names.add(value.name)
+                nodes.add(node.name)
+            values.update(v.name for v in node.outputs if v.name)
         for graph in plan.graphs:
-            self.value_names.update(v.name for v in graph.inputs if v.name)
-            self.value_names.update(graph.initializers)
+            values.update(v.name for v in graph.inputs if v.name)
+            values.update(graph.initializers)
+        self.value_names, self.node_names = FreshNames(values), FreshNames(nodes)
         # FP32 values of the original model, and which of them end up 16-bit.
         self.fp32: set[ir.Value] = set()
         self.lowered: set[ir.Value] = set()
-
-    # -- names ----------------------------------------------------------------------------
-    def _unique(self, base: str, taken: set[str]) -> str:
-        name, counter = base, 1
-        while name in taken:
-            name = f"{base}_{counter}"
-            counter += 1
-        taken.add(name)
-        return name
 
     # -- analysis of final types ----------------------------------------------------------
     def _collect(self) -> None:
@@ -158,7 +149,7 @@ class _Rewriter:
                 self.cache[key] = copy
                 return copy
         out = ir.Value(
-            name=self._unique(f"{base}_{short}", self.value_names),
+            name=self.value_names(f"{base}_{short}"),
             type=ir.TensorType(dtype),
             shape=value.shape.copy() if value.shape is not None else None,
         )
@@ -168,7 +159,7 @@ class _Rewriter:
             [value],
             attributes=[ir.AttrInt64("to", dtype)],
             outputs=[out],
-            name=self._unique(f"{base}_cast_{short}", self.node_names),
+            name=self.node_names(f"{base}_cast_{short}"),
         )
         self._place_after_definition(value, node)
         self.stats.casts.append(CastRecord(base, short, _numel(value.shape), runtime=True))
@@ -179,7 +170,7 @@ class _Rewriter:
     def _duplicate_constant(self, value: ir.Value, tensor: ir.TensorProtocol, name: str) -> ir.Value | None:
         """A 16-bit copy of a small shared constant, instead of a Cast at run time."""
         array = cast_tensor_lazily(tensor, self.target, saturate=value in self.plan.saturated).numpy()
-        copy_tensor = ir.Tensor(array, name=self._unique(name, self.value_names))
+        copy_tensor = ir.Tensor(array, name=self.value_names(name))
         if value.const_value is not None and value.graph is not None:
             copy = ir.Value(
                 name=copy_tensor.name,
@@ -199,7 +190,7 @@ class _Rewriter:
             [],
             attributes=[ir.AttrTensor("value", copy_tensor)],
             outputs=[copy],
-            name=self._unique(f"{copy_tensor.name}_constant", self.node_names),
+            name=self.node_names(f"{copy_tensor.name}_constant"),
         )
         producer.graph.insert_after(producer, node)
         return copy
@@ -334,7 +325,7 @@ class _Rewriter:
             if cast.producer() is None:
                 continue
             # The Cast's output takes over the model-facing name.
-            value.name = self._unique(f"{name}_{self.target.short_name if value in self.lowered else 'fp32'}", self.value_names)
+            value.name = self.value_names(f"{name}_{self.target.short_name if value in self.lowered else 'fp32'}")
             cast.name = name
             graph.outputs[position] = cast
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -11,7 +10,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mixprec.dtypes import LowPrecision
-from mixprec.graphs import default_domain_version, is_default_domain, node_keys, subgraphs_of
+from mixprec.graphs import FreshNames, default_domain_version, is_default_domain, model_names, node_keys, subgraphs_of
 from mixprec.policy.opfacts import op_facts
 from mixprec.tune.candidates import Candidate
 
@@ -35,8 +34,8 @@ class ProbeBuilder:
         opset = 1 if version is None else version
         # Equal on floats (opset 11) masks equal infinities and reference NaNs.
         self.masked = opset >= 11
-        self.taken = _value_names(model)
-        self.counter = itertools.count()
+        values, nodes = model_names(model)
+        self.fresh = FreshNames(values.taken | nodes.taken)  # one namespace for the probe's nodes and values
         self.rounded: dict[tuple[int, ir.Value], ir.Value] = {}
         self.zero = self._constant("zero", 0.0)
         self.inf = self._constant("inf", math.inf)
@@ -53,11 +52,7 @@ class ProbeBuilder:
 
     # -- helpers
     def _name(self, base: str) -> str:
-        while True:
-            name = f"{_PREFIX}/{next(self.counter)}/{base}"
-            if name not in self.taken:
-                self.taken.add(name)
-                return name
+        return self.fresh(f"{_PREFIX}/{base}")
 
     def _constant(self, base: str, number: float) -> ir.Value:
         value = ir.Value(
@@ -219,13 +214,3 @@ class ProbeBuilder:
         if nodes:
             graph.insert_after(node, nodes)
         return results
-
-
-def _value_names(model: ir.Model) -> set[str]:
-    names: set[str] = set()
-    for graph in model.graphs():
-        names.update(v.name for v in graph.inputs if v.name)
-        names.update(graph.initializers)
-        for node in graph:
-            names.update(v.name for v in node.outputs if v is not None and v.name)
-    return names

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +44,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as ir_passes
 
 from mixprec.errors import InputError, ModelLoadError, RunError
-from mixprec.graphs import default_domain_version, is_default_domain
+from mixprec.graphs import FreshNames, default_domain_version, is_default_domain, model_names
 from mixprec.io import weight_free_proto
 from mixprec.policy.opfacts import NO_FACTS, op_facts
 
@@ -175,7 +176,7 @@ def _load_copy(model: ModelLike) -> ir.Model:
 def _emulate_in_place(model: ir.Model) -> None:
     _inline_functions(model)
     _infer_types(model)
-    names = _Names(model)
+    names = _Names(*model_names(model))
     rounded = 0
     untyped: set[str] = set()
     for graph in list(model.graphs()):
@@ -236,39 +237,12 @@ def _inline_functions(model: ir.Model) -> None:
         raise RunError(f"cannot inline model-local functions for emulation: {exc}") from exc
 
 
+@dataclass(frozen=True)
 class _Names:
     """Fresh value and node names, unique across the whole model."""
 
-    def __init__(self, model: ir.Model) -> None:
-        self._values: set[str] = set()
-        self._nodes: set[str] = set()
-        self._next: dict[tuple[int, str], int] = {}  # (namespace, base) -> next suffix
-        for graph in model.graphs():
-            for value in (*graph.inputs, *graph.outputs, *graph.initializers.values()):
-                if value is not None and value.name:
-                    self._values.add(value.name)
-            for node in graph:
-                if node.name:
-                    self._nodes.add(node.name)
-                for value in node.outputs:
-                    if value.name:
-                        self._values.add(value.name)
-
-    def value(self, base: str) -> str:
-        return self._fresh(base, self._values, 0)
-
-    def node(self, base: str) -> str:
-        return self._fresh(base, self._nodes, 1)
-
-    def _fresh(self, base: str, used: set[str], namespace: int) -> str:
-        candidate = base
-        i = self._next.get((namespace, base), 1)
-        while candidate in used:
-            i += 1
-            candidate = f"{base}_{i}"
-        self._next[(namespace, base)] = i
-        used.add(candidate)
-        return candidate
+    value: FreshNames
+    node: FreshNames
 
 
 def _emulate_graph(graph: ir.Graph, is_main: bool, names: _Names, untyped: set[str]) -> int:
