@@ -1,7 +1,7 @@
 """The ONNX backend node test cases as a conformance suite for the converter.
 
 The full suite (about 1,880 cases, 50 s here) runs with the slow tests; the fast subset runs
-every 20th case.
+every 30th case.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from conformance import run_all, tally
 
-SAMPLE = 20
+SAMPLE = 30
 
 
 @pytest.fixture(scope="module", params=[pytest.param(1, marks=pytest.mark.slow, id="all"), pytest.param(SAMPLE, id="sample")])

@@ -54,7 +54,12 @@ def torch_model():
     return torch_models.make_model(seed=0)
 
 
-@pytest.fixture(scope="module", params=list(EXPORTERS))
+@pytest.fixture(
+    scope="module",
+    # The dynamo exporter's first call costs seconds of setup: with the slow tests (the module
+    # tests of test_convert_module.py export with it too).
+    params=[pytest.param(name, marks=pytest.mark.slow) if EXPORTERS[name]["dynamo"] else name for name in EXPORTERS],
+)
 def exported(request, torch_model, tmp_path_factory) -> Path:
     """The FP32 ONNX export of the tiny transformer, once per exporter path."""
     options = EXPORTERS[request.param]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from mixprec.analysis.plan import Decision, Precision, PrecisionPlan, plan_precision
 from mixprec.analysis.typeinfo import infer_types
-from mixprec.api import ConversionResult, build_policy, convert, convert_with_config
+from mixprec.api import ConversionResult, build_policy, convert, convert_module, convert_with_config
 from mixprec.config import Config
 from mixprec.dtypes import LowPrecision
 from mixprec.errors import (
     ConversionError,
+    ExportError,
     InputError,
     MixprecError,
     ModelLoadError,
@@ -30,6 +31,7 @@ __all__ = [
     "Config",
     "ConversionError",
     "ConversionResult",
+    "ExportError",
     "Decision",
     "InputError",
     "LowPrecision",
@@ -50,6 +52,7 @@ __all__ = [
     "apply_plan",
     "build_policy",
     "convert",
+    "convert_module",
     "convert_with_config",
     "infer_types",
     "load_model",

@@ -21,7 +21,7 @@ from mixprec.analysis.calibrate import RangeTable
 from mixprec.analysis.plan import PrecisionPlan
 from mixprec.config import Config
 from mixprec.dtypes import LowPrecision
-from mixprec.errors import InputError, ValidationFailure
+from mixprec.errors import InputError, MixprecError, ValidationFailure
 from mixprec.io import check_output_path, save_model, wants_external_data
 from mixprec.pipeline import Conversion, run
 from mixprec.policy.table import Policy, load_policy
@@ -236,3 +236,149 @@ def _repair(rejection: RuntimeRejection, output: str | os.PathLike | None, confi
         + (" ..." if len(culprits.names) > 5 else "")
     )
     return result
+
+
+def convert_module(
+    module: object,
+    example_inputs: object,
+    output: str | os.PathLike | None = None,
+    *,
+    dynamic_shapes: object = None,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    config: Config | None = None,
+    **options: object,
+) -> ConversionResult:
+    """Export a PyTorch module to ONNX and convert it, in one call.
+
+    The module is exported with `torch.onnx.export(..., dynamo=True)` (the TorchScript exporter
+    only when that fails; the report says so) at opset 23 (bfloat16 Conv needs 22; at 23 the
+    exporter writes fused RMSNormalization), or the runtime's highest when lower, or `opset`; its
+    `onnx_ir` model goes to the conversion in memory. `example_inputs` (plus `data`, when given)
+    are the calibration data and the inputs of the numeric check, and the module itself runs in
+    FP32 on them: `report.validation.module_outputs` is the error of export and conversion
+    together (on the emulated 16-bit model).
+
+    Args:
+        module: A `torch.nn.Module` (put in eval mode).
+        example_inputs: One tensor, a tuple of positional inputs, or a dict of keyword inputs
+            (nested lists and tuples of tensors are flattened, as the exporter does).
+        output: Where to save the converted model (optional).
+        dynamic_shapes: As `torch.export` takes it (e.g. `{"x": {0: torch.export.Dim("batch")}}`).
+        input_names, output_names: Names for the ONNX graph's inputs and outputs.
+        config: The conversion options as a `Config`; `**options` (`convert`'s keyword
+            options) apply on top.
+
+    Raises:
+        ExportError: The module cannot be exported (one line; the exporters' traces are in the
+            log at debug level).
+        MixprecError: As `convert`.
+    """
+    from mixprec.frontends.torch_module import ExportedModule, export_module  # noqa: PLC0415
+
+    from mixprec.policy.runtime import load_runtime  # noqa: PLC0415
+
+    config = (config or Config()).with_options(**options)
+    supported = load_runtime(config.runtime).opset_range
+
+    def export(opset: int | None) -> ExportedModule:
+        return export_module(
+            module, example_inputs, config.ops.target, dynamic_shapes=dynamic_shapes, opset=opset,
+            max_opset=supported[1] if supported else None, input_names=input_names, output_names=output_names,
+        )
+
+    exported = export(config.io.opset)
+    if config.io.opset is None and (problem := _fp32_run_problem(exported)) is not None:
+        # The newest opset's forms (e.g. Attention-23 with a padding mask) may not run where the
+        # older decomposition does.
+        opset = exported.model.opset_imports.get("", 0)
+        exported = export(_FALLBACK_OPSET)
+        exported.notes.append(
+            f"the opset {opset} export does not run in onnxruntime ({_shorten(problem)}); exported at opset {_FALLBACK_OPSET}"
+        )
+    batches = _module_batches(exported.model, exported.feeds, config)
+    result = convert_with_config(exported.model, output, config.with_options(data=batches))
+    result.report.notes[:0] = exported.notes
+    seconds = {"export": round(exported.seconds, 4), **result.report.seconds}
+    seconds["total"] = round(seconds.get("total", 0.0) + exported.seconds, 4)
+    result.report.seconds = seconds
+    if config.validation.level != "none":
+        _compare_with_module(result, module, example_inputs, batches, config)
+    return result
+
+
+# Where a module is exported again when its opset-23 export does not run (bfloat16 Conv needs 22).
+_FALLBACK_OPSET = 22
+
+
+def _fp32_run_problem(exported: object) -> str | None:
+    """Why onnxruntime (default options, child process) cannot run the FP32 export on its
+    example inputs, or None."""
+    model, feeds = exported.model, exported.feeds  # type: ignore[attr-defined]
+    if model.opset_imports.get("", 0) <= _FALLBACK_OPSET:
+        return None
+    with tempfile.TemporaryDirectory(prefix="mixprec-export-") as tmp:
+        path = Path(tmp) / "fp32.onnx"
+        ir.save(model, path, external_data="fp32.onnx.data" if wants_external_data(model) else None)
+        outcome = run_isolated(path, feeds)
+    return None if outcome.ok else outcome.error
+
+
+def _shorten(text: str, limit: int = 200) -> str:
+    """The message without onnxruntime's source locations and C++ signatures, at most `limit` long."""
+    head, found, status = text.partition("Status Message: ")
+    if found:  # drop the source location and the C++ signature before the condition
+        text = head + found + status.rsplit(") ", 1)[-1]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _module_batches(model: ir.Model, feeds: dict[str, np.ndarray], config: Config) -> list[dict[str, np.ndarray]]:
+    """The example inputs, then the batches of `data` (up to `max_batches` in all)."""
+    from mixprec.runtime.batches import BatchSource  # noqa: PLC0415
+
+    batches = [feeds]
+    data = config.calibration.data
+    if data is not None:
+        names = [v.name for v in model.graph.inputs if v.name not in model.graph.initializers]
+        for batch in BatchSource(data, names, config.calibration.max_batches - 1):
+            batches.append({k: np.asarray(v) for k, v in batch.items()})
+    return batches
+
+
+def _compare_with_module(
+    result: ConversionResult, module: object, example_inputs: object, batches: list[dict[str, np.ndarray]], config: Config
+) -> None:
+    """Run the module in FP32 and the converted model (emulated 16-bit) on the same inputs;
+    record the errors of export and conversion together."""
+    from mixprec.frontends.torch_module import run_module  # noqa: PLC0415
+    from mixprec.report.model import OutputError  # noqa: PLC0415
+    from mixprec.runtime import sessions  # noqa: PLC0415
+    from mixprec.validate import compare  # noqa: PLC0415
+    from mixprec.validate.emulate import emulate_low_precision  # noqa: PLC0415
+
+    validation = result.report.validation
+    try:
+        with tempfile.TemporaryDirectory(prefix="mixprec-module-") as tmp:
+            path = Path(tmp) / "emulated.onnx"
+            onnx.save(emulate_low_precision(result.model), str(path))
+            session = sessions.make_session(path, graph_optimization="disable")
+            names = [o.name for o in result.model.graph.outputs]
+            merged = None
+            for feeds in batches:
+                expected = dict(zip(names, run_module(module, feeds, example_inputs)))
+                actual = sessions.run_session(session, feeds)
+                comparison = compare.compare_outputs(expected, {k: actual[k] for k in expected})
+                merged = comparison if merged is None else compare.merge(merged, comparison)
+    except MixprecError as e:
+        validation.notes.append(f"not compared with the PyTorch module: {e}")
+        return
+    tolerance = config.validation.tolerance.allclose if config.validation.tolerance is not None else None
+    validation.module_batches = len(batches)
+    validation.module_outputs = [
+        OutputError(
+            c.name, float(c.max_abs_error), float(c.max_rel_error), int(c.nan_count), int(c.inf_count),
+            int(c.new_nonfinite), c.within(*tolerance) if tolerance is not None else None,
+            scaled_error=float(c.scaled_error),
+        )
+        for c in merged or []
+    ]

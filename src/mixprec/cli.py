@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -55,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     convert = sub.add_parser("convert", help="convert an FP32 model")
-    convert.add_argument("input", help="FP32 .onnx model")
+    convert.add_argument("input", help="FP32 .onnx model, or path/to/file.py:factory returning a PyTorch module "
+                         "and its example inputs (exported with torch.onnx, then converted)")
     convert.add_argument("output", help="where to write the converted model")
     convert.add_argument("--to", default="fp16", help="fp16 (float16) or bf16 (bfloat16); default fp16")
     convert.add_argument("--exclude-node", action="append", default=[], metavar="NAME_OR_REGEX",
@@ -181,7 +183,14 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from mixprec.api import convert_with_config  # noqa: PLC0415
 
     _check_outputs(args.input, {"OUTPUT": args.output, "--report": args.report, "--plan-out": args.plan_out, "--html": args.html})
-    result = convert_with_config(args.input, args.output, _config(args))
+    factory = _module_factory(args.input)
+    if factory is not None:
+        from mixprec.api import convert_module  # noqa: PLC0415
+
+        module, example_inputs, dynamic_shapes = factory
+        result = convert_module(module, example_inputs, args.output, dynamic_shapes=dynamic_shapes, config=_config(args))
+    else:
+        result = convert_with_config(args.input, args.output, _config(args))
     report = result.report
     if args.plan_out:
         from mixprec.plan_file import save_plan  # noqa: PLC0415
@@ -241,6 +250,37 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         )
         return EXIT_VALIDATION
     return EXIT_OK
+
+
+def _module_factory(source: str) -> tuple[object, object, object] | None:
+    """For `path/to/file.py:factory`: the PyTorch module, example inputs and dynamic shapes the
+    factory returns (`(module, example_inputs)` or `(module, example_inputs, dynamic_shapes)`);
+    None for a model file."""
+    match = re.fullmatch(r"(.+\.py):([A-Za-z_][A-Za-z0-9_]*)", source)
+    if match is None:
+        return None
+    import importlib.util  # noqa: PLC0415
+
+    path, name = Path(match[1]), match[2]
+    if not path.is_file():
+        raise InputError(f"{path}: no such Python file (expected path/to/file.py:factory)")
+    spec = importlib.util.spec_from_file_location(f"mixprec_factory_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise InputError(f"{path}: cannot be imported as a Python module")
+    code = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(code)
+        factory = getattr(code, name, None)
+        if not callable(factory):
+            raise InputError(f"{path} defines no function {name!r}")
+        made = factory()
+    except MixprecError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's code: its error in one line
+        raise InputError(f"{source}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    if not isinstance(made, tuple) or len(made) not in (2, 3):
+        raise InputError(f"{source} must return (module, example_inputs) or (module, example_inputs, dynamic_shapes)")
+    return (made[0], made[1], made[2] if len(made) == 3 else None)
 
 
 def _check_outputs(source: str, outputs: dict[str, str | None]) -> None:

@@ -19,6 +19,10 @@ class PolicyError(MixprecError):
     """An op policy table or a user policy override is invalid."""
 
 
+class ExportError(MixprecError):
+    """A framework model (a PyTorch module) could not be exported to ONNX."""
+
+
 class ValidationFailure(MixprecError):
     """The converted model fails a check (the ONNX checker, the runtime as users run it, the
     tolerance); nothing was written."""

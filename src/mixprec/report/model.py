@@ -61,6 +61,10 @@ class Validation:
     speed_ratio: float | None = None  # converted / FP32 latency on the real runtime
     numerics: str = "not checked"  # "checked ..." or "not checked: <why>"
     numerics_unchecked: bool = False  # the check was due (level run) but could not run
+    # A PyTorch module converted with `convert_module`: the converted model against the module
+    # itself (export and conversion together), on the example inputs and data.
+    module_outputs: list[OutputError] = field(default_factory=list)
+    module_batches: int = 0
 
 
 @dataclass
@@ -205,6 +209,12 @@ class Report:
                     f"    {out.name}{f' ({label})' if label else ''}: max abs {out.max_abs_error:.3g}"
                     f"{relative}, nan {out.nan_count}, inf {out.inf_count}{flag}"
                 )
+        for out in v.module_outputs:
+            relative = "" if out.scaled_error is None else f" ({out.scaled_error:.2%} of max |FP32|)"
+            lines.append(
+                f"    {out.name} (vs the PyTorch module, {v.module_batches} batch(es)): max abs "
+                f"{out.max_abs_error:.3g}{relative}, nan {out.nan_count}, inf {out.inf_count}"
+            )
         if v.speed_ratio is not None:
             lines.append(f"    latency on {v.real_runtime}: {v.speed_ratio:.2f}x the FP32 model's")
         lines.extend(f"  note: {n}" for n in [*self.notes, *v.notes])

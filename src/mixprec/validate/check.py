@@ -24,7 +24,7 @@ import onnx_ir as ir
 
 from mixprec.dtypes import LowPrecision
 from mixprec.errors import InputError, MixprecError, RunError, ValidationFailure
-from mixprec.io import graph_only_proto
+from mixprec.io import graph_only_proto, uses_external_data
 from mixprec.report import OutputError, Validation
 from mixprec.validate import compare
 from mixprec.runtime import sessions
@@ -192,7 +192,10 @@ def _run_check(
         result.real_runtime = "onnxruntime CPU (batch 1)"
         result.real_outputs = _output_errors(compare.compare_outputs(batches[0][1], outcome.outputs), tolerance)
     candidate_path = path.with_name("emulated.onnx")
-    onnx.save(emulate_low_precision(model if model is not None else onnx.load(str(path))), str(candidate_path))
+    # The typed model in memory when its weights are all in memory (its external tensors would
+    # point at the input's data file); else the staged file.
+    in_memory = model is not None and not uses_external_data(model)
+    onnx.save(emulate_low_precision(model if in_memory else onnx.load(str(path))), str(candidate_path))
     result.notes.append(
         f"{target.value} numerics measured on an emulated model (FP32 compute, {target.short_name} rounding)"
     )
