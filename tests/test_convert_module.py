@@ -101,8 +101,10 @@ def test_cnn_with_batchnorm(target: str, limit: float, tmp_path: Path) -> None:
     module = _trained_bn(SmallCNN())
     x = torch.randn(2, 3, 24, 24)
     out = tmp_path / "cnn.onnx"
-    result = mixprec.convert_module(module, (x,), out, target_dtype=target)
+    more = [{"x": np.random.default_rng(1).normal(size=(2, 3, 24, 24)).astype(np.float32)}]
+    result = mixprec.convert_module(module, (x,), out, target_dtype=target, data=more)
     _check(result, out, target, limit)
+    assert result.report.validation.module_batches == 2  # the example inputs, then the data
     assert result.report.low_by_op.get("Conv") == 2 and result.report.low_by_op.get("Gemm", 0) + result.report.low_by_op.get("MatMul", 0) >= 1
     assert any("dynamo exporter at opset" in n for n in result.report.notes)
     if target == "bf16":
