@@ -243,3 +243,25 @@ def test_missing_torch_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
     with pytest.raises(InputError, match="pip install torch"):
         mixprec.convert_module(object(), ())
+
+
+@pytest.mark.slow
+def test_torchscript_fallback_when_dynamo_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only when the dynamo exporter fails (here made to fail) does the TorchScript exporter run;
+    the report says so and the result still converts and matches the module."""
+    original = torch.onnx.export
+
+    def dynamo_fails(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if kwargs.get("dynamo"):
+            raise RuntimeError("no ONNX function for aten::made_up_op")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch.onnx, "export", dynamo_fails)
+    torch.manual_seed(0)
+    module = _trained_bn(SmallCNN())
+    out = tmp_path / "cnn.onnx"
+    result = mixprec.convert_module(module, (torch.randn(2, 3, 24, 24),), out, target_dtype="fp16")
+    notes = " ".join(result.report.notes)
+    assert "the dynamo exporter failed (no ONNX function for aten::made_up_op)" in notes
+    assert "exported with the TorchScript exporter" in notes
+    _check(result, out, "fp16", 5e-3)
