@@ -180,14 +180,14 @@ agraph (float[2,3] x) => (float[2,3] y)
 <float[3,3] w1 = {W33}>
 {{
   a = MatMul(x, w1)
-  s = Softmax<axis = -1>(x)
+  s = Exp(x)
   y = Add(a, s)
 }}
 """)
     result, out = convert(model)
     check_full(out)
     assert sigs_of(out, "Add") == [NodeSig("Add", (F, F), (F,))]
-    assert sigs_of(out, "Softmax") == [NodeSig("Softmax", (F,), (F,))]
+    assert sigs_of(out, "Exp") == [NodeSig("Exp", (F,), (F,))]  # float16: FP32 by policy
     assert sigs_of(out, "MatMul") == [NodeSig("MatMul", (H, H), (H,))]
     add = next(n for n in out.graph.node if n.op_type == "Add")
     cast_up = producer(out, add.input[0])
@@ -197,6 +197,47 @@ agraph (float[2,3] x) => (float[2,3] y)
     assert add.output[0] == "y"
     assert [k.category for k in fp32_kept(result, "Add")] == ["follows inputs"]
     assert_matches_fp32(model, out, random_feeds(model))
+
+
+def test_bounded_fp32_input_does_not_hold_a_follow_op() -> None:
+    """A Softmax output lies in [0, 1]: the Add of it and a 16-bit MatMul output computes in 16
+    bits, with one Cast on the Softmax output (the FP32 island ends right there)."""
+    model = parse(f"""{header()}
+agraph (float[2,3] x) => (float[2,3] y)
+<float[3,3] w1 = {W33}>
+{{
+  a = MatMul(x, w1)
+  s = Softmax<axis = -1>(x)
+  y = Add(a, s)
+}}
+""")
+    result, out = convert(model)
+    check_full(out)
+    assert sigs_of(out, "Softmax") == [NodeSig("Softmax", (F,), (F,))]
+    assert sigs_of(out, "Add") == [NodeSig("Add", (H, H), (H,))]
+    add = next(n for n in out.graph.node if n.op_type == "Add")
+    cast_down = producer(out, add.input[1])
+    assert cast_down.op_type == "Cast" and cast_down.input[0] == "s"
+    assert not fp32_kept(result, "Add")
+    assert_matches_fp32(model, out, random_feeds(model))
+
+
+def test_unbounded_fp32_input_still_holds_a_follow_op() -> None:
+    """The same graph with an unbounded FP32 producer (Exp, FP32 for float16): the Add follows it."""
+    model = parse(f"""{header()}
+agraph (float[2,3] x) => (float[2,3] y)
+<float[3,3] w1 = {W33}>
+{{
+  a = MatMul(x, w1)
+  e = Exp(x)
+  s = Unsqueeze(e, axes)
+  t = Squeeze(s, axes)
+  y = Add(a, t)
+}}
+""".replace("<float[3,3] w1", "<int64[1] axes = {0}, float[3,3] w1"))
+    result, out = convert(model)
+    check_full(out)
+    assert sigs_of(out, "Add") == [NodeSig("Add", (F, F), (F,))]
 
 
 # -- rule 2: ops whose output type is an attribute ----------------------------------------------

@@ -59,7 +59,7 @@ def norm_mlp(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 def test_decomposed_norms_are_one_block_and_load_with_default_options(norm_mlp, target: str, tmp_path: Path) -> None:
     source = norm_mlp[14]
     out = tmp_path / f"{target}.onnx"
-    result = mixprec.convert(source, out, target_dtype=target)
+    result = mixprec.convert(source, out, target_dtype=target, opset=14)  # pinned: no upgrade to fuse
     decisions = {n.name: d for n, d in result.plan.decisions.items()}
     block = [name for name, d in decisions.items() if d.category.value == "normalization block"]
     # LayerNorm: 2 ReduceMean, Sub, Pow, Add, Sqrt, Div, Mul, Add; RMSNorm: Pow, ReduceMean, Add,
@@ -72,6 +72,21 @@ def test_decomposed_norms_are_one_block_and_load_with_default_options(norm_mlp, 
     got = _loads_as_users_load_it(out, feeds, target)
     if got is not None:
         np.testing.assert_allclose(got["y"], _fp32_outputs(source, feeds)["y"], atol=2e-2, rtol=2e-2)
+
+
+def test_decomposed_norms_upgrade_the_opset_to_fuse(norm_mlp, tmp_path: Path) -> None:
+    # Not pinned: the model is upgraded to opset 23, where both blocks fuse (the runtime has
+    # LayerNormalization and RMSNormalization kernels), instead of staying FP32 with casts.
+    out = tmp_path / "auto.onnx"
+    result = mixprec.convert(norm_mlp[14], out, target_dtype="fp16")
+    assert any("opset upgraded to 23" in n for n in result.report.notes), result.report.notes
+    assert result.report.low_by_op.get("LayerNormalization") == 1 and result.report.low_by_op.get("RMSNormalization") == 1
+    assert "normalization block" not in result.report.fp32_by_category
+    assert result.report.casts_runtime == 2
+    feeds = {"x": RNG.normal(size=(2, 5, 32)).astype(np.float32)}
+    got = _loads_as_users_load_it(out, feeds, "fp16")
+    assert got is not None
+    np.testing.assert_allclose(got["y"], _fp32_outputs(norm_mlp[14], feeds)["y"], atol=2e-2, rtol=2e-2)
 
 
 def test_decomposed_norms_fuse_where_the_opset_allows(norm_mlp, tmp_path: Path) -> None:

@@ -309,6 +309,15 @@ def test_layernorm_eps(exported, converted, target):
             assert types[node.input[0]] == LOW[target] and types[node.output[0]] == LOW[target]
             (eps,) = (a.f for a in node.attribute if a.name == "epsilon")
             assert np.isclose(eps, torch_models.LN_EPS, rtol=1e-3)
+    elif (fused := [n for n in model.graph.node if n.op_type == "LayerNormalization"]):
+        # A decomposition below opset 17: the model was upgraded and each block fused into
+        # LayerNormalization (FP32 statistics, stash_type=1), the epsilon an exact float attribute.
+        assert len(eps_adds) == len(fused) == n_layer_norms
+        assert any("opset upgraded to 17" in n for n in result.report.notes), result.report.notes
+        for node in fused:
+            (eps,) = (a.f for a in node.attribute if a.name == "epsilon")
+            assert np.isclose(eps, torch_models.LN_EPS, rtol=1e-3)
+            assert next(a.i for a in node.attribute if a.name == "stash_type") == 1
     else:
         assert len(eps_adds) == n_layer_norms, [n.op_type for n in source.graph.node]
         for node in eps_adds:

@@ -180,6 +180,7 @@ def weight_free_proto(model: ir.Model, max_inline_bytes: int = 1024) -> onnx.Mod
     (the in-memory counterpart of :func:`graph_only_proto`; no weight is read)."""
     graph = model.graph
     removed: list[tuple[ir.Value, ir.TensorProtocol | None]] = []
+    inlined: list[tuple[ir.Value, ir.TensorProtocol]] = []
     original_inputs = list(graph.inputs)
     input_set = set(original_inputs)
     for value in list(graph.initializers.values()):
@@ -194,9 +195,16 @@ def weight_free_proto(model: ir.Model, max_inline_bytes: int = 1024) -> onnx.Mod
             graph.initializers.pop(value.name)
             if value not in input_set:
                 graph.inputs.append(value)
+        elif isinstance(tensor, ir.ExternalTensor):
+            # A small tensor in an external file: inline its bytes (its file reference is
+            # relative to the model's folder, which the copy does not have).
+            inlined.append((value, tensor))
+            value.const_value = ir.Tensor(tensor.numpy(), name=value.name)
     try:
         return ir.serde.serialize_model(model)
     finally:
+        for value, tensor in inlined:
+            value.const_value = tensor
         for value, tensor in removed:
             value.const_value = tensor
             graph.initializers.add(value)

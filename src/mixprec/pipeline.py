@@ -33,8 +33,8 @@ from mixprec.config import Config
 from mixprec.errors import InputError, ModelLoadError, RunError
 from mixprec.graphs import node_keys, walk_nodes
 from mixprec.io import load_model, staged_save, typed_values, uses_external_data, wants_external_data, weight_bytes
-from mixprec.passes.norm_blocks import fuse_norm_blocks
-from mixprec.passes.opset import upgrade_for_target
+from mixprec.passes.norm_blocks import fuse_norm_blocks, opset_for_fusion
+from mixprec.passes.opset import upgrade_for_target, upgrade_opset
 from mixprec.passes.rewrite import RewriteStats, apply_plan
 from mixprec.policy.runtime import RuntimeProfile, load_runtime
 from mixprec.policy.schemas import op_exists
@@ -151,6 +151,23 @@ def type_model(c: Conversion) -> None:
     c.typeinfo = infer_types(c.model, source=c.unchanged_source)
     assume_float_outputs(c.model, c.policy.user_custom_ops())
     blocks = fuse_norm_blocks(c.model)
+    version = opset_for_fusion(blocks, c.profile, c.target) if c.config.io.opset is None else None
+    if version is not None:
+        # Decomposed normalizations fuse (and compute in 16 bits with FP32 accumulation) only at
+        # a newer opset: upgrade and type again, rather than keep each block FP32 with casts.
+        try:
+            upgraded = upgrade_opset(c.model, version)
+        except InputError as e:
+            c.notes.append(f"normalizations stay FP32 blocks: upgrading to opset {version} failed ({e})")
+        else:
+            c.notes.append(
+                f"opset upgraded to {version}: {len(blocks.kept)} node(s) of decomposed "
+                f"{' and '.join(sorted(blocks.needs_opset))} block(s) fuse there (pin a version with --opset)"
+            )
+            c.model, c.unchanged_source = upgraded, None
+            c.typeinfo = infer_types(c.model)
+            assume_float_outputs(c.model, c.policy.user_custom_ops())
+            blocks = fuse_norm_blocks(c.model)
     c.keys = node_keys(c.model)
     if blocks.fused:
         c.notes.append(

@@ -140,6 +140,7 @@ class _Planner:
         self.storage: dict[ir.Value, Storage] = {}
         self.constant_notes: dict[ir.Value, str] = {}
         self.saturated: set[ir.Value] = set()
+        self.bounded: set[ir.Value] = set()  # FP32 values whose elements lie in a fixed small interval
         self.flex_nodes: list[ir.Node] = []
         self.main_outputs = frozenset(model.graph.outputs)
         self.sub_outputs: set[ir.Value] = set()
@@ -331,9 +332,12 @@ class _Planner:
             category, reason = Category.NO_FLOAT, "no FP32 values"
         self.decisions[node] = self._decision(precision, category, reason)
         self.lowered[node] = frozenset()
+        bounded = out_state is State.HIGH and is_default_domain(node.domain) and op_facts("", node.op_type).bounded
         for out in node.outputs:
             if is_fp32_tensor(out):
                 self.state[out] = out_state
+                if bounded:
+                    self.bounded.add(out)
 
     def _lower(self, node: ir.Node, facts: NodeFacts, category: Category, reason: str) -> None:
         self.decisions[node] = self._decision(Precision.LOW, category, reason)
@@ -477,7 +481,13 @@ class _Planner:
             id(v): State.FLEX if v in self.saturated and i in rule.saturate_inputs else self.value_state(v)
             for i, v, _ in considered
         }
-        high = [v for _, v, _ in considered if states[id(v)] in (State.HIGH, State.WIDE, State.TINY)]
+        # An FP32 input whose values are bounded (a Cos, Sigmoid or Softmax output) does not hold
+        # the node in FP32: a 16-bit copy of it costs no more accuracy than 16-bit compute, and
+        # one Cast of it replaces casts around everything downstream.
+        high = [
+            v for _, v, _ in considered
+            if states[id(v)] in (State.HIGH, State.WIDE, State.TINY) and v not in self.bounded
+        ]
         if high:
             self._keep(node, Category.FOLLOW, f"follows FP32 input {high[0].name!r}", State.HIGH)
             return

@@ -15,15 +15,16 @@ input types that fails to load. Here each block is found and either
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
 
 from mixprec.analysis.constants import reduction_axes, small_constant_array
-from mixprec.dtypes import is_fp32_tensor
+from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.graphs import all_graphs
 from mixprec.passes.opset import default_opset
+from mixprec.policy.runtime import RuntimeProfile
 
 # Per kind of block: the op it fuses into and the opset that op first exists at.
 _FUSED_OP = {"layer": ("LayerNormalization", 17), "rms": ("RMSNormalization", 23)}
@@ -72,6 +73,8 @@ class NormBlocks:
 
     fused: list[str]
     kept: dict[ir.Node, str]
+    # Fused op -> the opset it needs, for blocks kept FP32 only because the model's is older.
+    needs_opset: dict[str, int] = field(default_factory=dict)
 
 
 def _sole_consumer(value: ir.Value, graph_outputs: set[ir.Value]) -> ir.Node | None:
@@ -283,6 +286,19 @@ def _fuse(graph: ir.Graph, block: NormBlock, index: int) -> bool:
     return True
 
 
+def opset_for_fusion(blocks: NormBlocks, profile: RuntimeProfile, target: LowPrecision) -> int | None:
+    """The opset to upgrade to so that the kept blocks fuse: when the runtime runs the fused ops
+    in the target type at that opset (and its table reaches it); else None."""
+    if not blocks.needs_opset:
+        return None
+    version = max(blocks.needs_opset.values())
+    if profile.opset_range is not None and version > profile.opset_range[1]:
+        return None
+    if not all(profile.runs_in("", op, target.type_str) for op in blocks.needs_opset):
+        return None
+    return version
+
+
 def fuse_norm_blocks(model: ir.Model) -> NormBlocks:
     """Fuse decomposed normalizations where the opset allows (typed model: shapes are needed);
     the others are returned to be kept FP32 as one block."""
@@ -300,6 +316,7 @@ def fuse_norm_blocks(model: ir.Model) -> NormBlocks:
                     continue
                 reason = f"decomposed {what} kept FP32 as one block: its normalized shape or affine constants are not static"
             else:
+                result.needs_opset[op_type] = since
                 reason = (
                     f"decomposed {what} kept FP32 as one block (no mixed types for runtime fusions); "
                     f"fusing it into {op_type} needs opset {since} (--opset {since})"

@@ -65,6 +65,7 @@ class OpFacts:
     integer_inputs: tuple[tuple[int, str], ...] = ()  # (input index, role), by index
     value_preserving: bool = False
     gathers: bool = False
+    bounded: bool = False
     dtype_attribute: str | None = None
     flops: str | None = None
 
@@ -76,7 +77,7 @@ class OpFacts:
 
 NO_FACTS = OpFacts()
 
-_FLAGS = ("shape_only", "comparison", "exact_use", "random", "value_preserving", "gathers")
+_FLAGS = ("shape_only", "comparison", "exact_use", "random", "value_preserving", "gathers", "bounded")
 _NAMES = {"interval": INTERVAL_RULES, "flops": FLOPS_FORMULAS}
 _KEYS = frozenset({*_FLAGS, *_NAMES, "carrier", "integer_inputs", "dtype_attribute"})
 
