@@ -188,7 +188,10 @@ def test_tiny_llama_with_kv_cache(target: str, tmp_path: Path) -> None:
     # accumulation), not a decomposed block kept FP32 with casts around it.
     assert "normalization block" not in report.fp32_by_category
     assert report.low_by_op.get("RMSNormalization", 0) == 2 * layers + 1
-    assert report.casts_runtime <= 8 * layers, report.casts_runtime
+    # Rotary embeddings (RotaryEmbedding at opset 23) compute in 16 bits: the small cos/sin
+    # tables are cast, not the queries and keys.
+    assert report.low_by_op.get("RotaryEmbedding", 0) == 2 * layers
+    assert report.casts_runtime <= 9 * layers, report.casts_runtime
 
     # Another sequence length and cache length than the export's: the next-token argmax of the
     # converted model agrees with the module.
