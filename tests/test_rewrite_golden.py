@@ -240,6 +240,66 @@ agraph (float[2,3] x) => (float[2,3] y)
     assert sigs_of(out, "Add") == [NodeSig("Add", (F, F), (F,))]
 
 
+def test_measured_range_ends_an_fp32_island() -> None:
+    """Exp stays FP32 in float16 (it may overflow). Measured on data that keeps it far below
+    65504, its output does not hold the Add after it in FP32: one Cast, and the Add computes
+    in 16 bits; without data the Add follows the FP32 input as before."""
+    model = parse(f"""{header()}
+agraph (float[2,3] x) => (float[2,3] y)
+<float[3,3] w1 = {W33}>
+{{
+  a = MatMul(x, w1)
+  e = Exp(x)
+  y = Add(a, e)
+}}
+""")
+    _, blind = convert(model)
+    assert sigs_of(blind, "Add") == [NodeSig("Add", (F, F), (F,))]
+    data = [{"x": np.random.default_rng(0).uniform(-1, 1, (2, 3)).astype(np.float32)}]
+    result, out = convert(model, data=data)
+    check_full(out)
+    assert sigs_of(out, "Exp") == [NodeSig("Exp", (F,), (F,))]
+    assert sigs_of(out, "Add") == [NodeSig("Add", (H, H), (H,))]
+    add = next(n for n in out.graph.node if n.op_type == "Add")
+    assert producer(out, add.input[1]).op_type == "Cast" and producer(out, add.input[1]).input[0] == "e"
+    (decision,) = [d for n, d in result.plan.decisions.items() if n.op_type == "Add"]
+    assert "'e' is cast to 16 bits (measured within" in decision.reason
+    assert_matches_fp32(model, out, data[0])
+
+
+def test_integer_path_stays_fp32_and_its_bounded_result_is_cast_once() -> None:
+    """Positions (Range, cast to float) feed Cos: integer semantics keeps them FP32 and exact.
+    Cos's output lies in [-1, 1]: the 16-bit activations it multiplies are not pulled into FP32;
+    the island ends with one Cast on the Cos output."""
+    model = parse(f"""{header()}
+agraph (float[N,4] x) => (float[N,4] y)
+<float[4,4] w = {{{", ".join(["0.25", "-0.5", "1", "0.75"] * 4)}}}, int64 zero = {{0}}, int64 one = {{1}}, int64 idx = {{0}}, int64[1] axis1 = {{1}}>
+{{
+  s = Shape(x)
+  n = Gather<axis = 0>(s, idx)
+  r = Range(zero, n, one)
+  f = Cast<to = 1>(r)
+  c = Cos(f)
+  u = Unsqueeze(c, axis1)
+  a = MatMul(x, w)
+  y = Mul(a, u)
+}}
+""")
+    result, out = convert(model)
+    check_full(out)
+    # The sequence length is symbolic: the positions may exceed 2048, where float16 stops
+    # holding integers.
+    assert [k.category for k in fp32_kept(result, "Cast")] == ["integer semantics"]
+    assert sigs_of(out, "Cos") == [NodeSig("Cos", (F,), (F,))]
+    assert sigs_of(out, "Mul") == [NodeSig("Mul", (H, H), (H,))]
+    assert sigs_of(out, "Unsqueeze") == [NodeSig("Unsqueeze", (H, I), (H,))]
+    unsqueeze = next(n for n in out.graph.node if n.op_type == "Unsqueeze")
+    cast = producer(out, unsqueeze.input[0])
+    assert cast.op_type == "Cast" and cast.input[0] == "c"
+    assert result.report.casts_runtime == 3  # x in, y out, and the Cos output
+    assert_matches_fp32(model, out, random_feeds(model))
+
+
 # -- rule 2: ops whose output type is an attribute ----------------------------------------------
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from mixprec.analysis.calibrate import RangeTable, wide_values_from_ranges
+from mixprec.analysis.calibrate import RangeTable, safe_values_from_ranges, wide_values_from_ranges
 from mixprec.analysis.integer_semantics import integer_semantics
 from mixprec.analysis.plan import Category, NodeMatcher, Precision, PrecisionPlan, plan_precision
 from mixprec.analysis.plan import weights_only as weights_only_plan
@@ -83,6 +83,7 @@ class Conversion:
     # analyze: findings by node key / value name
     forced: dict[str, tuple[Category, str]] = field(default_factory=dict)
     wide: dict[str, str] = field(default_factory=dict)
+    safe: dict[str, str] = field(default_factory=dict)  # value name -> evidence it fits 16 bits
     ranges: RangeTable | None = None
     # plan, rewrite, report, save
     plan: PrecisionPlan | None = None
@@ -187,6 +188,8 @@ def analyze(c: Conversion) -> None:
         c.ranges = ranges
         wide = wide_values_from_ranges(c.model, ranges, c.target)
         c.wide = {value.name: evidence for value, evidence in wide.items() if value.name}
+        safe = safe_values_from_ranges(c.model, ranges, c.target)
+        c.safe = {value.name: evidence for value, evidence in safe.items() if value.name}
         if calibration.ranges is not None:
             c.notes.append(f"{len(wide)} value(s) measured beyond the {c.target.value} range stay FP32")
     integer = integer_semantics(c.model, c.target)
@@ -198,7 +201,7 @@ def analyze(c: Conversion) -> None:
 
 def plan(c: Conversion) -> None:
     """Decide every node's precision."""
-    c.plan = make_plan(c.model, c.keys, c.config, c.policy, c.profile, c.forced, c.wide, c.notes)
+    c.plan = make_plan(c.model, c.keys, c.config, c.policy, c.profile, c.forced, c.wide, c.notes, c.safe)
 
 
 def rewrite(c: Conversion) -> None:
@@ -323,12 +326,14 @@ def make_plan(
     forced: Mapping[str, tuple[Category, str]],
     wide: Mapping[str, str],
     notes: list[str],
+    safe: Mapping[str, str] | None = None,
 ) -> PrecisionPlan:
     """Plan `model` (typed) with the analyses' findings, the plan file and the node choices."""
     by_key = {key: node for node, key in keys.items()}
     forced_nodes = {by_key[k]: finding for k, finding in forced.items() if k in by_key}
     values = {v.name: v for v in _main_values(model)}
     wide_values = {values[name]: evidence for name, evidence in wide.items() if name in values} or None
+    safe_values = {values[name]: evidence for name, evidence in (safe or {}).items() if name in values} or None
     matcher = NodeMatcher(config.nodes.exclude)
 
     def planned(extra: Mapping[ir.Node, tuple[Category, str]] | None = None) -> PrecisionPlan:
@@ -336,7 +341,7 @@ def make_plan(
         return plan_precision(
             model, policy, exclude_nodes=matcher, keep_io_types=config.io.keep_io_types,
             forced_fp32={**(extra or {}), **forced_nodes}, wide_values=wide_values, runtime=profile,
-            keys=keys,
+            keys=keys, safe_values=safe_values,
         )
 
     requested = None
@@ -383,7 +388,7 @@ class Prepared:
         keys = node_keys(model)
         forced = {**(extra_fp32 or {}), **c.forced}
         config = c.config if plan is None else c.config.with_options(plan=plan)
-        result = make_plan(model, keys, config, c.policy, c.profile, forced, c.wide, [])
+        result = make_plan(model, keys, config, c.policy, c.profile, forced, c.wide, [], c.safe)
         apply_plan(model, result)
         return model, result
 

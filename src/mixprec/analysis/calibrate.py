@@ -288,20 +288,39 @@ def wide_values_from_ranges(
     """
     if not margin >= 1.0:
         raise InputError(f"calibration margin must be >= 1, got {margin}")
+    wide: dict[ir.Value, str] = {}
+    for value, rng in _measured(model, table):
+        evidence = range_evidence(rng, target, margin)
+        if evidence is not None:
+            wide[value] = evidence
+    return wide
+
+
+def safe_values_from_ranges(
+    model: ir.Model, table: Mapping[str, ValueRange], target: LowPrecision, margin: float = 2.0
+) -> dict[ir.Value, str]:
+    """The FP32 values whose measured range the 16-bit type holds (by the rules of
+    :func:`wide_values_from_ranges`, and finite), with evidence, for
+    ``plan_precision(safe_values=...)``."""
+    safe: dict[ir.Value, str] = {}
+    for value, rng in _measured(model, table):
+        if rng.nonfinite == 0 and range_evidence(rng, target, margin) is None:
+            safe[value] = f"measured within +-{rng.absmax:.3g} on data"
+    return safe
+
+
+def _measured(model: ir.Model, table: Mapping[str, ValueRange]) -> Iterator[tuple[ir.Value, ValueRange]]:
+    """Main-graph FP32 (or untyped) graph inputs and node outputs with a measured range."""
     graph = model.graph
     candidates: list[ir.Value] = [v for v in graph.inputs if v.name not in graph.initializers]
     candidates.extend(out for node in graph for out in node.outputs)
-    wide: dict[ir.Value, str] = {}
     for value in candidates:
         rng = table.get(value.name or "")
         if rng is None or rng.count == 0:
             continue
         if not (is_fp32_tensor(value) or value.type is None) or is_constant(value):
             continue
-        evidence = range_evidence(rng, target, margin)
-        if evidence is not None:
-            wide[value] = evidence
-    return wide
+        yield value, rng
 
 
 def range_evidence(rng: ValueRange, target: LowPrecision, margin: float = 2.0) -> str | None:

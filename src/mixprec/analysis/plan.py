@@ -123,6 +123,7 @@ class _Planner:
         wide_values: Mapping[ir.Value, str] | None = None,
         runtime: RuntimeProfile | None = None,
         keys: Mapping[ir.Node, str] | None = None,
+        safe_values: Mapping[ir.Value, str] | None = None,
     ) -> None:
         self.model = model
         self.runtime = runtime if runtime is not None else load_runtime("onnx")
@@ -140,7 +141,9 @@ class _Planner:
         self.storage: dict[ir.Value, Storage] = {}
         self.constant_notes: dict[ir.Value, str] = {}
         self.saturated: set[ir.Value] = set()
-        self.bounded: set[ir.Value] = set()  # FP32 values whose elements lie in a fixed small interval
+        # FP32 values a 16-bit copy holds safely (bounded op outputs, ranges measured on data),
+        # with the evidence: they do not hold the follow ops they feed in FP32.
+        self.bounded: dict[ir.Value, str] = dict(safe_values or {})
         self.flex_nodes: list[ir.Node] = []
         self.main_outputs = frozenset(model.graph.outputs)
         self.sub_outputs: set[ir.Value] = set()
@@ -337,7 +340,7 @@ class _Planner:
             if is_fp32_tensor(out):
                 self.state[out] = out_state
                 if bounded:
-                    self.bounded.add(out)
+                    self.bounded[out] = f"{node.op_type} output: within a fixed small interval"
 
     def _lower(self, node: ir.Node, facts: NodeFacts, category: Category, reason: str) -> None:
         self.decisions[node] = self._decision(Precision.LOW, category, reason)
@@ -493,6 +496,9 @@ class _Planner:
             return
         if any(states[id(v)] is State.LOW for _, v, _ in considered):
             follow_reason = reason if category is Category.CONDITION else f"follows 16-bit inputs ({op_name})"
+            cast = [v for _, v, _ in considered if states[id(v)] is State.HIGH and v in self.bounded]
+            if cast:
+                follow_reason += f"; its FP32 input {cast[0].name!r} is cast to 16 bits ({self.bounded[cast[0]]})"
             self._lower(node, facts, category if category is Category.CONDITION else Category.FOLLOW, follow_reason)
             return
         self._flex(node, facts)
@@ -698,6 +704,7 @@ def plan_precision(
     wide_values: Mapping[ir.Value, str] | None = None,
     runtime: RuntimeProfile | None = None,
     keys: Mapping[ir.Node, str] | None = None,
+    safe_values: Mapping[ir.Value, str] | None = None,
 ) -> PrecisionPlan:
     """Decide the precision of every node of a typed model.
 
@@ -713,12 +720,14 @@ def plan_precision(
         runtime: The runtime profile whose kernels the converted nodes must have (default: the
             ONNX schema alone).
         keys: The nodes' stable keys, when already known (default: `node_keys(model)`).
+        safe_values: FP32 values known (e.g. measured on data) to fit the 16-bit type, with
+            evidence: like bounded op outputs, they do not hold the follow ops they feed in FP32.
 
     Returns:
         The plan.
     """
     matcher = exclude_nodes if isinstance(exclude_nodes, NodeMatcher) else NodeMatcher(exclude_nodes)
-    return _Planner(model, policy, matcher, keep_io_types, forced_fp32, wide_values, runtime, keys).run()
+    return _Planner(model, policy, matcher, keep_io_types, forced_fp32, wide_values, runtime, keys, safe_values).run()
 
 
 # Weights-only storage skips tensors smaller than this: a Cast node costs more than it saves.
