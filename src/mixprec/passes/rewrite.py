@@ -26,6 +26,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_tensor, is_constant, iter_chunks
+from mixprec.analysis.cost import estimated_elements
 from mixprec.analysis.plan import Precision, PrecisionPlan, Storage
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.graphs import FreshNames
@@ -45,6 +46,7 @@ class CastRecord:
     to: str
     elements: int | None
     runtime: bool  # False: the cast was done offline on a constant
+    estimated_elements: int | None = None  # with symbolic dimensions estimated (analysis.cost)
 
 
 @dataclass
@@ -162,7 +164,9 @@ class _Rewriter:
             name=self.node_names(f"{base}_cast_{short}"),
         )
         self._place_after_definition(value, node)
-        self.stats.casts.append(CastRecord(base, short, _numel(value.shape), runtime=True))
+        self.stats.casts.append(
+            CastRecord(base, short, _numel(value.shape), runtime=True, estimated_elements=estimated_elements(value.shape))
+        )
         self.cache[key] = out
         self.created.add(out)
         return out

@@ -14,6 +14,7 @@ from typing import Any
 
 import onnx_ir as ir
 
+from mixprec.analysis.cost import SYMBOLIC_DIM, low_compute_share
 from mixprec.analysis.plan import Category, Precision, PrecisionPlan
 from mixprec.graphs import has_subgraphs, walk_nodes
 from mixprec.passes.rewrite import RewriteStats
@@ -141,6 +142,12 @@ class Report:
     seconds: dict[str, float] = field(default_factory=dict)
     # Per-node listing for drawing; left out of to_dict()/to_json() unless asked for.
     graph: NodeGraph | None = field(default=None, repr=False, compare=False)
+    # Estimates of the cost model (mixprec.analysis.cost): bytes the casts move per inference
+    # with symbolic dimensions taken as `symbolic_dim`, and the share of the matrix and
+    # convolution FLOPs that runs in 16 bits.
+    cast_bytes_estimate: int | None = None
+    low_compute_share: float | None = None
+    symbolic_dim: int = SYMBOLIC_DIM
 
     def to_dict(self, *, include_graph: bool = False) -> dict[str, Any]:
         """JSON-ready form (`include_graph`: add the compact per-node listing)."""
@@ -178,8 +185,19 @@ class Report:
                 if self.cast_bytes_per_inference is not None
                 else ""
             )
+            + (
+                f" (about {_mb(self.cast_bytes_estimate)} moved per inference with named symbolic "
+                f"dimensions taken as {self.symbolic_dim})"
+                if self.cast_bytes_per_inference is None and self.cast_bytes_estimate is not None
+                else ""
+            )
             + f", {self.casts_removed} redundant removed",
         ]
+        if self.low_compute_share is not None:
+            lines.append(
+                f"  compute: {self.low_compute_share:.1%} of the estimated matrix and convolution FLOPs "
+                f"(ops of known shape) in {self.target}"
+            )
         if self.low_by_op:
             ops = ", ".join(f"{op} {n}" for op, n in sorted(self.low_by_op.items(), key=lambda x: -x[1]))
             lines.append(f"  {self.target} ops: {ops}")
@@ -289,6 +307,11 @@ def build_report(
         cast_bytes = sum(
             (c.elements or 0) * (4 + target.numpy_dtype.itemsize) for c in runtime
         )
+    estimates = [c.estimated_elements for c in runtime]
+    cast_estimate = (
+        sum(e * (4 + target.numpy_dtype.itemsize) for e in estimates if e is not None)
+        if all(e is not None for e in estimates) else None
+    )
     return Report(
         runtime=profile.name if profile is not None else "onnx",
         source=source,
@@ -313,6 +336,8 @@ def build_report(
         type_inference_warning=type_inference_warning,
         notes=notes,
         graph=node_graph(plan),
+        cast_bytes_estimate=cast_estimate,
+        low_compute_share=low_compute_share(plan),
     )
 
 

@@ -1,24 +1,22 @@
-"""FLOPs of the nodes (a formula per op, named in the op facts) and the FP32 share of a plan."""
+"""FLOPs of the nodes on the search's data (the formulas: :mod:`mixprec.analysis.cost`) and the FP32
+share of a plan."""
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import onnx
 import onnx.shape_inference
 import onnx_ir as ir
 
-from mixprec.analysis.plan import Category, Precision, PrecisionPlan
-from mixprec.graphs import is_default_domain, node_keys
-from mixprec.policy.opfacts import op_facts
+from mixprec.analysis.cost import BOUNDARIES, flops_of
+from mixprec.analysis.plan import Precision, PrecisionPlan
+from mixprec.graphs import node_keys
 
 logger = logging.getLogger(__name__)
 
-# Nodes that only own subgraphs or function bodies: they compute nothing themselves.
-_BOUNDARIES = frozenset({Category.CONTROL_FLOW, Category.FUNCTION})
 
 
 def node_flops(proto: onnx.ModelProto, batch: Mapping[str, np.ndarray]) -> dict[str, float]:
@@ -49,62 +47,6 @@ def node_flops(proto: onnx.ModelProto, batch: Mapping[str, np.ndarray]) -> dict[
     return flops
 
 
-def _dims(value: ir.Value | None) -> list[int] | None:
-    if value is None or value.shape is None:
-        return None
-    dims = list(value.shape.dims)
-    if not all(isinstance(d, int) for d in dims):
-        return None
-    return [int(d) for d in dims]
-
-
-def _matmul(node: ir.Node, out: list[int] | None) -> float | None:
-    a = _dims(node.inputs[0])
-    if a is None or out is None or not a:
-        return None
-    return 2.0 * math.prod(out) * a[-1]
-
-
-def _gemm(node: ir.Node, out: list[int] | None) -> float | None:
-    a = _dims(node.inputs[0])
-    if a is None or out is None or len(a) != 2:
-        return None
-    trans_a = node.attributes.get_int("transA", 0)
-    k = a[0] if trans_a else a[1]
-    return 2.0 * math.prod(out) * k
-
-
-def _conv(node: ir.Node, out: list[int] | None) -> float | None:
-    w = _dims(node.inputs[1])
-    if w is None or out is None:
-        return None
-    return 2.0 * math.prod(out) * math.prod(w[1:])
-
-
-def _conv_transpose(node: ir.Node, out: list[int] | None) -> float | None:
-    x, w = _dims(node.inputs[0]), _dims(node.inputs[1])
-    if x is None or w is None:
-        return None
-    return 2.0 * math.prod(x) * math.prod(w[1:])
-
-
-# The `flops` formulas of the op facts: (node, static output dims or None) -> FLOPs or None.
-_FORMULAS: dict[str, Callable[[ir.Node, list[int] | None], float | None]] = {
-    "matmul": _matmul,
-    "gemm": _gemm,
-    "conv": _conv,
-    "conv_transpose": _conv_transpose,
-}
-
-
-def flops_of(node: ir.Node) -> float | None:
-    """FLOPs of a node by its op's formula (`flops` in the op facts); None where unknown."""
-    formula = op_facts(node.domain, node.op_type).flops if is_default_domain(node.domain) else None
-    if formula is None or not node.outputs or len(node.inputs) < 2:
-        return None
-    return _FORMULAS[formula](node, _dims(node.outputs[0]))
-
-
 def fp32_share(plan: PrecisionPlan, flops: Mapping[str, float]) -> tuple[float, float | None]:
     """FP32 share of the nodes that compute floats (control-flow and function-call nodes aside)."""
     names = plan.keys
@@ -113,7 +55,7 @@ def fp32_share(plan: PrecisionPlan, flops: Mapping[str, float]) -> tuple[float, 
     known = False
     for node in plan.order:
         decision = plan.decisions[node]
-        if decision.precision is Precision.NONE or decision.category in _BOUNDARIES:
+        if decision.precision is Precision.NONE or decision.category in BOUNDARIES:
             continue
         cost = flops.get(names[node])
         if decision.precision is Precision.FP32:
