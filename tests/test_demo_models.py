@@ -197,6 +197,7 @@ def test_bench_wide_graph_has_requested_size(tmp_path: Path) -> None:
     assert y.shape == (2, 8, 16) and np.isfinite(y).all()
 
 
+@pytest.mark.slow  # runs the benchmark script's child processes
 def test_bench_convert_reports_rows_without_crashing(tmp_path: Path) -> None:
     make_models = _load_bench_module("make_models")
     model = make_models.make_wide(60, tmp_path, seed=0)

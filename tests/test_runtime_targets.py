@@ -118,6 +118,7 @@ def two_gru(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+@pytest.mark.slow  # a bisection over trial conversions, each loaded in the child: seconds
 def test_runtime_crash_is_caught_in_the_child_and_repaired(two_gru: Path, tmp_path: Path) -> None:
     feeds = {"x": RNG.normal(size=(2, 8, 20)).astype(np.float32)}
     naive = tmp_path / "naive.onnx"
