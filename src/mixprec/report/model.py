@@ -373,7 +373,9 @@ def node_graph(plan: PrecisionPlan) -> NodeGraph:
                 preds.append(source)
             if through_cast and (-1 if source is None else source) not in cast_from:
                 cast_from.append(-1 if source is None else source)
-            if stored or (source is not None and constant[source]):
+            # A source later in the order (reached through a Cast the rewrite shared) is not known
+            # to be constant yet: count it as computed.
+            if stored or (source is not None and source < len(constant) and constant[source]):
                 constants += 1
             else:
                 only_constants = False
