@@ -244,11 +244,14 @@ def warnings_as_errors(torch: Any):  # noqa: ANN201
 
 
 def _first_line(error: BaseException) -> str:
-    for line in str(error).splitlines():
-        line = line.strip()
+    """The first line of the innermost cause (the exporter wraps the real error in pages of
+    advice), without terminal colour codes."""
+    innermost = _causes(error)[-1]
+    for line in str(innermost).splitlines():
+        line = re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
         if line:
-            return line[:300]
-    return type(error).__name__
+            return f"{type(innermost).__name__}: {line[:300]}" if innermost is not error else line[:300]
+    return type(innermost).__name__
 
 
 def _opset(model: ir.Model) -> int | None:
