@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import os
 from pathlib import Path
 
 import numpy as np
@@ -131,3 +132,15 @@ def test_policy_show_lists_classes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["policy", "--to", "bf16"]) == 0
     text = capsys.readouterr().out
     assert "MatMul" in text and "Softmax" in text and "conditional" in text
+
+
+def test_report_rewrite_keeps_the_file_mode(tmp_path: Path) -> None:
+    """Writing a report again replaces it atomically without widening its permissions."""
+    from mixprec.io import write_text_atomic  # noqa: PLC0415
+
+    report = tmp_path / "report.json"
+    report.write_text("{}")
+    os.chmod(report, 0o600)
+    write_text_atomic(report, '{"a": 1}')
+    assert report.read_text() == '{"a": 1}' and (report.stat().st_mode & 0o777) == 0o600
+    assert not [p for p in tmp_path.iterdir() if p.name != "report.json"]

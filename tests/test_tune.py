@@ -25,6 +25,7 @@ from onnx import numpy_helper as nh
 import mixprec
 from mixprec.cli import main
 from mixprec.plan_file import load_plan
+from mixprec.errors import InputError
 from mixprec.tune import Tolerance, TuneResult, tune
 
 
@@ -361,3 +362,13 @@ def test_probe_failure_falls_back_to_graph_order(cnn, monkeypatch):
 def test_model_proto_and_generated_data():
     result = tune(offset_cnn(), None, target_dtype="bf16", tolerance=Tolerance(min_cosine=0.99))
     assert result.met and any("generated batch" in note for note in result.notes)
+
+
+def test_convert_refuses_criteria_only_tune_checks() -> None:
+    """convert checks the allclose rule; a cosine or top-1 criterion is tune's, not silently ignored."""
+    from mixprec.demo_models import small_cnn  # noqa: PLC0415
+
+    with pytest.raises(InputError, match="min_cosine, topk_agreement and outputs are criteria"):
+        mixprec.convert(small_cnn(), tolerance=Tolerance(min_cosine=0.99), validate="none")
+    with pytest.raises(InputError, match="pair of numbers"):
+        mixprec.convert(small_cnn(), tolerance=("a", "b"), validate="none")

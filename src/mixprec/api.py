@@ -12,6 +12,7 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -21,7 +22,7 @@ from mixprec.analysis.calibrate import RangeTable
 from mixprec.analysis.plan import PrecisionPlan
 from mixprec.config import Config
 from mixprec.dtypes import LowPrecision
-from mixprec.errors import InputError, MixprecError, ValidationFailure
+from mixprec.errors import InputError, ValidationFailure
 from mixprec.io import check_output_path, save_model, wants_external_data
 from mixprec.pipeline import Conversion, run
 from mixprec.policy.table import Policy, load_policy
@@ -30,6 +31,9 @@ from mixprec.runtime.isolated import run_isolated
 from mixprec.tolerance import Tolerance
 from mixprec.validate.check import RuntimeRejection
 from mixprec.validate.repair import find_culprits
+
+if TYPE_CHECKING:
+    from mixprec.frontends.torch_module import ExportedModule
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +177,16 @@ def convert_with_config(
     config: Config,
 ) -> ConversionResult:
     """`convert` with its options given as one `Config`."""
+    tolerance = config.validation.tolerance
+    if tolerance is not None and (
+        tolerance.min_cosine is not None or tolerance.topk_agreement is not None or tolerance.outputs is not None
+    ):
+        raise InputError(
+            "convert checks the allclose rule (atol, rtol) on every output; min_cosine, "
+            "topk_agreement and outputs are criteria of mixprec.tune.tune"
+        )
+    if tolerance is not None and tolerance.allclose is None:
+        raise InputError("the tolerance sets neither atol nor rtol")
     if output is not None:
         _check_output(model, output, config.io.overwrite)
     with _gc_paused():
@@ -302,7 +316,7 @@ def convert_module(
     seconds = {"export": round(exported.seconds, 4), **result.report.seconds}
     seconds["total"] = round(seconds.get("total", 0.0) + exported.seconds, 4)
     result.report.seconds = seconds
-    if config.validation.level != "none":
+    if result.report.validation.numerics.startswith("checked"):  # the numeric check ran: compare too
         _compare_with_module(result, module, example_inputs, batches, config)
     return result
 
@@ -311,10 +325,10 @@ def convert_module(
 _FALLBACK_OPSET = 22
 
 
-def _fp32_run_problem(exported: object) -> str | None:
+def _fp32_run_problem(exported: ExportedModule) -> str | None:
     """Why onnxruntime (default options, child process) cannot run the FP32 export on its
     example inputs, or None."""
-    model, feeds = exported.model, exported.feeds  # type: ignore[attr-defined]
+    model, feeds = exported.model, exported.feeds
     if model.opset_imports.get("", 0) <= _FALLBACK_OPSET:
         return None
     with tempfile.TemporaryDirectory(prefix="mixprec-export-") as tmp:
@@ -363,14 +377,15 @@ def _compare_with_module(
             onnx.save(emulate_low_precision(result.model), str(path))
             session = sessions.make_session(path, graph_optimization="disable")
             names = [o.name for o in result.model.graph.outputs]
+            inputs = [v.name for v in result.model.graph.inputs if v.name not in result.model.graph.initializers]
             merged = None
             for feeds in batches:
-                expected = dict(zip(names, run_module(module, feeds, example_inputs)))
+                expected = dict(zip(names, run_module(module, feeds, example_inputs, inputs)))
                 actual = sessions.run_session(session, feeds)
                 comparison = compare.compare_outputs(expected, {k: actual[k] for k in expected})
                 merged = comparison if merged is None else compare.merge(merged, comparison)
-    except MixprecError as e:
-        validation.notes.append(f"not compared with the PyTorch module: {e}")
+    except Exception as e:  # noqa: BLE001 - the module's own errors on a data batch: a note, not a crash
+        validation.notes.append(f"not compared with the PyTorch module: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         return
     tolerance = config.validation.tolerance.allclose if config.validation.tolerance is not None else None
     validation.module_batches = len(batches)

@@ -265,10 +265,14 @@ def _module_factory(source: str) -> tuple[object, object, object] | None:
     path, name = Path(match[1]), match[2]
     if not path.is_file():
         raise InputError(f"{path}: no such Python file (expected path/to/file.py:factory)")
-    spec = importlib.util.spec_from_file_location(f"mixprec_factory_{path.stem}", path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     if spec is None or spec.loader is None:
         raise InputError(f"{path}: cannot be imported as a Python module")
     code = importlib.util.module_from_spec(spec)
+    # Imported as a script of its folder would be: registered, its siblings importable.
+    folder = str(path.resolve().parent)
+    sys.path.insert(0, folder)
+    sys.modules.setdefault(spec.name, code)
     try:
         spec.loader.exec_module(code)
         factory = getattr(code, name, None)
@@ -279,6 +283,9 @@ def _module_factory(source: str) -> tuple[object, object, object] | None:
         raise
     except Exception as e:  # noqa: BLE001 - the user's code: its error in one line
         raise InputError(f"{source}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    finally:
+        if folder in sys.path:
+            sys.path.remove(folder)
     if not isinstance(made, tuple) or len(made) not in (2, 3):
         raise InputError(f"{source} must return (module, example_inputs) or (module, example_inputs, dynamic_shapes)")
     return (made[0], made[1], made[2] if len(made) == 3 else None)

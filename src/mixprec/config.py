@@ -4,7 +4,8 @@
     config.ops.target            # LowPrecision.BFLOAT16
     config.replace(validation=ValidationConfig(level="none"))
 
-Every option is checked once, here, with a one-line `InputError` naming it.
+Options are checked when the config is built, with a one-line `InputError` naming the option;
+files an option names (policy, plan, data) are checked when the conversion reads them.
 """
 
 from __future__ import annotations
@@ -15,13 +16,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from mixprec.dtypes import LowPrecision, parse_low_precision
 from mixprec.errors import InputError
 from mixprec.tolerance import Tolerance, as_tolerance
 
-Batch = Mapping[str, np.ndarray]
 _LEVELS = ("auto", "run", "load", "checker", "none")
 
 
@@ -187,8 +185,8 @@ def _normalize(name: str, value: Any) -> Any:
         if value not in _LEVELS:
             raise InputError(f"unknown validation level {value!r}: use auto, run, load, checker or none")
         return str(value)
-    if name == "max_batches" and (not isinstance(value, int) or value < 1):
+    if name == "max_batches" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise InputError(f"max_batches must be an integer >= 1, got {value!r}")
-    if name == "opset" and value is not None and (not isinstance(value, int) or value < 1):
+    if name == "opset" and value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise InputError(f"opset must be a positive integer, got {value!r}")
     return value

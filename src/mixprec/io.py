@@ -28,7 +28,7 @@ from pathlib import Path, PurePath
 import onnx
 import onnx_ir as ir
 
-from mixprec.graphs import all_graphs
+from mixprec.graphs import all_graphs, is_default_domain
 from google.protobuf.message import DecodeError
 
 from mixprec.errors import InputError, ModelLoadError
@@ -183,24 +183,28 @@ def weight_free_proto(model: ir.Model, max_inline_bytes: int = 1024) -> onnx.Mod
     inlined: list[tuple[ir.Value, ir.TensorProtocol]] = []
     original_inputs = list(graph.inputs)
     input_set = set(original_inputs)
-    for value in list(graph.initializers.values()):
-        tensor = value.const_value
-        if tensor is not None:
-            if value.dtype is None:
-                value.dtype = tensor.dtype
-            if value.shape is None:
-                value.shape = ir.Shape(tensor.shape)
-        if tensor is None or tensor.nbytes > max_inline_bytes:
-            removed.append((value, tensor))
-            graph.initializers.pop(value.name)
-            if value not in input_set:
-                graph.inputs.append(value)
-        elif isinstance(tensor, ir.ExternalTensor):
-            # A small tensor in an external file: inline its bytes (its file reference is
-            # relative to the model's folder, which the copy does not have).
-            inlined.append((value, tensor))
-            value.const_value = ir.Tensor(tensor.numpy(), name=value.name)
     try:
+        for value in list(graph.initializers.values()):
+            tensor = value.const_value
+            if tensor is not None:
+                if value.dtype is None:
+                    value.dtype = tensor.dtype
+                if value.shape is None:
+                    value.shape = ir.Shape(tensor.shape)
+            if tensor is None or tensor.nbytes > max_inline_bytes:
+                removed.append((value, tensor))
+                graph.initializers.pop(value.name)
+                if value not in input_set:
+                    graph.inputs.append(value)
+            elif isinstance(tensor, ir.ExternalTensor):
+                # A small tensor in an external file: inline its bytes (its file reference is
+                # relative to the model's folder, which the copy does not have).
+                try:
+                    array = tensor.numpy()
+                except OSError as e:
+                    raise ModelLoadError(f"initializer {value.name!r}: its external data cannot be read: {e}") from e
+                inlined.append((value, tensor))
+                value.const_value = ir.Tensor(array, name=value.name)
         return ir.serde.serialize_model(model)
     finally:
         for value, tensor in inlined:
@@ -259,22 +263,23 @@ def _inline_external(model: ir.Model) -> None:
                 value.const_value = ir.Tensor(tensor.numpy(), name=tensor.name)
 
 
-def typed_values(model: ir.Model) -> set[ir.Value]:
-    """Node outputs and initializers that carry a type or shape now (in a loaded model: those
-    the file declared in its value_info)."""
-    typed: set[ir.Value] = set()
+def typed_values(model: ir.Model) -> set[str]:
+    """Names of the node outputs and initializers that carry a type or shape now (in a loaded
+    model: those the file declared in its value_info)."""
+    typed: set[str] = set()
     for graph in all_graphs(model):
-        typed.update(v for v in graph.initializers.values() if v.type is not None or v.shape is not None)
+        typed.update(v.name for v in graph.initializers.values() if v.type is not None or v.shape is not None)
         for node in graph:
-            typed.update(v for v in node.outputs if v.type is not None or v.shape is not None)
+            typed.update(v.name for v in node.outputs if v.name and (v.type is not None or v.shape is not None))
     return typed
 
 
 @contextlib.contextmanager
-def _value_info_of(model: ir.Model, declared: set[ir.Value] | None) -> Iterator[None]:
+def _value_info_of(model: ir.Model, declared: set[str] | None) -> Iterator[None]:
     """Leave out of the saved file the types and shapes of intermediate values and initializers
-    that the input did not declare (`declared`; None: keep all): inference filled them in, a
-    runtime infers them again, and writing them costs as much as writing the nodes."""
+    that the input did not declare (`declared`, by name; None: keep all): ONNX inference filled
+    them in, a runtime infers them again, and writing them costs as much as writing the nodes.
+    Outputs of ops outside the ONNX domain keep theirs (no ONNX inference can recover them)."""
     if declared is None:
         yield
         return
@@ -283,7 +288,10 @@ def _value_info_of(model: ir.Model, declared: set[ir.Value] | None) -> Iterator[
         boundary = {*graph.inputs, *graph.outputs}
         values = [*graph.initializers.values(), *(v for node in graph for v in node.outputs)]
         for value in values:
-            if value in declared or value in boundary or (value.type is None and value.shape is None):
+            if value.name in declared or value in boundary or (value.type is None and value.shape is None):
+                continue
+            producer = value.producer()
+            if producer is not None and not is_default_domain(producer.domain):
                 continue
             stashed.append((value, value.type, value.shape))
             value.type = None
@@ -297,7 +305,7 @@ def _value_info_of(model: ir.Model, declared: set[ir.Value] | None) -> Iterator[
 
 
 def _write(
-    model: ir.Model, path: Path, data_name: str | None, progress: bool | None, declared: set[ir.Value] | None = None
+    model: ir.Model, path: Path, data_name: str | None, progress: bool | None, declared: set[str] | None = None
 ) -> None:
     with _value_info_of(model, declared):
         _write_all(model, path, data_name, progress)
@@ -330,6 +338,16 @@ def _write_all(model: ir.Model, path: Path, data_name: str | None, progress: boo
         ir.save(model, path)
 
 
+def _new_file_mode(path: Path) -> int:
+    """The mode a file written at `path` gets: the existing file's, else the umask's default."""
+    try:
+        return path.stat().st_mode & 0o777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write a text file atomically: a temporary file in the same folder, then renamed over
     `path` (readers see the old file or the new one, never a part)."""
@@ -341,7 +359,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
             f.write(text)
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, _new_file_mode(path))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -425,7 +443,7 @@ def staged_save(
     *,
     external_data: bool | None = None,
     progress: bool | None = False,
-    declared: set[ir.Value] | None = None,
+    declared: set[str] | None = None,
 ) -> Iterator[Path]:
     """Save `model` into a staging folder beside `destination`; publish on clean exit.
 

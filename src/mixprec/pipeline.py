@@ -78,7 +78,7 @@ class Conversion:
     reference_dir: tempfile.TemporaryDirectory[str] | None = None
     # type
     typeinfo: TypeInfo | None = None
-    declared: set[ir.Value] | None = None  # values whose type the input declared
+    declared: set[str] | None = None  # names of the values whose type the input declared
     keys: dict[ir.Node, str] = field(default_factory=dict)
     # analyze: findings by node key / value name
     forced: dict[str, tuple[Category, str]] = field(default_factory=dict)
@@ -162,8 +162,8 @@ def type_model(c: Conversion) -> None:
             c.notes.append(f"normalizations stay FP32 blocks: upgrading to opset {version} failed ({e})")
         else:
             c.notes.append(
-                f"opset upgraded to {version}: {len(blocks.kept)} node(s) of decomposed "
-                f"{' and '.join(sorted(blocks.needs_opset))} block(s) fuse there (pin a version with --opset)"
+                f"opset upgraded to {version} so that decomposed normalizations fuse into "
+                f"{' and '.join(sorted(blocks.needs_opset))} (pin a version with --opset)"
             )
             c.model, c.unchanged_source = upgraded, None
             c.typeinfo = infer_types(c.model)
@@ -306,7 +306,7 @@ def run(c: Conversion) -> Conversion:
         if c.staged is not None:
             c.seconds["publish"] = time.perf_counter() - t
     finally:
-        if c.reference_dir is not None and c.stop_after is None:
+        if c.reference_dir is not None:  # unless a runtime rejection took it for its repair
             c.reference_dir.cleanup()
     c.seconds["total"] = time.perf_counter() - start
     if c.report is not None:

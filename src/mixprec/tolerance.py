@@ -71,7 +71,7 @@ def as_tolerance(value: Tolerance | tuple[float, float] | None) -> Tolerance | N
     if value is None or isinstance(value, Tolerance):
         return value
     try:
-        atol, rtol = value
+        atol, rtol = (float(v) for v in value)
     except (TypeError, ValueError):
-        raise InputError(f"tolerance must be a Tolerance or an (atol, rtol) pair, got {value!r}") from None
-    return Tolerance(atol=float(atol), rtol=float(rtol))
+        raise InputError(f"tolerance must be a Tolerance or an (atol, rtol) pair of numbers, got {value!r}") from None
+    return Tolerance(atol=atol, rtol=rtol)

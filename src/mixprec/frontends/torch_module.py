@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 # states a lower highest opset (TensorRT) caps it.
 _MODULE_OPSET = 23
 _SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+# The TorchScript exporter's highest opset.
+_TORCHSCRIPT_MAX_OPSET = 20
 
 
 @dataclass
@@ -121,10 +123,14 @@ def export_module(
                 f"{name}: the exporter cannot follow data-dependent control flow ({branch}); "
                 "write the branch with torch.where or torch.cond, or export the module yourself"
             ) from None
-        model = _torchscript_export(torch, module, args, kwargs, name, opset, input_names, output_names, error)
+        model = _torchscript_export(
+            torch, module, args, kwargs, name, min(opset, _TORCHSCRIPT_MAX_OPSET), input_names, output_names, error
+        )
         exporter = "torchscript"
         notes.append(
             f"the dynamo exporter failed ({_first_line(error)}); exported with the TorchScript exporter"
+            + ("; its model has the example inputs' static shapes (dynamic_shapes apply to the dynamo exporter)"
+               if dynamic_shapes is not None else "")
         )
     seconds = time.perf_counter() - start
     renamed = _name_by_module_path(model)
@@ -134,13 +140,23 @@ def export_module(
     return ExportedModule(model, exporter, feeds, seconds, notes)
 
 
-def run_module(module: Any, feeds: Mapping[str, np.ndarray], example_inputs: Any) -> list[np.ndarray]:
-    """Run `module` in FP32 on `feeds` (arranged like `example_inputs`); its outputs, flattened
-    in the order the exporter lists them."""
+def run_module(
+    module: Any, feeds: Mapping[str, np.ndarray], example_inputs: Any, input_names: Sequence[str]
+) -> list[np.ndarray]:
+    """Run `module` in FP32 on `feeds` (the exported model's inputs by name, `input_names` in
+    the model's order, arranged like `example_inputs`); its outputs, flattened in the order the
+    exporter lists them.
+
+    Raises:
+        InputError: A feed is missing.
+    """
     torch = require_torch()
     args, kwargs = _split_inputs(example_inputs, torch)
     leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
-    values = iter(feeds.values())
+    missing = [name for name in input_names if name not in feeds]
+    if missing:
+        raise InputError(f"the batch has no data for model input {missing[0]!r}")
+    values = iter(feeds[name] for name in input_names)
     rebuilt = [torch.from_numpy(np.ascontiguousarray(next(values))) if isinstance(x, torch.Tensor) else x for x in leaves]
     args, kwargs = torch.utils._pytree.tree_unflatten(rebuilt, spec)
     with torch.no_grad():
@@ -206,7 +222,7 @@ def _data_dependent(error: BaseException) -> str | None:
 
 
 def _torchscript_export(
-    torch: Any, module: Any, args: tuple, kwargs: dict, name: str, opset: int | None,
+    torch: Any, module: Any, args: tuple, kwargs: dict, name: str, opset: int,
     input_names: Sequence[str] | None, output_names: Sequence[str] | None, dynamo_error: BaseException,
 ) -> ir.Model:
     buffer = io.BytesIO()
@@ -214,7 +230,7 @@ def _torchscript_export(
         with warnings_as_errors(torch):
             _quietly(
                 lambda: torch.onnx.export(
-                    module, args, buffer, kwargs=kwargs or None, dynamo=False, opset_version=opset or 17,
+                    module, args, buffer, kwargs=kwargs or None, dynamo=False, opset_version=opset,
                     input_names=input_names, output_names=output_names,
                 )
             )
@@ -234,12 +250,12 @@ def _torchscript_export(
 
 @contextlib.contextmanager
 def warnings_as_errors(torch: Any):  # noqa: ANN201
-    """Tracer warnings (a tensor turned into a Python bool) become errors: tracing would keep
-    one branch only."""
+    """The tracer's warning that a tensor became a Python bool (an `if` on data) is an error:
+    tracing would keep one branch only. Its other warnings stay warnings."""
     import warnings  # noqa: PLC0415
 
     with warnings.catch_warnings():
-        warnings.simplefilter("error", torch.jit.TracerWarning)
+        warnings.filterwarnings("error", message=".*Python boolean.*", category=torch.jit.TracerWarning)
         yield
 
 
@@ -271,7 +287,7 @@ def _name_by_module_path(model: ir.Model) -> int:
                 parts = [p for p in ast.literal_eval(scopes) if isinstance(p, str)]
             except (ValueError, SyntaxError):
                 parts = []
-            path = "/".join(_local_names(parts[1:-1]))  # drop the root and the aten op
+            path = "/".join(_local_names(parts[1:-1])) if parts else None  # drop the root and the aten op
         if path is None:
             node.name = fresh(node.name or node.op_type)
             continue

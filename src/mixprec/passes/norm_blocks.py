@@ -287,8 +287,10 @@ def _fuse(graph: ir.Graph, block: NormBlock, index: int) -> bool:
 
 
 def opset_for_fusion(blocks: NormBlocks, profile: RuntimeProfile, target: LowPrecision) -> int | None:
-    """The opset to upgrade to so that the kept blocks fuse: when the runtime runs the fused ops
-    in the target type at that opset (and its table reaches it); else None."""
+    """The opset to upgrade to so that the blocks kept for the model's opset fuse (the newest
+    their fused ops need): when the runtime has a kernel of every fused op that admits the
+    target type and its table, if it states one, reaches that opset; else None (then no block
+    is upgraded, also those a lower opset would fuse)."""
     if not blocks.needs_opset:
         return None
     version = max(blocks.needs_opset.values())

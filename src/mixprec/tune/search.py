@@ -183,8 +183,7 @@ class _Search:
         from mixprec.io import load_model  # noqa: PLC0415
         from mixprec.passes.opset import default_opset, upgrade_opset  # noqa: PLC0415
 
-        opset = self.config.io.opset
-        self.config = self.config.with_options(opset=None)  # the file below is upgraded already
+        opset = self.config.io.opset  # stays pinned: no candidate moves past it
         if isinstance(model, ir.Model):
             raise InputError("tune takes a model path or an onnx.ModelProto, not an onnx_ir.Model")
         path = None if isinstance(model, onnx.ModelProto) else Path(model)
