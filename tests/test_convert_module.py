@@ -269,3 +269,26 @@ def test_torchscript_fallback_when_dynamo_fails(tmp_path: Path, monkeypatch: pyt
     assert "the dynamo exporter failed (no ONNX function for aten::made_up_op)" in notes
     assert "exported with the TorchScript exporter" in notes
     _check(result, out, "fp16", 5e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "body,expected",
+    [
+        ("def build():\n    raise RuntimeError('no weights here')\n", "RuntimeError: no weights here"),
+        ("def build():\n    return 1, 2\n", "expected a torch.nn.Module, got int"),
+        ("def build():\n    return None\n", "must return (module, example_inputs)"),
+        ("import no_such_module_anywhere\n", "ModuleNotFoundError"),
+        ("def build(:\n", "SyntaxError"),
+    ],
+)
+def test_bad_factory_files_are_one_line_and_write_nothing(
+    body: str, expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "make.py"
+    script.write_text(body)
+    out = tmp_path / "out.onnx"
+    assert main(["convert", f"{script}:build", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and "\n" not in err, err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.onnx")]
