@@ -192,6 +192,11 @@ def analyze(c: Conversion) -> None:
         c.safe = {value.name: evidence for value, evidence in safe.items() if value.name}
         if calibration.ranges is not None:
             c.notes.append(f"{len(wide)} value(s) measured beyond the {c.target.value} range stay FP32")
+        else:
+            c.notes.append(
+                f"calibration: {len(ranges)} FP32 values measured on {ranges.batches} batch(es) in "
+                f"{ranges.runs} run(s); {len(wide)} leave the {c.target.value} range and stay FP32"
+            )
     integer = integer_semantics(c.model, c.target)
     # Integer semantics wins over the normalization blocks and runtime failures.
     c.forced.update({c.keys[n]: finding for n, finding in integer.items()})
@@ -467,11 +472,6 @@ def _calibrate(c: Conversion) -> RangeTable | None:
     except RunError as e:
         c.notes.append(f"calibration skipped: the FP32 model does not run in onnxruntime: {e}")
         return None
-    wide = wide_values_from_ranges(c.model, table, c.target)
-    c.notes.append(
-        f"calibration: {len(table)} FP32 values measured on {table.batches} batch(es) in "
-        f"{table.runs} run(s); {len(wide)} leave the {c.target.value} range and stay FP32"
-    )
     return table
 
 
