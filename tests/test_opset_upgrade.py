@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import mixprec
@@ -77,3 +78,23 @@ def test_pinned_opset_is_kept(tmp_path: Path) -> None:
     assert "Conv" not in result.report.low_by_op  # opset 21 has no bfloat16 Conv
     assert result.report.low_by_op.get("Gemm") == 1
     assert any("opset 22 admits them" in n for n in result.report.notes)
+
+
+def test_weight_free_copy_keeps_the_model_when_external_data_is_gone(tmp_path: Path) -> None:
+    """A small external tensor is read into the weight-free copy; when its file is missing that
+    is a one-line ModelLoadError and the model is left as it was (no detached initializers)."""
+    from mixprec.errors import ModelLoadError  # noqa: PLC0415
+    from mixprec.io import weight_free_proto  # noqa: PLC0415
+
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4])
+    w = onnx.numpy_helper.from_array(np.arange(4, dtype=np.float32), "w")
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Add", ["x", "w"], ["y"])], "g", [x], [y], [w])
+    path = tmp_path / "m.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), str(path),
+              save_as_external_data=True, location="m.onnx.data", size_threshold=0)
+    model = ir.load(path)
+    (tmp_path / "m.onnx.data").unlink()
+    with pytest.raises(ModelLoadError, match="initializer 'w'"):
+        weight_free_proto(model)
+    assert list(model.graph.initializers) == ["w"] and [v.name for v in model.graph.inputs] == ["x"]

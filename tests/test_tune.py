@@ -372,3 +372,17 @@ def test_convert_refuses_criteria_only_tune_checks() -> None:
         mixprec.convert(small_cnn(), tolerance=Tolerance(min_cosine=0.99), validate="none")
     with pytest.raises(InputError, match="pair of numbers"):
         mixprec.convert(small_cnn(), tolerance=("a", "b"), validate="none")
+
+
+def test_pinned_opset_holds_for_every_candidate(tmp_path):
+    """--opset pins the version: bfloat16 Conv would need 22, the search's models stay at 21
+    (the convolutions keep FP32 for the schema) and so does the final model."""
+    from mixprec.demo_models import small_cnn  # noqa: PLC0415
+
+    model = small_cnn()
+    assert model.opset_import[0].version < 21
+    path = _save(model, tmp_path / "cnn.onnx")
+    result = tune(path, None, target_dtype="bf16", tolerance=Tolerance(atol=5e-2), opset=21)
+    assert result.model.opset_imports[""] == 21
+    assert result.report.low_by_op.get("Conv", 0) == 0
+    assert "schema has no 16-bit type" in result.report.fp32_by_category
