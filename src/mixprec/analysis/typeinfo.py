@@ -105,6 +105,10 @@ def _graph_pairs(
                     yield from _graph_pairs(sub, sub_proto)
 
 
+# Element type numbers to the IR's enum (the enum's own lookup is slow at 100k values).
+_DATA_TYPES: dict[int, ir.DataType] = {int(d): d for d in ir.DataType}
+
+
 def _apply(graph: ir.Graph, proto: onnx.GraphProto, types: _TypeCache) -> int:
     """Copy inferred types onto the values of `graph` that lack a dtype or shape."""
     values: list[ir.Value] = [*graph.inputs, *graph.initializers.values()]
@@ -123,7 +127,7 @@ def _apply(graph: ir.Graph, proto: onnx.GraphProto, types: _TypeCache) -> int:
             continue
         elem_type, shape = types.get(type_proto)
         if value.dtype is None and elem_type:
-            value.dtype = ir.DataType(elem_type)
+            value.dtype = _DATA_TYPES.get(elem_type) or ir.DataType(elem_type)
             count += 1
         if value.shape is None and shape is not None:
             value.shape = shape
