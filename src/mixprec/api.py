@@ -109,7 +109,8 @@ def convert(
 
     Args:
         model: Path to an .onnx file, an `onnx.ModelProto`, or an `onnx_ir.Model` (converted in
-            place).
+            place; when onnxruntime rejects that conversion and nodes are kept FP32 for it, the
+            result's `model` is a new object converted from a copy of the input).
         output: Where to save the result; nothing is written when the conversion or its
             validation fails.
         target_dtype: "float16"/"fp16" or "bfloat16"/"bf16".
@@ -194,7 +195,10 @@ def convert_with_config(
             return _run(model, output, config)
         except RuntimeRejection as rejection:
             try:
-                return _repair(rejection, output, config)
+                result = _repair(rejection, output, config)
+                if not isinstance(model, (str, os.PathLike)):  # converted again from a temporary copy
+                    result.report.source = "(in memory)"
+                return result
             finally:
                 rejection.cleanup()
 
