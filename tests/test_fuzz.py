@@ -321,3 +321,26 @@ def test_sigterm_cleans_up(tmp_path: Path) -> None:
     assert child.returncode == 130, err
     assert err.strip().splitlines()[-1] == "mixprec: interrupted"
     assert list(out_dir.iterdir()) == []
+
+
+def test_hostile_factory_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The `file.py:factory` entry: a missing file, a missing function, broken or failing code, a
+    wrong return value: one line, exit 2, nothing written (no torch needed to get there)."""
+    cases = {
+        "missing": (None, "no such Python file"),
+        "syntax": ("def build(:\n", "SyntaxError"),
+        "raises": ("def build():\n    raise ValueError('bad weights')\n", "ValueError: bad weights"),
+        "returns": ("def build():\n    return 42\n", "must return (module, example_inputs)"),
+        "nofunc": ("x = 1\n", "defines no function 'build'"),
+    }
+    for name, (body, expected) in cases.items():
+        script = tmp_path / f"{name}.py"
+        if body is not None:
+            script.write_text(body)
+        out_dir = tmp_path / f"out-{name}"
+        out_dir.mkdir()
+        out = out_dir / "out.onnx"
+        assert main(["convert", f"{script}:build", str(out)]) == 2, name
+        err = capsys.readouterr().err.strip()
+        assert expected in err and "\n" not in err, (name, err)
+        assert not list(out_dir.iterdir()), (name, list(out_dir.iterdir()))

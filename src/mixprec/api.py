@@ -29,7 +29,7 @@ from mixprec.policy.table import Policy, load_policy
 from mixprec.report import Report
 from mixprec.runtime.isolated import run_isolated
 from mixprec.tolerance import Tolerance
-from mixprec.validate.check import RuntimeRejection
+from mixprec.validate.check import RuntimeRejection, output_errors
 from mixprec.validate.repair import find_culprits
 
 if TYPE_CHECKING:
@@ -369,7 +369,6 @@ def _compare_with_module(
     """Run the module in FP32 and the converted model (emulated 16-bit) on the same inputs;
     record the errors of export and conversion together."""
     from mixprec.frontends.torch_module import run_module  # noqa: PLC0415
-    from mixprec.report.model import OutputError  # noqa: PLC0415
     from mixprec.runtime import sessions  # noqa: PLC0415
     from mixprec.validate import compare  # noqa: PLC0415
     from mixprec.validate.emulate import emulate_low_precision  # noqa: PLC0415
@@ -393,11 +392,4 @@ def _compare_with_module(
         return
     tolerance = config.validation.tolerance.allclose if config.validation.tolerance is not None else None
     validation.module_batches = len(batches)
-    validation.module_outputs = [
-        OutputError(
-            c.name, float(c.max_abs_error), float(c.max_rel_error), int(c.nan_count), int(c.inf_count),
-            int(c.new_nonfinite), c.within(*tolerance) if tolerance is not None else None,
-            scaled_error=float(c.scaled_error),
-        )
-        for c in merged or []
-    ]
+    validation.module_outputs = output_errors(merged or [], tolerance)

@@ -94,19 +94,7 @@ class Config:
     @classmethod
     def from_options(cls, **options: Any) -> Config:
         """Build a config from `convert`'s keyword names (unknown names are an `InputError`)."""
-        groups: dict[str, dict[str, Any]] = {name: {} for name in _GROUP_TYPES}
-        runtime = None
-        for name, value in options.items():
-            if name == "runtime":
-                runtime = value
-                continue
-            where = OPTIONS.get(name)
-            if where is None:
-                raise InputError(f"unknown option {name!r}")
-            group, attribute = where
-            groups[group][attribute] = _normalize(name, value)
-        built = {name: _GROUP_TYPES[name](**values) for name, values in groups.items()}
-        return cls(runtime=runtime, **built)
+        return cls().with_options(**options)
 
     def replace(self, **changes: Any) -> Config:
         """A copy with whole groups (or `runtime`) replaced."""
@@ -132,15 +120,6 @@ class Config:
         """The groups the named options belong to."""
         return {"runtime" if name == "runtime" else OPTIONS[name][0] for name in options if name in OPTIONS or name == "runtime"}
 
-
-_GROUP_TYPES: dict[str, type] = {
-    "ops": OpsConfig,
-    "nodes": NodesConfig,
-    "io": IOConfig,
-    "calibration": CalibrationConfig,
-    "validation": ValidationConfig,
-    "output": OutputConfig,
-}
 
 # `convert`'s keyword name -> (group, attribute).
 OPTIONS: dict[str, tuple[str, str]] = {

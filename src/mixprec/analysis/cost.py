@@ -32,13 +32,18 @@ def _size(dim: object, symbolic: int | None) -> int | None:
     return symbolic
 
 
-def estimated_elements(shape: ir.Shape | None) -> int | None:
-    """Elements of a tensor of `shape`, named symbolic dimensions as `SYMBOLIC_DIM`; None when
-    the shape or one of its dimensions is unknown."""
+def tensor_elements(shape: ir.Shape | None, symbolic: int | None = None) -> int | None:
+    """Elements of a tensor of `shape`, named symbolic dimensions as `symbolic` (None: a shape
+    with symbolic dimensions is unknown); None when the shape or a dimension is unknown."""
     if shape is None:
         return None
-    sizes = [_size(d, SYMBOLIC_DIM) for d in shape.dims]
+    sizes = [_size(d, symbolic) for d in shape.dims]
     return None if any(s is None for s in sizes) else math.prod(sizes)  # type: ignore[arg-type]
+
+
+def estimated_elements(shape: ir.Shape | None) -> int | None:
+    """Elements of a tensor of `shape` with named symbolic dimensions as `SYMBOLIC_DIM`."""
+    return tensor_elements(shape, SYMBOLIC_DIM)
 
 
 def low_compute_share(plan: PrecisionPlan) -> float | None:

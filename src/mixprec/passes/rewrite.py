@@ -26,7 +26,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_tensor, is_constant, iter_chunks
-from mixprec.analysis.cost import estimated_elements
+from mixprec.analysis.cost import estimated_elements, tensor_elements
 from mixprec.analysis.plan import Precision, PrecisionPlan, Storage
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.graphs import FreshNames
@@ -58,12 +58,6 @@ class RewriteStats:
     retargeted: list[str] = field(default_factory=list)
     constants_lowered: int = 0
     constants_duplicated: int = 0
-
-
-def _numel(shape: ir.Shape | None) -> int | None:
-    if shape is None or not all(isinstance(d, int) for d in shape.dims):
-        return None
-    return math.prod(int(d) for d in shape.dims)
 
 
 def cast_tensor_lazily(
@@ -165,7 +159,7 @@ class _Rewriter:
         )
         self._place_after_definition(value, node)
         self.stats.casts.append(
-            CastRecord(base, short, _numel(value.shape), runtime=True, estimated_elements=estimated_elements(value.shape))
+            CastRecord(base, short, tensor_elements(value.shape), runtime=True, estimated_elements=estimated_elements(value.shape))
         )
         self.cache[key] = out
         self.created.add(out)

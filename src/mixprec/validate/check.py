@@ -190,7 +190,7 @@ def _run_check(
         _openvino_check(path, reference, batches, tolerance, result)
     elif outcome.ran and outcome.outputs is not None:
         result.real_runtime = "onnxruntime CPU (batch 1)"
-        result.real_outputs = _output_errors(compare.compare_outputs(batches[0][1], outcome.outputs), tolerance)
+        result.real_outputs = output_errors(compare.compare_outputs(batches[0][1], outcome.outputs), tolerance)
     candidate_path = path.with_name("emulated.onnx")
     # The typed model in memory when its weights are all in memory (its external tensors would
     # point at the input's data file); else the staged file.
@@ -218,7 +218,7 @@ def _run_check(
     result.runtime = "ran and emulated" if outcome.ran or result.real_outputs else "emulated"
     real = f" and for real on {result.real_runtime}" if result.real_outputs else ""
     result.numerics = f"checked on {result.batches} batch(es) (emulated {target.value}{real})"
-    result.outputs = _output_errors(merged or [], tolerance)
+    result.outputs = output_errors(merged or [], tolerance)
     for c in merged or []:
         if c.new_nonfinite:
             result.notes.append(
@@ -243,7 +243,8 @@ def _unchecked(result: Validation, why: str) -> None:
     result.numerics_unchecked = True
 
 
-def _output_errors(comparisons: Iterable[compare.OutputComparison], tolerance: tuple[float, float] | None) -> list[OutputError]:
+def output_errors(comparisons: Iterable[compare.OutputComparison], tolerance: tuple[float, float] | None) -> list[OutputError]:
+    """The report's form of output comparisons (`within_tolerance` only with a tolerance)."""
     return [
         OutputError(
             c.name, float(c.max_abs_error), float(c.max_rel_error), int(c.nan_count), int(c.inf_count),
@@ -280,7 +281,7 @@ def _openvino_check(
     except MixprecError as e:
         raise ValidationFailure(f"OpenVINO cannot run the converted model: {e}") from e
     result.real_runtime = f"OpenVINO CPU ({converted.inference_precision} hint, model types)"
-    result.real_outputs = _output_errors(merged or [], tolerance)
+    result.real_outputs = output_errors(merged or [], tolerance)
     result.speed_ratio = ratio
 
 
