@@ -388,6 +388,18 @@ def trt_entry(line: Line, cells: list[str]) -> Json | None:
     return entry
 
 
+def _trt_dequantize_float_side(ops: dict[str, list[Json]]) -> None:
+    """The matrix lists DequantizeLinear's quantized input types only; its float side (scale
+    and output) is the float type a QuantizeLinear reads, since a Q/DQ pair shares one scale
+    type: add QuantizeLinear's float types to DequantizeLinear's."""
+    dq, q = ops.get("DequantizeLinear"), ops.get("QuantizeLinear")
+    if dq is None or q is None:
+        return
+    floats = {t for t in q[0]["types"]["*"] if t in ("tensor(float)", "tensor(float16)", "tensor(bfloat16)")}
+    for entry in dq:
+        entry["types"]["*"] = sorted(set(entry["types"]["*"]) | floats)
+
+
 def trt_profile(source: Path, sources: dict[str, str]) -> Json:
     """The TensorRT profile (all ops in ONNX's default domain)."""
     lines = read_lines(source / TRT_TABLE)
@@ -401,6 +413,7 @@ def trt_profile(source: Path, sources: dict[str, str]) -> Json:
             ops[cells[0]] = [entry]
     if not ops:
         raise ValueError(f"{TRT_TABLE} lists no supported op")
+    _trt_dequantize_float_side(ops)
     profile = profile_header(TRT_PROFILE, "tensorrt", TRT_PROVIDER, source_of(sources, TRT_TABLE))
     profile["opset_range"] = list(opsets)
     profile["kernels"] = {"": ops}

@@ -27,6 +27,7 @@ import onnx_ir as ir
 from mixprec.analysis.calibrate import RangeTable, safe_values_from_ranges, wide_values_from_ranges
 from mixprec.analysis.integer_semantics import integer_semantics
 from mixprec.analysis.plan import Category, NodeMatcher, Precision, PrecisionPlan, plan_precision
+from mixprec.analysis.qdq import keep_pairs as keep_qdq_pairs
 from mixprec.analysis.plan import weights_only as weights_only_plan
 from mixprec.analysis.typeinfo import TypeInfo, assume_float_outputs, infer_types
 from mixprec.config import Config
@@ -341,13 +342,15 @@ def make_plan(
     safe_values = {values[name]: evidence for name, evidence in (safe or {}).items() if name in values} or None
     matcher = NodeMatcher(config.nodes.exclude)
 
-    def planned(extra: Mapping[ir.Node, tuple[Category, str]] | None = None) -> PrecisionPlan:
-        # Analyses' reasons (integer semantics) win over a plan file's.
+    def plan_once(extra: Mapping[ir.Node, tuple[Category, str]]) -> PrecisionPlan:
         return plan_precision(
             model, policy, exclude_nodes=matcher, keep_io_types=config.io.keep_io_types,
-            forced_fp32={**(extra or {}), **forced_nodes}, wide_values=wide_values, runtime=profile,
-            keys=keys, safe_values=safe_values,
+            forced_fp32=extra, wide_values=wide_values, runtime=profile, keys=keys, safe_values=safe_values,
         )
+
+    def planned(extra: Mapping[ir.Node, tuple[Category, str]] | None = None) -> PrecisionPlan:
+        # Analyses' reasons (integer semantics) win over a plan file's; QDQ pairs stay cast-free.
+        return keep_qdq_pairs(plan_once, list(keys), policy.target, {**(extra or {}), **forced_nodes})
 
     requested = None
     if config.nodes.plan is not None:

@@ -45,6 +45,7 @@ class Category(str, enum.Enum):
     FUNCTION = "function call"
     DATA_RANGE = "range measured on data"
     INTEGER = "integer semantics"
+    QDQ = "quantized pair"
     NO_FLOAT = "no FP32 compute"
     PLAN = "set by plan"
 

@@ -231,6 +231,11 @@ class _Planner:
                 )
         if sig is None and rule is not None and rule.source == "user" and not is_default_domain(node.domain):
             sig = _user_op_signature(len(node.inputs), len(node.outputs))
+        tied = op_facts(node.domain, node.op_type).output_type_from
+        if sig is not None and tied is not None and tied < len(sig.input_vars) and sig.output_vars:
+            # The output takes that input's type (DequantizeLinear-23: the scale's) unless an
+            # attribute says otherwise (such nodes keep their types, see `_decide`).
+            sig = replace(sig, output_vars=(sig.input_vars[tied], *sig.output_vars[1:]))
         excluded: set[str] = set()
         if sig is not None:
             excluded = {v for v, allowed in sig.allowed.items() if self.target_type not in allowed}
@@ -416,6 +421,10 @@ class _Planner:
             return
         if rule.dtype_attribute is not None:
             self._decide_dtype_source(node, facts, rule)
+            return
+        fixed_by = op_facts(node.domain, node.op_type).dtype_attribute
+        if fixed_by is not None and node.attributes.get(fixed_by) is not None:
+            self._keep(node, Category.SCHEMA, f"{op_name}: its {fixed_by} attribute fixes its output type", State.HIGH)
             return
         if not facts.lowerable and facts.runtime_blocked & facts.float_vars and rule.op_class is not OpClass.FP32:
             self._keep(node, Category.RUNTIME, facts.runtime_reason or "no 16-bit kernel", State.HIGH)
@@ -630,6 +639,10 @@ class _Planner:
             op_name = format_op_name(node.domain, node.op_type)
             if wanted == {State.LOW}:
                 self._lower(node, facts, Category.CONSUMERS, f"{op_name}: all consumers compute in {self.target.short_name}")
+            elif not wanted and self._quantizes_float_chain(node):
+                # A QuantizeLinear has no float output: in 16 bits it lets the ops before it
+                # (back to their DequantizeLinear) convert without a Cast.
+                self._lower(node, facts, Category.CONSUMERS, f"{op_name}: reads a chain of ops computed in {self.target.short_name}")
             elif self._weight_heavy(node, facts):
                 self._lower(
                     node,
@@ -641,6 +654,24 @@ class _Planner:
             else:
                 why = "some consumers compute in FP32" if State.HIGH in wanted else "no 16-bit consumer"
                 self._keep(node, Category.CONSUMERS, f"{op_name}: {why}", State.HIGH)
+
+    @staticmethod
+    def _quantizes_float_chain(node: ir.Node) -> bool:
+        """Whether the node quantizes a value computed by an op that is not a single-op QDQ
+        group: runtimes fuse DequantizeLinear -> op -> QuantizeLinear into one integer kernel
+        (ONNX Runtime's CPU provider even with 16-bit scales it cannot run, QLinearConcat), so
+        such a group gains nothing in 16 bits; graph inputs stay as they are."""
+        if op_facts(node.domain, node.op_type).quantization != "quantize" or not node.inputs:
+            return False
+        x = node.inputs[0]
+        producer = x.producer() if x is not None else None
+        if producer is None:
+            return False
+        floats = [v for v in producer.inputs if v is not None and is_fp32_tensor(v) and not is_constant(v)]
+        return not floats or not all(
+            (p := v.producer()) is not None and op_facts(p.domain, p.op_type).quantization == "dequantize"
+            for v in floats
+        )
 
     def _weight_heavy(self, node: ir.Node, facts: NodeFacts) -> bool:
         """Whether a data-movement node reads constants far larger than what it produces.

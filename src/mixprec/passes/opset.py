@@ -16,6 +16,7 @@ from mixprec.dtypes import LowPrecision
 from mixprec.errors import InputError
 from mixprec.graphs import all_nodes
 from mixprec.io import weight_free_proto
+from mixprec.policy.opfacts import op_facts
 from mixprec.policy.runtime import RuntimeProfile
 from mixprec.policy.schemas import get_schema
 from mixprec.policy.table import OpClass, Policy, normalize_domain
@@ -56,6 +57,16 @@ def required_opset(
         and rule.op_class is OpClass.LOW and rule.compute_bound
         and (runtime is None or runtime.runs_in("", node.op_type, target.type_str))
     }
+    if heavy:
+        # A QDQ model's compute ops convert only with their DequantizeLinear/QuantizeLinear
+        # (16-bit from opset 19): those count like the compute ops they wrap.
+        heavy |= {
+            node.op_type
+            for node in all_nodes(model)
+            if normalize_domain(node.domain) == ""
+            and op_facts("", node.op_type).quantization is not None
+            and (runtime is None or runtime.runs_in("", node.op_type, type_str))
+        }
     for op_type in sorted(heavy):
         if _admits(op_type, current, type_str):
             continue

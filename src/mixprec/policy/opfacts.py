@@ -50,6 +50,8 @@ INTERVAL_RULES = frozenset({
     "size",
 })  # fmt: skip
 FLOPS_FORMULAS = frozenset({"matmul", "gemm", "conv", "conv_transpose"})
+# Roles of the two ends of a QDQ pair (`quantization`).
+QUANTIZATION_ROLES = frozenset({"dequantize", "quantize"})
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,9 @@ class OpFacts:
     bounded: bool = False
     dtype_attribute: str | None = None
     flops: str | None = None
+    quantization: str | None = None
+    scale_input: int | None = None
+    output_type_from: int | None = None
 
     @property
     def carries_floats(self) -> bool:
@@ -78,8 +83,9 @@ class OpFacts:
 NO_FACTS = OpFacts()
 
 _FLAGS = ("shape_only", "comparison", "exact_use", "random", "value_preserving", "gathers", "bounded")
-_NAMES = {"interval": INTERVAL_RULES, "flops": FLOPS_FORMULAS}
-_KEYS = frozenset({*_FLAGS, *_NAMES, "carrier", "integer_inputs", "dtype_attribute"})
+_NAMES = {"interval": INTERVAL_RULES, "flops": FLOPS_FORMULAS, "quantization": QUANTIZATION_ROLES}
+_INDICES = ("scale_input", "output_type_from")
+_KEYS = frozenset({*_FLAGS, *_NAMES, *_INDICES, "carrier", "integer_inputs", "dtype_attribute"})
 
 
 def op_facts(domain: str, op_type: str) -> OpFacts:
@@ -129,6 +135,12 @@ def _parse_entry(entry: Mapping[str, Any], where: str) -> OpFacts:
                 names = ", ".join(sorted(known))
                 raise PolicyError(f"{where}: unknown {key} {entry[key]!r} (known: {names})")
             values[key] = entry[key]
+    for key in _INDICES:
+        if key in entry:
+            index = entry[key]
+            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+                raise PolicyError(f"{where}: {key!r} must be an input index, got {index!r}")
+            values[key] = index
     if "carrier" in entry:
         try:
             values["carrier"] = Carrier(entry["carrier"])

@@ -212,6 +212,7 @@ def _header(report: Report, page: Page) -> str:
             else ""
         )
         + f"; {report.casts_inserted} inserted, {report.casts_removed} redundant removed</div></div>",
+        *_quantization_card(report),
         '<div class="card"><h3>Validation</h3>',
         (
             f"<div>checker <b>{esc(v.checker)}</b></div><div>runtime <b>{esc(v.runtime)}</b>"
@@ -228,6 +229,22 @@ def _header(report: Report, page: Page) -> str:
         out.append('<ul class="note">' + "".join(f"<li>{esc(n)}</li>" for n in notes) + "</ul>")
     out.append("</header>")
     return "".join(out)
+
+
+def _quantization_card(report: Report) -> list[str]:
+    q = report.quantization
+    if q is None:
+        return []
+    qdq = ", ".join(f"{n} {esc(op)}" for op, n in q.qdq_nodes.items())
+    wrapped = ", ".join(f"{esc(op)} {n}" for op, n in q.quantized_ops.items()) or "none"
+    share = f"{q.float_low_share:.1%}" if q.float_low_share is not None else "&#8211;"
+    return [
+        '<div class="card" id="quantization"><h3>Quantized (QDQ)</h3>',
+        f'<div class="big">{share}</div>',
+        f'<div class="note">of the {q.float_low + q.float_fp32} float ops outside quantized groups in '
+        f"{esc(report.target)}; {qdq}; ops between them: {wrapped} ({q.quantized_low} with a "
+        f"{esc(report.target)} float side)</div></div>",
+    ]
 
 
 # ---------------------------------------------------------------------------------------------

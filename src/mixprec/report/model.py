@@ -15,6 +15,7 @@ from typing import Any
 import onnx_ir as ir
 
 from mixprec.analysis.cost import SYMBOLIC_DIM, low_compute_share
+from mixprec.analysis.qdq import QuantizedSummary, quantized_summary
 from mixprec.analysis.plan import Category, Precision, PrecisionPlan
 from mixprec.graphs import has_subgraphs, walk_nodes
 from mixprec.passes.rewrite import RewriteStats
@@ -148,6 +149,8 @@ class Report:
     cast_bytes_estimate: int | None = None
     low_compute_share: float | None = None
     symbolic_dim: int = SYMBOLIC_DIM
+    # QDQ models: Q/DQ nodes, the ops between them and the float ops outside (None otherwise).
+    quantization: QuantizedSummary | None = None
 
     def to_dict(self, *, include_graph: bool = False) -> dict[str, Any]:
         """JSON-ready form (`include_graph`: add the compact per-node listing)."""
@@ -198,6 +201,8 @@ class Report:
                 f"  compute: {self.low_compute_share:.1%} of the estimated matrix and convolution FLOPs "
                 f"(ops of known shape) in {self.target}"
             )
+        if self.quantization is not None:
+            lines.append(self.quantization.format_line(self.target))
         if self.low_by_op:
             ops = ", ".join(f"{op} {n}" for op, n in sorted(self.low_by_op.items(), key=lambda x: -x[1]))
             lines.append(f"  {self.target} ops: {ops}")
@@ -338,6 +343,7 @@ def build_report(
         graph=node_graph(plan),
         cast_bytes_estimate=cast_estimate,
         low_compute_share=low_compute_share(plan),
+        quantization=quantized_summary(plan),
     )
 
 

@@ -1,0 +1,214 @@
+"""Quantized (QDQ) models: keep every DequantizeLinear -> op -> QuantizeLinear chain cast-free.
+
+Runtimes fuse a DequantizeLinear, the op it feeds and the QuantizeLinear after it into one
+integer kernel (ONNX Runtime's QDQ transformers, TensorRT's explicit quantization), and only
+when nothing stands between them. The planner converts a DequantizeLinear (with its scale) when
+its consumers compute in 16 bits and a QuantizeLinear when its producer does; this module adds
+the rule that binds the two sides: where one side of such an edge is 16-bit and the other FP32
+(the schema or the runtime has no 16-bit DequantizeLinear, the op is kept FP32, a scale is too
+small for the 16-bit type), the 16-bit side is kept FP32 too, and the plan is made again, until
+no edge would need a Cast. Zero points and integer tensors are never touched.
+
+It also counts what a report says of a quantized model: the Q/DQ nodes, the ops they wrap, and
+how much of the float compute outside them runs in 16 bits.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+
+from mixprec.analysis.decisions import Category, Precision, PrecisionPlan
+from mixprec.dtypes import LowPrecision, is_fp32_tensor
+from mixprec.policy.opfacts import op_facts
+
+__all__ = ["QuantizedSummary", "broken_pairs", "keep_pairs", "quantized_summary", "small_scales"]
+
+Forced = dict[ir.Node, tuple[Category, str]]
+
+
+def role(node: ir.Node) -> str | None:
+    """``"dequantize"``, ``"quantize"`` or None (the op's `quantization` fact)."""
+    return op_facts(node.domain, node.op_type).quantization
+
+
+def has_qdq(nodes: list[ir.Node]) -> bool:
+    """Whether any node quantizes or dequantizes."""
+    return any(role(node) is not None for node in nodes)
+
+
+def _pair_edges(plan: PrecisionPlan) -> Iterator[tuple[ir.Node, int, ir.Node, int]]:
+    """(producer, output index, consumer, input index) of every float edge that leaves a
+    DequantizeLinear or enters a QuantizeLinear."""
+    for node in plan.order:
+        kind = role(node)
+        if kind == "dequantize":
+            out = node.outputs[0]
+            if not is_fp32_tensor(out):
+                continue
+            for use in out.uses():
+                if use.node in plan.decisions:
+                    yield node, 0, use.node, use.idx
+        elif kind == "quantize":
+            x = node.inputs[0] if node.inputs else None
+            producer = x.producer() if x is not None else None
+            if x is not None and producer is not None and producer in plan.decisions and is_fp32_tensor(x):
+                yield producer, producer.outputs.index(x), node, 0
+
+
+def broken_pairs(plan: PrecisionPlan) -> Forced:
+    """Nodes to keep FP32 so that no QDQ edge needs a Cast: for each edge whose two ends differ
+    in type, the 16-bit end, with a reason naming the FP32 end."""
+    found: Forced = {}
+    for producer, out_index, consumer, in_index in _pair_edges(plan):
+        facts = plan.facts.get(consumer)
+        if facts is not None and in_index in facts.flexible:
+            continue  # read as it is (Shape, CastLike's input): no Cast either way
+        low_out = plan.output_is_lowered(producer, out_index)
+        low_in = plan.input_is_lowered(consumer, in_index)
+        if low_out == low_in:
+            continue
+        low, high = (producer, consumer) if low_out else (consumer, producer)
+        if low in found:
+            continue
+        decision = plan.decisions[high]
+        name = plan.keys.get(high) or high.name or high.op_type
+        found[low] = (
+            Category.QDQ,
+            f"stays FP32 with {high.op_type} {name!r} (no Cast may separate them): {decision.reason}",
+        )
+    return found
+
+
+def small_scales(nodes: list[ir.Node], target: LowPrecision) -> Forced:
+    """Q/DQ nodes (and weight-only quantized ops) whose constant scale has nonzero values below
+    the target's smallest normal number: a 16-bit scale would lose most of its digits there,
+    and every value it scales with them."""
+    if target.limits.tiny <= np.finfo(np.float32).tiny:
+        return {}  # bfloat16: the FP32 exponent range
+    found: Forced = {}
+    for node in nodes:
+        index = op_facts(node.domain, node.op_type).scale_input
+        if index is None or index >= len(node.inputs):
+            continue
+        scale = node.inputs[index]
+        tensor = scale.const_value if scale is not None else None
+        if tensor is None or not is_fp32_tensor(scale):
+            continue
+        values = np.abs(tensor.numpy().astype(np.float32, copy=False))
+        small = values[(values > 0) & (values < target.limits.tiny)]
+        if small.size:
+            found[node] = (
+                Category.CONSTANT_RANGE,
+                f"scale {scale.name!r} holds {float(small.min()):.3g}, below the smallest normal "
+                f"{target.short_name} ({target.limits.tiny:.3g}): it stays FP32",
+            )
+    return found
+
+
+def keep_pairs(
+    plan: Callable[[Mapping[ir.Node, tuple[Category, str]]], PrecisionPlan],
+    nodes: list[ir.Node],
+    target: LowPrecision,
+    forced: Mapping[ir.Node, tuple[Category, str]] | None = None,
+) -> PrecisionPlan:
+    """Plan with `plan(forced)`, keeping more nodes FP32 until no QDQ edge needs a Cast.
+
+    Each round keeps at least one more node FP32, so the rounds end; a model without
+    quantization is planned once.
+    """
+    extra: Forced = dict(forced or {})
+    if not has_qdq(nodes):
+        return plan(extra)
+    for node, finding in small_scales(nodes, target).items():
+        extra.setdefault(node, finding)
+    while True:
+        result = plan(extra)
+        broken = {node: finding for node, finding in broken_pairs(result).items() if node not in extra}
+        if not broken:
+            return result
+        extra.update(broken)
+
+
+@dataclass
+class QuantizedSummary:
+    """What a converted QDQ model holds (report field ``quantization``).
+
+    Attributes:
+        qdq_nodes: QuantizeLinear / DequantizeLinear nodes by op type.
+        quantized_ops: Ops between a DequantizeLinear and a QuantizeLinear (runtimes run them
+            as integer kernels), by op type.
+        quantized_low: How many of those compute their float side in 16 bits.
+        float_low: Float ops outside quantized groups in 16 bits.
+        float_fp32: Float ops outside quantized groups kept FP32.
+        fp32_ops: The FP32 ones among those, by op type.
+        float_low_share: float_low / (float_low + float_fp32); None without such ops.
+    """
+
+    qdq_nodes: dict[str, int] = field(default_factory=dict)
+    quantized_ops: dict[str, int] = field(default_factory=dict)
+    quantized_low: int = 0
+    float_low: int = 0
+    float_fp32: int = 0
+    fp32_ops: dict[str, int] = field(default_factory=dict)
+    float_low_share: float | None = None
+
+    def format_line(self, target: str) -> str:
+        """One line for the terminal report."""
+        qdq = ", ".join(f"{n} {op}" for op, n in self.qdq_nodes.items())
+        wrapped = ", ".join(f"{op} {n}" for op, n in self.quantized_ops.items()) or "none"
+        total = self.float_low + self.float_fp32
+        outside = (
+            f"{self.float_low} of {total} in {target} ({self.float_low_share:.1%})"
+            if self.float_low_share is not None else "none"
+        )
+        return (
+            f"  quantized: {qdq}; ops between them: {wrapped} ({self.quantized_low} with a "
+            f"{target} float side); float ops outside them: {outside}"
+        )
+
+
+def _quantized(node: ir.Node) -> bool:
+    """Whether the node reads a dequantized value and every float output goes to quantizers."""
+    reads = any(
+        value is not None and (p := value.producer()) is not None and role(p) == "dequantize"
+        for value in node.inputs
+    )
+    if not reads:
+        return False
+    outputs = [out for out in node.outputs if out.dtype is not None and out.dtype.is_floating_point()]
+    return bool(outputs) and all(
+        out.uses() and all(role(use.node) == "quantize" for use in out.uses()) for out in outputs
+    )
+
+
+def quantized_summary(plan: PrecisionPlan) -> QuantizedSummary | None:
+    """Counts for the report; None for a model without QuantizeLinear/DequantizeLinear."""
+    if not has_qdq(plan.order):
+        return None
+    summary = QuantizedSummary()
+    qdq: Counter[str] = Counter()
+    wrapped: Counter[str] = Counter()
+    fp32: Counter[str] = Counter()
+    for node in plan.order:
+        decision = plan.decisions[node]
+        if role(node) is not None:
+            qdq[node.op_type] += 1
+        elif _quantized(node):
+            wrapped[node.op_type] += 1
+            summary.quantized_low += decision.precision is Precision.LOW
+        elif decision.precision is Precision.LOW:
+            summary.float_low += 1
+        elif decision.precision is Precision.FP32 and node.inputs:  # Constant nodes compute nothing
+            summary.float_fp32 += 1
+            fp32[node.op_type] += 1
+    summary.qdq_nodes = dict(sorted(qdq.items()))
+    summary.quantized_ops = dict(wrapped.most_common())
+    summary.fp32_ops = dict(fp32.most_common())
+    total = summary.float_low + summary.float_fp32
+    summary.float_low_share = summary.float_low / total if total else None
+    return summary
