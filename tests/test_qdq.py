@@ -302,6 +302,33 @@ def test_blocked_int4_dequantize_feeds_a_16bit_matmul() -> None:
     np.testing.assert_allclose(run(out, {"a": a})[0], expected, atol=0.01 * np.abs(expected).max())
 
 
+def test_block_quantized_embedding_lookup_yields_16bit_rows() -> None:
+    rng = np.random.default_rng(0)
+    vocab, dim, block = 10, 64, 32
+    q = rng.integers(-8, 8, (vocab, dim)).astype(ml_dtypes.int4)
+    scales = rng.uniform(0.01, 0.05, (vocab, dim // block)).astype(np.float32)
+    w = rng.normal(0, 1, (dim, 8)).astype(np.float32)
+    nodes = [
+        oh.make_node("GatherBlockQuantized", ["data", "ids", "scales"], ["rows"], name="lookup",
+                     domain="com.microsoft", block_size=block, gather_axis=0, quantize_axis=1),
+        oh.make_node("MatMul", ["rows", "w"], ["y"], name="matmul"),
+    ]
+    graph = oh.make_graph(
+        nodes, "lookup", [oh.make_tensor_value_info("ids", TensorProto.INT64, [2, 3])],
+        [oh.make_tensor_value_info("y", FLOAT, [2, 3, 8])],
+        [nh.from_array(q, "data"), nh.from_array(scales, "scales"), nh.from_array(w, "w")],
+    )
+    source = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21), oh.make_opsetid("com.microsoft", 1)])
+    result, out = convert(source, target_dtype="fp16", runtime="ort-cuda")
+    assert result.report.low_by_op == {"GatherBlockQuantized": 1, "MatMul": 1}
+    types = initializer_types(out)
+    assert types["data"] == TensorProto.INT4 and types["scales"] == FLOAT16
+    ids = np.array([[1, 2, 3], [4, 5, 9]], np.int64)
+    expected = (q.astype(np.float32) * np.repeat(scales, block, axis=1))[ids] @ w
+    np.testing.assert_allclose(run(source, {"ids": ids})[0], expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(run(out, {"ids": ids})[0], expected, atol=0.01 * np.abs(expected).max())
+
+
 # -- real models, quantized with onnxruntime ----------------------------------------------------------
 
 

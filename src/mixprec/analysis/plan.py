@@ -110,6 +110,7 @@ class _OpTemplate:
     name: str
     runtime_blocked: frozenset[str] = frozenset()
     runtime_reason: str | None = None
+    fixed_by: str | None = None  # an attribute that, when set, fixes the output type (no retarget)
 
 
 class _Planner:
@@ -231,7 +232,8 @@ class _Planner:
                 )
         if sig is None and rule is not None and rule.source == "user" and not is_default_domain(node.domain):
             sig = _user_op_signature(len(node.inputs), len(node.outputs))
-        tied = op_facts(node.domain, node.op_type).output_type_from
+        facts = op_facts(node.domain, node.op_type)
+        tied = facts.output_type_from
         if sig is not None and tied is not None and tied < len(sig.input_vars) and sig.output_vars:
             # The output takes that input's type (DequantizeLinear-23: the scale's) unless an
             # attribute says otherwise (such nodes keep their types, see `_decide`).
@@ -258,7 +260,8 @@ class _Planner:
             )
             excluded |= blocked
         name = format_op_name(node.domain, node.op_type)
-        template = _OpTemplate(rule, sig, frozenset(excluded), name, blocked, runtime_reason)
+        fixed_by = facts.dtype_attribute if rule is None or rule.dtype_attribute is None else None
+        template = _OpTemplate(rule, sig, frozenset(excluded), name, blocked, runtime_reason, fixed_by)
         self._templates[key] = template
         return template
 
@@ -422,7 +425,7 @@ class _Planner:
         if rule.dtype_attribute is not None:
             self._decide_dtype_source(node, facts, rule)
             return
-        fixed_by = op_facts(node.domain, node.op_type).dtype_attribute
+        fixed_by = template.fixed_by
         if fixed_by is not None and node.attributes.get(fixed_by) is not None:
             self._keep(node, Category.SCHEMA, f"{op_name}: its {fixed_by} attribute fixes its output type", State.HIGH)
             return
