@@ -35,6 +35,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_range, is_constant, small_constant_array
+from mixprec.analysis.placement import min_cut_islands
 from mixprec.analysis.decisions import (
     Category,
     Decision,
@@ -314,6 +315,7 @@ class _Planner:
         for node in self.order:
             self._decide(node)
         self._resolve_flex()
+        self._place_casts()
         self._decide_storage()
         return PrecisionPlan(
             target=self.target,
@@ -675,6 +677,39 @@ class _Planner:
             (p := v.producer()) is not None and op_facts(p.domain, p.op_type).quantization == "dequantize"
             for v in floats
         )
+
+    # -- cast placement -----------------------------------------------------------------
+    def view(self) -> PrecisionPlan:
+        """The decisions so far as a plan (shares the planner's dictionaries)."""
+        return PrecisionPlan(
+            target=self.target, keep_io_types=self.keep_io_types, decisions=self.decisions,
+            lowered_vars=self.lowered, facts=self.facts, storage=self.storage,
+            constant_notes=self.constant_notes, saturated=self.saturated, order=self.order,
+            graphs=self.graphs, keys=self.keys,
+        )
+
+    def is_weight_heavy(self, node: ir.Node) -> bool:
+        """Whether the node was lowered for the large constant it reads (kept as decided)."""
+        return self._weight_heavy(node, self.facts[node])
+
+    def _place_casts(self) -> None:
+        """Re-decide the follow-class nodes of each FP32 island by cast cost (minimum cut)."""
+        for island, assignment, before, after in min_cut_islands(self):
+            anchor = self.keys.get(island.nodes[0]) or island.nodes[0].op_type
+            why = (
+                f"the cheapest cast placement for the {len(island.nodes)} follow node(s) around "
+                f"{anchor!r}: {before[0]} -> {after[0]} casts, {before[1]:,} -> {after[1]:,} bytes per inference"
+            )
+            for node in island.nodes:
+                low = assignment[node]
+                if low == (self.decisions[node].precision is Precision.LOW):
+                    continue
+                facts = self.facts[node]
+                op_name = format_op_name(node.domain, node.op_type)
+                if low:
+                    self._lower(node, facts, Category.CAST_COST, f"{op_name} in {self.target.short_name}: {why}")
+                else:
+                    self._keep(node, Category.CAST_COST, f"{op_name} in FP32: {why}", State.HIGH)
 
     def _weight_heavy(self, node: ir.Node, facts: NodeFacts) -> bool:
         """Whether a data-movement node reads constants far larger than what it produces.

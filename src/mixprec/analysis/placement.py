@@ -1,0 +1,421 @@
+"""Cast placement by cost: a minimum cut over the follow-class nodes between fixed-precision ones.
+
+The planner's passes decide a follow-class node from its neighbours ("widest input", then "what
+the consumers need"), which puts every Cast next to the node that forced it. Here the nodes whose
+precision only those rules decided ("free" nodes) are decided again, together, by cost:
+
+* a Cast costs the bytes it reads and writes (elements x (4 + 2)); one Cast per (value, type)
+  serves every consumer, so a value's cost counts once whatever its number of consumers;
+* a free node computed in FP32 moves 2 more bytes per element it reads and writes than in 16 bits;
+* numerics bound the choice exactly as the passes do: a value that may hold what the 16-bit type
+  cannot (the output of an FP32 op that is neither bounded nor measured to fit, and whatever
+  arithmetic computes from it) is never narrowed where an FP32 consumer would see the difference:
+  an arithmetic node reading it stays FP32, and a data-movement node may read it in 16 bits only
+  when everything it feeds computes in 16 bits (which would round the same values anyway).
+
+Fixed 16-bit nodes are the source, fixed FP32 nodes the sink; the minimum cut is the cheapest
+assignment (hyperedges model the shared Cast of a value). Of the minimum cuts, the one with the
+most 16-bit nodes is taken: deterministic and independent of node order. A component's new
+assignment is kept only when it has no more casts and moves no more cast bytes than the passes'
+one, so the cut never trades a Cast for compute.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+from mixprec.analysis.constants import is_constant
+from mixprec.analysis.cost import SYMBOLIC_DIM
+from mixprec.analysis.decisions import Category, Precision
+from mixprec.dtypes import is_fp32_tensor
+from mixprec.policy.opfacts import op_facts
+from mixprec.policy.table import OpClass
+
+__all__ = ["Island", "min_cut_islands"]
+
+_INF = 1 << 62
+_CAST_BYTES = 4 + 2  # a Cast reads one type and writes the other, per element
+_FP32_EXTRA_BYTES = 2  # an element read or written in FP32 instead of 16 bits
+_UNKNOWN_ELEMENTS = SYMBOLIC_DIM * SYMBOLIC_DIM  # tensors of unknown shape: one consistent guess
+_FREE_CATEGORIES = frozenset({Category.FOLLOW, Category.CONSUMERS})
+
+
+def _elements(value: ir.Value) -> int:
+    """Estimated elements: static dimensions as they are, any other one as `SYMBOLIC_DIM`."""
+    shape = value.shape
+    if shape is None:
+        return _UNKNOWN_ELEMENTS
+    elements = 1
+    for dim in shape.dims:
+        elements *= dim if isinstance(dim, int) else SYMBOLIC_DIM
+    return elements
+
+
+class _Network:
+    """A flow network with integer capacities (Dinic's algorithm)."""
+
+    def __init__(self) -> None:
+        self.heads: list[list[int]] = [[], []]  # node 0: source (16 bits), node 1: sink (FP32)
+        self.to: list[int] = []
+        self.cap: list[int] = []
+
+    def node(self) -> int:
+        self.heads.append([])
+        return len(self.heads) - 1
+
+    def edge(self, a: int, b: int, capacity: int) -> None:
+        if a == b or capacity <= 0:
+            return
+        self.heads[a].append(len(self.to))
+        self.to.append(b)
+        self.cap.append(capacity)
+        self.heads[b].append(len(self.to))
+        self.to.append(a)
+        self.cap.append(0)
+
+    def max_flow(self) -> int:
+        flow = 0
+        while True:
+            level = self._levels()
+            if level[1] < 0:
+                return flow
+            cursor = [0] * len(self.heads)
+            while True:
+                pushed = self._push(level, cursor)
+                if not pushed:
+                    break
+                flow += pushed
+                if flow >= _INF:
+                    return flow
+
+    def _levels(self) -> list[int]:
+        level = [-1] * len(self.heads)
+        level[0] = 0
+        queue = deque([0])
+        while queue:
+            a = queue.popleft()
+            for e in self.heads[a]:
+                b = self.to[e]
+                if self.cap[e] > 0 and level[b] < 0:
+                    level[b] = level[a] + 1
+                    queue.append(b)
+        return level
+
+    def _push(self, level: list[int], cursor: list[int]) -> int:
+        """One augmenting path in the level graph (iterative depth-first search)."""
+        path: list[int] = []
+        a = 0
+        while True:
+            if a == 1:
+                amount = min(self.cap[e] for e in path)
+                for e in path:
+                    self.cap[e] -= amount
+                    self.cap[e ^ 1] += amount
+                return amount
+            heads = self.heads[a]
+            while cursor[a] < len(heads):
+                e = heads[cursor[a]]
+                b = self.to[e]
+                if self.cap[e] > 0 and level[b] == level[a] + 1:
+                    break
+                cursor[a] += 1
+            else:
+                if not path:
+                    return 0
+                level[a] = -1  # dead end
+                e = path.pop()
+                a = self.to[e ^ 1]
+                cursor[a] += 1
+                continue
+            path.append(heads[cursor[a]])
+            a = self.to[heads[cursor[a]]]
+
+    def reaching_sink(self) -> set[int]:
+        """Nodes from which the sink is reachable in the residual network."""
+        seen = {1}
+        queue = deque([1])
+        while queue:
+            b = queue.popleft()
+            for e in self.heads[b]:
+                a = self.to[e]  # the reverse of edge e goes a -> b with capacity cap[e ^ 1]
+                if a not in seen and self.cap[e ^ 1] > 0:
+                    seen.add(a)
+                    queue.append(a)
+        return seen
+
+
+@dataclass
+class Island:
+    """One connected set of free nodes, decided together (in graph order)."""
+
+    nodes: list[ir.Node]
+
+
+def _casts(values: tuple, low: tuple[bool, ...]) -> tuple[int, int]:
+    """(casts, cast bytes) of an island's values (see `_problem`) under an assignment."""
+    count = size = 0
+    for elements, producer, consumers, fixed_low_reader, fixed_high_reader in values:
+        produced_low = low[producer] if producer >= 0 else producer == -1
+        readers_low = fixed_low_reader or any(low[c] for c in consumers)
+        readers_high = fixed_high_reader or any(not low[c] for c in consumers)
+        n = int(produced_low and readers_high) + int(not produced_low and readers_low)
+        count += n
+        size += n * elements * _CAST_BYTES
+    return count, size
+
+
+def _bound_to_lowerable(node: ir.Node, fact) -> bool:  # noqa: ANN001
+    """Whether every FP32 input (flexible ones aside) and output follows the node's precision."""
+    sig = fact.sig
+    for index, value in enumerate(node.inputs):
+        if value is None or index in fact.flexible or not is_fp32_tensor(value):
+            continue
+        var = sig.input_vars[index] if index < len(sig.input_vars) else None
+        if var is None or var not in fact.lowerable:
+            return False
+    for index, value in enumerate(node.outputs):
+        if not is_fp32_tensor(value):
+            continue
+        var = sig.output_vars[index] if index < len(sig.output_vars) else None
+        if var is None or var not in fact.lowerable:
+            return False
+    return True
+
+
+class _Islands:
+    """The free nodes of a planner, their islands, and each island as plain data."""
+
+    def __init__(self, planner) -> None:  # noqa: ANN001
+        self.planner = planner
+        self.view = planner.view()
+        self.free: dict[ir.Node, int] = {}
+        self.reads_tainted: set[ir.Node] = set()
+        self.tainted: set[ir.Value] = set()
+        self.inputs: dict[ir.Node, list[ir.Value]] = {}
+        self.outputs: dict[ir.Node, list[ir.Value]] = {}
+        self._unsafe: dict[ir.Value, bool] = {}
+        self._elements: dict[ir.Value, int] = {}
+        main = planner.model.graph
+        facts, decisions = planner.facts, planner.decisions
+        for node in planner.order:  # topological: a free node's inputs are decided before it
+            decision = decisions[node]
+            if decision.category not in _FREE_CATEGORIES:
+                continue
+            fact = facts[node]
+            if not self._is_free(node, fact, decision, main):
+                continue
+            self.free[node] = len(self.free)
+            inputs = self.inputs[node] = self._float_inputs(node, fact)
+            self.outputs[node] = [v for v in node.outputs if is_fp32_tensor(v)]
+            if op_facts(node.domain, node.op_type).bounded:
+                continue  # its outputs lie in a small fixed interval whatever it reads
+            if any(self._is_tainted(v) for v in inputs):
+                self.reads_tainted.add(node)
+                self.tainted.update(self.outputs[node])
+
+    def _is_free(self, node: ir.Node, fact, decision, main: ir.Graph) -> bool:  # noqa: ANN001
+        if decision.precision is Precision.NONE:
+            return False
+        rule = fact.rule
+        if rule is None or rule.op_class is not OpClass.FOLLOW or rule.dtype_attribute is not None:
+            return False
+        if fact.sig is None or not fact.lowerable or node.graph is not main:
+            return False
+        if op_facts(node.domain, node.op_type).quantization is not None:
+            return False  # Q/DQ pairs have rules of their own (mixprec.analysis.qdq)
+        return _bound_to_lowerable(node, fact) and not self.planner.is_weight_heavy(node)
+
+    @staticmethod
+    def _float_inputs(node: ir.Node, fact) -> list[ir.Value]:  # noqa: ANN001
+        """The node's FP32 inputs that follow its precision (flexible ones and constants aside)."""
+        flexible = fact.flexible
+        return [
+            value for index, value in enumerate(node.inputs)
+            if value is not None and index not in flexible and is_fp32_tensor(value) and not is_constant(value)
+        ]
+
+    def elements(self, value: ir.Value) -> int:
+        found = self._elements.get(value)
+        if found is None:
+            found = self._elements[value] = _elements(value)
+        return found
+
+    def _is_tainted(self, value: ir.Value) -> bool:
+        """Whether the value may hold what the 16-bit type cannot: an FP32 output of a fixed node
+        (neither bounded nor measured to fit) or what free nodes compute from one."""
+        producer = value.producer()
+        if producer is None:
+            return False
+        if producer in self.free:
+            return value in self.tainted
+        found = self._unsafe.get(value)
+        if found is None:
+            found = value not in self.planner.bounded and not self.view.output_is_lowered(
+                producer, producer.outputs.index(value)
+            )
+            self._unsafe[value] = found
+        return found
+
+    def groups(self) -> list[list[ir.Node]]:
+        """Islands: free nodes connected through a value one produces or they read (one Cast of
+        it serves them all), in graph order."""
+        parent = list(range(len(self.free)))
+
+        def find(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        free = self.free
+        for node, index in free.items():
+            for value in self.inputs[node]:
+                others = [u.node for u in value.uses()]
+                producer = value.producer()
+                if producer is not None:
+                    others.append(producer)
+                for other in others:
+                    j = free.get(other)
+                    if j is not None:
+                        a, b = find(index), find(j)
+                        if a != b:
+                            parent[a] = b
+        out: dict[int, list[ir.Node]] = {}
+        for node, index in free.items():
+            out.setdefault(find(index), []).append(node)
+        return list(out.values())
+
+    def problem(self, nodes: list[ir.Node]) -> tuple:
+        """The island as plain data (local indices in graph order): what the cut depends on, so
+        that repeated structures (the layers of a network) are solved once.
+
+        Nodes: (elements read and written, constraint, readers) with constraint 0 (none),
+        1 (stays FP32: arithmetic on a value 16 bits may not hold) or 2 (16-bit only if each
+        reader is: local indices, -1 for a fixed FP32 reader). Values: (elements, producer index
+        or -1 / -2 for a fixed 16-bit / FP32 producer, free reader indices, a fixed reader wants
+        16 bits, a fixed reader wants FP32).
+        """
+        planner, view, facts = self.planner, self.view, self.planner.facts
+        ids = {node: i for i, node in enumerate(nodes)}
+        specs = []
+        values: dict[ir.Value, None] = {}
+        elements = self.elements
+        for node in nodes:
+            inputs, outputs = self.inputs[node], self.outputs[node]
+            values.update(dict.fromkeys(inputs))
+            values.update(dict.fromkeys(outputs))
+            touched = sum(elements(v) for v in inputs) + sum(elements(v) for v in outputs)
+            if node not in self.reads_tainted:
+                specs.append((touched, 0, ()))
+            elif not op_facts(node.domain, node.op_type).value_preserving:
+                specs.append((touched, 1, ()))
+            else:
+                readers: set[int] = set()
+                for value in outputs:
+                    for use in value.uses():
+                        j = ids.get(use.node)
+                        readers.add(j if j is not None else (-1 if not view.input_is_lowered(use.node, use.idx) else -3))
+                    if value in planner.main_outputs and planner.keep_io_types:
+                        readers.add(-1)
+                readers.discard(-3)  # fixed 16-bit readers allow it
+                specs.append((touched, 2, tuple(sorted(readers))))
+        value_specs = []
+        for value in values:
+            producer = value.producer()
+            if producer in ids:
+                origin = ids[producer]
+            elif producer is None:
+                origin = -2 if planner.keep_io_types or value not in planner.model.graph.inputs else -1
+            else:
+                origin = -1 if view.output_is_lowered(producer, producer.outputs.index(value)) else -2
+            free_readers: set[int] = set()
+            wants_low = wants_high = False
+            for use in value.uses():
+                consumer, index = use.node, use.idx
+                j = ids.get(consumer)
+                if j is not None:
+                    free_readers.add(j)
+                    continue
+                fact = facts.get(consumer)
+                if fact is not None and index in fact.flexible:
+                    continue
+                if view.input_is_lowered(consumer, index):
+                    wants_low = True
+                else:
+                    wants_high = True
+            if value in planner.main_outputs:
+                if planner.keep_io_types:
+                    wants_high = True
+                else:
+                    wants_low = True
+            value_specs.append((elements(value), origin, tuple(sorted(free_readers)), wants_low, wants_high))
+        return tuple(specs), tuple(value_specs)
+
+
+def min_cut_islands(planner) -> list[tuple[Island, dict[ir.Node, bool], tuple[int, int], tuple[int, int]]]:  # noqa: ANN001
+    """Decide the free nodes of `planner` (a `mixprec.analysis.plan._Planner` after its forward
+    and backward passes) by minimum cut. Returns, per island whose assignment changes, the
+    island, the new assignment (node -> 16-bit) and the (casts, bytes) before and after."""
+    islands = _Islands(planner)
+    if not islands.free:
+        return []
+    decisions = planner.decisions
+    changes = []
+    for nodes in islands.groups():
+        problem = islands.problem(nodes)
+        greedy = tuple(decisions[n].precision is Precision.LOW for n in nodes)
+        before = _casts(problem[1], greedy)
+        if before == (0, 0):
+            continue
+        solved = _solve(problem)
+        if solved is None or solved == greedy:
+            continue
+        after = _casts(problem[1], solved)
+        if after[0] <= before[0] and after[1] <= before[1] and after != before:
+            changes.append((Island(nodes), dict(zip(nodes, solved)), before, after))
+    return changes
+
+
+@functools.lru_cache(maxsize=4096)
+def _solve(problem: tuple) -> tuple[bool, ...] | None:
+    """The minimum-cost assignment (True: 16-bit) with the most 16-bit nodes (None: infeasible)."""
+    nodes, values = problem
+    net = _Network()
+    ids = [net.node() for _ in nodes]
+    for n, (touched, constraint, readers) in zip(ids, nodes):
+        net.edge(0, n, touched * _FP32_EXTRA_BYTES)  # cut when the node stays FP32
+        if constraint == 1:
+            net.edge(n, 1, _INF)
+        elif constraint == 2:
+            for reader in readers:
+                net.edge(n, 1 if reader < 0 else ids[reader], _INF)
+    for elements, producer_index, consumers_index, fixed_low_reader, fixed_high_reader in values:
+        cost = elements * _CAST_BYTES
+        producer = ids[producer_index] if producer_index >= 0 else (0 if producer_index == -1 else 1)
+        consumers = [ids[c] for c in consumers_index]
+        if producer != 1:  # a 16-bit producer with an FP32 reader: one upcast
+            if fixed_high_reader:
+                if producer != 0:
+                    net.edge(producer, 1, cost)
+            elif consumers:
+                aux = net.node()
+                net.edge(producer, aux, cost)
+                for c in consumers:
+                    net.edge(aux, c, _INF)
+        if producer != 0:  # an FP32 producer with a 16-bit reader: one downcast
+            if fixed_low_reader:
+                if producer != 1:
+                    net.edge(0, producer, cost)
+            elif consumers:
+                aux = net.node()
+                net.edge(aux, producer, cost)
+                for c in consumers:
+                    net.edge(c, aux, _INF)
+    if net.max_flow() >= _INF:
+        return None
+    high = net.reaching_sink()
+    return tuple(n not in high for n in ids)

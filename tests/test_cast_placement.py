@@ -1,0 +1,113 @@
+"""Cast placement by cost (`mixprec.analysis.placement`): the follow nodes of an island are
+decided together so that its Casts sit on the cheapest edges, within the numeric rules.
+
+Each graph moves a value through Unsqueeze -> Expand (x8) between a fixed 16-bit node (MatMul)
+and a fixed FP32 one (ReduceSum): "widest input" would cast the expanded tensor, the cut casts
+the small one.
+"""
+
+from __future__ import annotations
+
+from helpers import NodeSig, assert_matches_fp32, check_full, convert, parse, producer, random_feeds, sigs_of
+
+F, H, I = "float", "float16", "int64"
+
+HEADER = '<ir_version: 8, opset_import: ["" : 17]>'
+W44 = "{" + ", ".join(["0.5", "-0.25", "1", "0.125"] * 4) + "}"
+
+
+def _category(result, op_type: str) -> str:  # noqa: ANN001
+    (decision,) = [d for n, d in result.plan.decisions.items() if n.op_type == op_type]
+    return decision.category.value
+
+
+def test_upcast_moves_before_the_expand() -> None:
+    model = parse(f"""{HEADER}
+agraph (float[16,4] x) => (float[8,16,1] y)
+<float[4,4] w = {W44}, int64[1] axis0 = {{0}}, int64[3] reps = {{8, 16, 4}}, int64[1] last = {{2}}>
+{{
+  a = MatMul(x, w)
+  u = Unsqueeze(a, axis0)
+  e = Expand(u, reps)
+  y = ReduceSum<keepdims = 1>(e, last)
+}}
+""")
+    result, out = convert(model)
+    check_full(out)
+    # The 64-element tensor is cast up once, before the Expand, which runs in FP32.
+    assert sigs_of(out, "Expand") == [NodeSig("Expand", (F, I), (F,))]
+    assert sigs_of(out, "Unsqueeze") == [NodeSig("Unsqueeze", (H, I), (H,))]
+    expand = next(n for n in out.graph.node if n.op_type == "Expand")
+    cast = producer(out, expand.input[0])
+    assert cast.op_type == "Cast" and producer(out, cast.input[0]).op_type == "Unsqueeze"
+    assert _category(result, "Expand") == "placed by cast cost"
+    assert "1 -> 1 casts, 3,072 -> 384 bytes per inference" in result.plan.decisions[
+        next(n for n in result.plan.decisions if n.op_type == "Expand")
+    ].reason
+    assert result.report.cast_bytes_per_inference < 8 * 16 * 4 * 6
+    assert_matches_fp32(model, out, random_feeds(model))
+
+
+def test_downcast_of_an_fp32_value_moves_before_the_expand_when_only_16bit_nodes_read_it() -> None:
+    # ReduceSum stays FP32 (a long sum may leave the float16 range): its result is not narrowed
+    # where an FP32 node would read it, but Unsqueeze and Expand only move it to a MatMul, which
+    # reads 16 bits anyway: the Cast goes on the small tensor.
+    model = parse(f"""{HEADER}
+agraph (float[16,4,8] x) => (float[8,16,4] y)
+<float[4,4] w = {W44}, int64[1] axis0 = {{0}}, int64[3] reps = {{8, 16, 4}}, int64[1] last = {{2}}>
+{{
+  s = ReduceSum<keepdims = 0>(x, last)
+  u = Unsqueeze(s, axis0)
+  e = Expand(u, reps)
+  y = MatMul(e, w)
+}}
+""")
+    result, out = convert(model)
+    check_full(out)
+    assert sigs_of(out, "ReduceSum") == [NodeSig("ReduceSum", (F, I), (F,))]
+    assert sigs_of(out, "Expand") == [NodeSig("Expand", (H, I), (H,))]
+    unsqueeze = next(n for n in out.graph.node if n.op_type == "Unsqueeze")
+    assert producer(out, unsqueeze.input[0]).op_type == "Cast"
+    assert _category(result, "Unsqueeze") == "placed by cast cost"
+    assert_matches_fp32(model, out, random_feeds(model))
+
+
+def test_fp32_value_stays_fp32_where_an_fp32_node_also_reads_the_moved_copy() -> None:
+    model = parse(f"""{HEADER}
+agraph (float[16,4,8] x) => (float[8,16,4] y, float[8,16,4] z)
+<float[4,4] w = {W44}, int64[1] axis0 = {{0}}, int64[3] reps = {{8, 16, 4}}, int64[1] last = {{2}}>
+{{
+  s = ReduceSum<keepdims = 0>(x, last)
+  u = Unsqueeze(s, axis0)
+  z = Expand(u, reps)
+  y = MatMul(z, w)
+}}
+""")
+    result, out = convert(model)
+    check_full(out)
+    # z is a model output (FP32): the expanded values must be the FP32 ones.
+    assert sigs_of(out, "Expand") == [NodeSig("Expand", (F, I), (F,))]
+    assert sigs_of(out, "Unsqueeze") == [NodeSig("Unsqueeze", (F, I), (F,))]
+    assert_matches_fp32(model, out, random_feeds(model))
+
+
+def test_arithmetic_on_an_fp32_value_stays_fp32_and_the_cast_follows_it() -> None:
+    model = parse(f"""{HEADER}
+agraph (float[16,4,8] x) => (float[8,16,4] y)
+<float[4,4] w = {W44}, int64[1] axis0 = {{0}}, int64[3] reps = {{8, 16, 4}}, int64[1] last = {{2}}, float two = {{2.0}}>
+{{
+  s = ReduceSum<keepdims = 0>(x, last)
+  d = Mul(s, two)
+  u = Unsqueeze(d, axis0)
+  e = Expand(u, reps)
+  y = MatMul(e, w)
+}}
+""")
+    result, out = convert(model)
+    check_full(out)
+    assert sigs_of(out, "Mul") == [NodeSig("Mul", (F, F), (F,))]
+    assert sigs_of(out, "Expand") == [NodeSig("Expand", (H, I), (H,))]
+    unsqueeze = next(n for n in out.graph.node if n.op_type == "Unsqueeze")
+    cast = producer(out, unsqueeze.input[0])
+    assert cast.op_type == "Cast" and producer(out, cast.input[0]).op_type == "Mul"
+    assert_matches_fp32(model, out, random_feeds(model))
