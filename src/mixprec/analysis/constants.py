@@ -50,9 +50,12 @@ def constant_node_tensor(node: ir.Node) -> ir.TensorProtocol | None:
 
 def is_constant(value: ir.Value) -> bool:
     """Whether the value is an initializer (not also a graph input) or a Constant's output."""
-    if value.is_graph_input():
+    if value.const_value is not None:
+        return not value.is_graph_input()
+    producer = value.producer()
+    if producer is None or producer.op_type != "Constant" or not is_default_domain(producer.domain):
         return False
-    return constant_tensor(value) is not None
+    return constant_node_tensor(producer) is not None
 
 
 def iter_chunks(tensor: ir.TensorProtocol) -> Iterator[np.ndarray]:

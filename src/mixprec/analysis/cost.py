@@ -17,6 +17,11 @@ from mixprec.policy.opfacts import op_facts
 
 # A symbolic dimension (batch, sequence) counts as this many elements in estimates.
 SYMBOLIC_DIM = 128
+# Bytes per element: a Cast reads one type and writes the other (FP32 + 16-bit); an element a
+# memory-bound op reads or writes in FP32 instead of 16 bits moves this many more. The report's
+# cast bytes and the cast placement (mixprec.analysis.placement) price with them.
+CAST_BYTES_PER_ELEMENT = 4 + 2
+FP32_EXTRA_BYTES_PER_ELEMENT = 4 - 2
 # Nodes that only own subgraphs or function bodies: they compute nothing themselves.
 BOUNDARIES = frozenset({Category.CONTROL_FLOW, Category.FUNCTION})
 

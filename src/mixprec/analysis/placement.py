@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from mixprec.analysis.constants import is_constant
-from mixprec.analysis.cost import SYMBOLIC_DIM
+from mixprec.analysis.cost import CAST_BYTES_PER_ELEMENT, FP32_EXTRA_BYTES_PER_ELEMENT, SYMBOLIC_DIM
 from mixprec.analysis.decisions import Category, Precision
 from mixprec.dtypes import is_fp32_tensor
 from mixprec.policy.opfacts import op_facts
@@ -38,8 +38,8 @@ from mixprec.policy.table import OpClass
 __all__ = ["Island", "min_cut_islands"]
 
 _INF = 1 << 62
-_CAST_BYTES = 4 + 2  # a Cast reads one type and writes the other, per element
-_FP32_EXTRA_BYTES = 2  # an element read or written in FP32 instead of 16 bits
+_CAST_BYTES = CAST_BYTES_PER_ELEMENT
+_FP32_EXTRA_BYTES = FP32_EXTRA_BYTES_PER_ELEMENT
 _UNKNOWN_ELEMENTS = SYMBOLIC_DIM * SYMBOLIC_DIM  # tensors of unknown shape: one consistent guess
 _FREE_CATEGORIES = frozenset({Category.FOLLOW, Category.CONSUMERS})
 

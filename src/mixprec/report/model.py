@@ -14,7 +14,7 @@ from typing import Any
 
 import onnx_ir as ir
 
-from mixprec.analysis.cost import SYMBOLIC_DIM, low_compute_share
+from mixprec.analysis.cost import CAST_BYTES_PER_ELEMENT, SYMBOLIC_DIM, low_compute_share
 from mixprec.analysis.qdq import QuantizedSummary, quantized_summary
 from mixprec.analysis.plan import Category, Precision, PrecisionPlan
 from mixprec.graphs import has_subgraphs, walk_nodes
@@ -310,11 +310,11 @@ def build_report(
         )
     if elements is not None:
         cast_bytes = sum(
-            (c.elements or 0) * (4 + target.numpy_dtype.itemsize) for c in runtime
+            (c.elements or 0) * CAST_BYTES_PER_ELEMENT for c in runtime
         )
     estimates = [c.estimated_elements for c in runtime]
     cast_estimate = (
-        sum(e * (4 + target.numpy_dtype.itemsize) for e in estimates if e is not None)
+        sum(e * CAST_BYTES_PER_ELEMENT for e in estimates if e is not None)
         if all(e is not None for e in estimates) else None
     )
     return Report(
