@@ -4,6 +4,7 @@ default ONNX domain, ``domain::Op``)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping
 
 import onnx_ir as ir
@@ -40,6 +41,26 @@ def has_subgraphs(node: ir.Node) -> bool:
     return False
 
 
+# Per graph: its node count when last scanned and its nodes that own subgraphs. Traversals run
+# many times per conversion and a node's attribute scan is most of their cost; the passes add
+# and remove plain nodes (Casts, fused normalizations) but never control flow, so a scan is
+# redone only when the node count changed.
+_OWNERS: weakref.WeakKeyDictionary[ir.Graph | ir.Function, tuple[int, frozenset[ir.Node]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _owners(graph: ir.Graph | ir.Function) -> frozenset[ir.Node]:
+    """The nodes of `graph` (not of its subgraphs) that own subgraphs."""
+    size = len(graph)
+    cached = _OWNERS.get(graph)
+    if cached is not None and cached[0] == size:
+        return cached[1]
+    owners = frozenset(node for node in graph if node.attributes and has_subgraphs(node))
+    _OWNERS[graph] = (size, owners)
+    return owners
+
+
 def walk_nodes(graph: ir.Graph | ir.Function) -> list[ir.Node]:
     """Nodes of `graph` and its subgraphs; a subgraph's nodes come before the node owning it."""
     nodes: list[ir.Node] = []
@@ -48,8 +69,12 @@ def walk_nodes(graph: ir.Graph | ir.Function) -> list[ir.Node]:
 
 
 def _collect(graph: ir.Graph | ir.Function, nodes: list[ir.Node]) -> None:
+    owners = _owners(graph)
+    if not owners:
+        nodes.extend(graph)
+        return
     for node in graph:
-        if node.attributes and has_subgraphs(node):
+        if node in owners:
             for sub in subgraphs_of(node):
                 _collect(sub, nodes)
         nodes.append(node)
@@ -60,9 +85,10 @@ def all_graphs(model: ir.Model) -> list[ir.Graph]:
     graphs = [model.graph]
     index = 0
     while index < len(graphs):
-        for node in graphs[index]:
-            if node.attributes and has_subgraphs(node):
-                graphs.extend(subgraphs_of(node))
+        graph = graphs[index]
+        owners = _owners(graph)
+        if owners:
+            graphs.extend(sub for node in graph if node in owners for sub in subgraphs_of(node))
         index += 1
     return graphs
 

@@ -193,15 +193,16 @@ class _Islands:
         self.planner = planner
         self.view = planner.view()
         self.free: dict[ir.Node, int] = {}
+        # Free nodes the forward pass kept FP32 for an FP32 input that may not fit the 16-bit type
+        # (an output of an FP32 node neither bounded nor measured, or what such nodes compute
+        # from it): "follows FP32 input".
         self.reads_tainted: set[ir.Node] = set()
-        self.tainted: set[ir.Value] = set()
         self.inputs: dict[ir.Node, list[ir.Value]] = {}
         self.outputs: dict[ir.Node, list[ir.Value]] = {}
-        self._unsafe: dict[ir.Value, bool] = {}
         self._elements: dict[ir.Value, int] = {}
         main = planner.model.graph
         facts, decisions = planner.facts, planner.decisions
-        for node in planner.order:  # topological: a free node's inputs are decided before it
+        for node in planner.order:
             decision = decisions[node]
             if decision.category not in _FREE_CATEGORIES:
                 continue
@@ -209,13 +210,10 @@ class _Islands:
             if not self._is_free(node, fact, decision, main):
                 continue
             self.free[node] = len(self.free)
-            inputs = self.inputs[node] = self._float_inputs(node, fact)
+            self.inputs[node] = self._float_inputs(node, fact)
             self.outputs[node] = [v for v in node.outputs if is_fp32_tensor(v)]
-            if op_facts(node.domain, node.op_type).bounded:
-                continue  # its outputs lie in a small fixed interval whatever it reads
-            if any(self._is_tainted(v) for v in inputs):
+            if decision.category is Category.FOLLOW and decision.precision is Precision.FP32:
                 self.reads_tainted.add(node)
-                self.tainted.update(self.outputs[node])
 
     def _is_free(self, node: ir.Node, fact, decision, main: ir.Graph) -> bool:  # noqa: ANN001
         if decision.precision is Precision.NONE:
@@ -242,22 +240,6 @@ class _Islands:
         found = self._elements.get(value)
         if found is None:
             found = self._elements[value] = _elements(value)
-        return found
-
-    def _is_tainted(self, value: ir.Value) -> bool:
-        """Whether the value may hold what the 16-bit type cannot: an FP32 output of a fixed node
-        (neither bounded nor measured to fit) or what free nodes compute from one."""
-        producer = value.producer()
-        if producer is None:
-            return False
-        if producer in self.free:
-            return value in self.tainted
-        found = self._unsafe.get(value)
-        if found is None:
-            found = value not in self.planner.bounded and not self.view.output_is_lowered(
-                producer, producer.outputs.index(value)
-            )
-            self._unsafe[value] = found
         return found
 
     def groups(self) -> list[list[ir.Node]]:
@@ -289,9 +271,10 @@ class _Islands:
             out.setdefault(find(index), []).append(node)
         return list(out.values())
 
-    def problem(self, nodes: list[ir.Node]) -> tuple:
-        """The island as plain data (local indices in graph order): what the cut depends on, so
-        that repeated structures (the layers of a network) are solved once.
+    def problem(self, nodes: list[ir.Node], greedy: tuple[bool, ...]) -> tuple[tuple, tuple[int, int]] | None:
+        """The island as plain data (local indices in graph order), with the (casts, bytes) of the
+        passes' assignment `greedy`; None when that assignment has no Cast (nothing to improve).
+        Repeated structures (the layers of a network) give equal problems, solved once.
 
         Nodes: (elements read and written, constraint, readers) with constraint 0 (none),
         1 (stays FP32: arithmetic on a value 16 bits may not hold) or 2 (16-bit only if each
@@ -301,28 +284,11 @@ class _Islands:
         """
         planner, view, facts = self.planner, self.view, self.planner.facts
         ids = {node: i for i, node in enumerate(nodes)}
-        specs = []
         values: dict[ir.Value, None] = {}
-        elements = self.elements
         for node in nodes:
-            inputs, outputs = self.inputs[node], self.outputs[node]
-            values.update(dict.fromkeys(inputs))
-            values.update(dict.fromkeys(outputs))
-            touched = sum(elements(v) for v in inputs) + sum(elements(v) for v in outputs)
-            if node not in self.reads_tainted:
-                specs.append((touched, 0, ()))
-            elif not op_facts(node.domain, node.op_type).value_preserving:
-                specs.append((touched, 1, ()))
-            else:
-                readers: set[int] = set()
-                for value in outputs:
-                    for use in value.uses():
-                        j = ids.get(use.node)
-                        readers.add(j if j is not None else (-1 if not view.input_is_lowered(use.node, use.idx) else -3))
-                    if value in planner.main_outputs and planner.keep_io_types:
-                        readers.add(-1)
-                readers.discard(-3)  # fixed 16-bit readers allow it
-                specs.append((touched, 2, tuple(sorted(readers))))
+            values.update(dict.fromkeys(self.inputs[node]))
+            values.update(dict.fromkeys(self.outputs[node]))
+        elements = self.elements
         value_specs = []
         for value in values:
             producer = value.producer()
@@ -353,7 +319,28 @@ class _Islands:
                 else:
                     wants_low = True
             value_specs.append((elements(value), origin, tuple(sorted(free_readers)), wants_low, wants_high))
-        return tuple(specs), tuple(value_specs)
+        before = _casts(value_specs, greedy)
+        if before == (0, 0):
+            return None
+        specs = []
+        for node in nodes:
+            inputs, outputs = self.inputs[node], self.outputs[node]
+            touched = sum(elements(v) for v in inputs) + sum(elements(v) for v in outputs)
+            if node not in self.reads_tainted:
+                specs.append((touched, 0, ()))
+            elif not op_facts(node.domain, node.op_type).value_preserving:
+                specs.append((touched, 1, ()))
+            else:
+                readers: set[int] = set()
+                for value in outputs:
+                    for use in value.uses():
+                        j = ids.get(use.node)
+                        readers.add(j if j is not None else (-1 if not view.input_is_lowered(use.node, use.idx) else -3))
+                    if value in planner.main_outputs and planner.keep_io_types:
+                        readers.add(-1)
+                readers.discard(-3)  # fixed 16-bit readers allow it
+                specs.append((touched, 2, tuple(sorted(readers))))
+        return (tuple(specs), tuple(value_specs)), before
 
 
 def min_cut_islands(planner) -> list[tuple[Island, dict[ir.Node, bool], tuple[int, int], tuple[int, int]]]:  # noqa: ANN001
@@ -366,11 +353,11 @@ def min_cut_islands(planner) -> list[tuple[Island, dict[ir.Node, bool], tuple[in
     decisions = planner.decisions
     changes = []
     for nodes in islands.groups():
-        problem = islands.problem(nodes)
         greedy = tuple(decisions[n].precision is Precision.LOW for n in nodes)
-        before = _casts(problem[1], greedy)
-        if before == (0, 0):
+        found = islands.problem(nodes, greedy)
+        if found is None:
             continue
+        problem, before = found
         solved = _solve(problem)
         if solved is None or solved == greedy:
             continue
