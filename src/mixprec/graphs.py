@@ -61,6 +61,12 @@ def _owners(graph: ir.Graph | ir.Function) -> frozenset[ir.Node]:
     return owners
 
 
+def forget_structure() -> None:
+    """Drop the remembered subgraph owners: call after a pass that may add control flow while
+    keeping a graph's node count (inlining a one-node function body, say)."""
+    _OWNERS.clear()
+
+
 def walk_nodes(graph: ir.Graph | ir.Function) -> list[ir.Node]:
     """Nodes of `graph` and its subgraphs; a subgraph's nodes come before the node owning it."""
     nodes: list[ir.Node] = []

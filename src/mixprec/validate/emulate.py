@@ -44,7 +44,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as ir_passes
 
 from mixprec.errors import InputError, ModelLoadError, RunError
-from mixprec.graphs import FreshNames, default_domain_version, is_default_domain, model_names
+from mixprec.graphs import FreshNames, default_domain_version, forget_structure, is_default_domain, model_names
 from mixprec.io import weight_free_proto
 from mixprec.policy.opfacts import NO_FACTS, op_facts
 
@@ -235,6 +235,8 @@ def _inline_functions(model: ir.Model) -> None:
         ir_passes.RemoveUnusedFunctionsPass()(model)
     except Exception as exc:  # the inliner raises ValueError and pass errors
         raise RunError(f"cannot inline model-local functions for emulation: {exc}") from exc
+    finally:
+        forget_structure()
 
 
 @dataclass(frozen=True)
