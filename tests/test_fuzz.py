@@ -10,10 +10,8 @@ staging folder or stray data file is left. The seeded mutations are a sample; a 
 
 from __future__ import annotations
 
-import os
 import random
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np

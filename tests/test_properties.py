@@ -254,7 +254,6 @@ def assert_structure(built: Built, out: onnx.ModelProto, target: str, keep: bool
     graph_outputs = {o.name for o in out.graph.output}
     seen_casts: set[tuple[str, int]] = set()
     original_names = {n.name for n in iter_nodes(original)}
-    identity_cast_outputs = {n.output[0] for n in iter_nodes(original) if n.name in built.identity_casts}
 
     for node in iter_nodes(out):
         float_in = [types[i] for i in node.input if i and types.get(i) in (FLOAT, FLOAT16, BFLOAT16)]
