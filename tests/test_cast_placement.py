@@ -111,3 +111,50 @@ agraph (float[16,4,8] x) => (float[8,16,4] y)
     cast = producer(out, unsqueeze.input[0])
     assert cast.op_type == "Cast" and producer(out, cast.input[0]).op_type == "Mul"
     assert_matches_fp32(model, out, random_feeds(model))
+
+
+def _reordered(model):  # noqa: ANN001, ANN202
+    """The same graph with its nodes in another topological order (Kahn's algorithm taking the
+    latest ready node first)."""
+    import copy  # noqa: PLC0415
+    import heapq  # noqa: PLC0415
+
+    out = copy.deepcopy(model)
+    nodes = list(out.graph.node)
+    produced = {o: i for i, n in enumerate(nodes) for o in n.output}
+    deps = [{produced[x] for x in n.input if x in produced} for n in nodes]
+    users: dict[int, list[int]] = {}
+    for i, d in enumerate(deps):
+        for j in d:
+            users.setdefault(j, []).append(i)
+    waiting = [len(d) for d in deps]
+    ready = [-i for i, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = -heapq.heappop(ready)
+        order.append(nodes[i])
+        for u in users.get(i, []):
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, -u)
+    del out.graph.node[:]
+    out.graph.node.extend(order)
+    return out
+
+
+def test_decisions_do_not_depend_on_node_order() -> None:
+    from test_real_cnns import LIGHT, realistic_weights  # noqa: PLC0415
+
+    import onnx  # noqa: PLC0415
+
+    model = realistic_weights(onnx.load(str(LIGHT / "light_inception_v1.onnx")))
+    shuffled = _reordered(model)
+    assert [n.name for n in shuffled.graph.node] != [n.name for n in model.graph.node]
+    results = [convert(m, target_dtype="fp16", runtime="ort-cuda")[0] for m in (model, shuffled)]
+    decisions = [
+        {node.name: (d.precision, d.category) for node, d in r.plan.decisions.items()} for r in results
+    ]
+    assert decisions[0] == decisions[1]
+    assert any(category.value == "placed by cast cost" for _, category in decisions[0].values())
+    assert results[0].report.casts_runtime == results[1].report.casts_runtime
