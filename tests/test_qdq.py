@@ -189,6 +189,23 @@ def test_scale_below_the_16bit_normal_range_keeps_its_pair_fp32() -> None:
     assert_pairs_adjacent(source, bf16_out)
 
 
+def test_dequantize_shared_by_a_16bit_and_an_fp32_reader_keeps_both_fp32() -> None:
+    # The quantizer shares one DequantizeLinear among its readers: a MatMul (16-bit) and a
+    # Softmax (FP32 by policy). No Cast may follow the DQ, so the MatMul stays FP32 with it.
+    source = qdq_matmul()
+    graph = source.graph
+    graph.node.append(oh.make_node("Softmax", ["h_dq"], ["p"], name="softmax", axis=-1))
+    graph.output.append(oh.make_tensor_value_info("p", FLOAT, [2, N]))
+    onnx.checker.check_model(source, full_check=True)
+    result, out = convert(source, target_dtype="fp16", runtime="ort-cuda")
+    check_full(out)
+    assert_pairs_adjacent(source, out)
+    kept = _decisions(result)
+    assert kept["dq_h"][1] == "DequantizeLinear: some consumers compute in FP32"
+    assert kept["matmul_float"][0] == "quantized pair" and "'dq_h'" in kept["matmul_float"][1]
+    assert "matmul_q" not in kept  # the first pair still converts
+
+
 def test_old_opset_upgrades_to_16bit_quantization() -> None:
     source = qdq_matmul(opset=13)  # DequantizeLinear-13 returns float only
     result, out = convert(source, target_dtype="fp16", runtime="ort-cuda")
