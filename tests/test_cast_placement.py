@@ -158,3 +158,20 @@ def test_decisions_do_not_depend_on_node_order() -> None:
     assert decisions[0] == decisions[1]
     assert any(category.value == "placed by cast cost" for _, category in decisions[0].values())
     assert results[0].report.casts_runtime == results[1].report.casts_runtime
+
+
+def test_a_flexible_reader_inside_an_island_costs_no_cast() -> None:
+    model = parse(f"""{HEADER}
+agraph (float[16,4] x) => (float[16,4] y, float[1,1] z)
+<float[4,4] w = {W44}>
+{{
+  a = MatMul(x, w)
+  v = Relu(a)
+  u = Neg(v)
+  y = CastLike(v, u)
+  z = ReduceSum<keepdims = 1>(u)
+}}
+""")
+    result, out = convert(model)
+    check_full(out)
+    assert_matches_fp32(model, out, random_feeds(model))

@@ -223,6 +223,11 @@ def test_dequantize_23_output_follows_its_scale_unless_output_dtype_says_otherwi
     result, out = convert(source, target_dtype="fp16", runtime="ort-cpu")
     check_full(out)
     assert_pairs_adjacent(source, out)
+    unset = copy.deepcopy(source)  # output_dtype = 0 means "the scale's type"
+    next(n for n in unset.graph.node if n.name == "dq_h").attribute.append(oh.make_attribute("output_dtype", 0))
+    result, out = convert(unset, target_dtype="fp16")
+    check_full(out)
+    assert "dq_h" not in _decisions(result)
     pinned = copy.deepcopy(source)
     dq = next(n for n in pinned.graph.node if n.name == "dq_h")
     dq.attribute.append(oh.make_attribute("output_dtype", TensorProto.FLOAT))

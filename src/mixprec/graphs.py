@@ -4,7 +4,6 @@ default ONNX domain, ``domain::Op``)."""
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable, Mapping
 
 import onnx_ir as ir
@@ -41,30 +40,35 @@ def has_subgraphs(node: ir.Node) -> bool:
     return False
 
 
-# Per graph: its node count when last scanned and its nodes that own subgraphs. Traversals run
-# many times per conversion and a node's attribute scan is most of their cost; the passes add
-# and remove plain nodes (Casts, fused normalizations) but never control flow, so a scan is
-# redone only when the node count changed.
-_OWNERS: weakref.WeakKeyDictionary[ir.Graph | ir.Function, tuple[int, frozenset[ir.Node]]] = (
-    weakref.WeakKeyDictionary()
-)
+# Per graph (in its `meta`, so it lives and dies with the graph): its node count when last
+# scanned and its nodes that own subgraphs. Traversals run many times per conversion and a
+# node's attribute scan is most of their cost; the passes add and remove plain nodes (Casts,
+# fused normalizations) but never control flow, so a graph is rescanned only when its node
+# count changed (and after `forget_structure`).
+_OWNERS_KEY = "mixprec.subgraph_owners"
+_generation = 0
 
 
 def _owners(graph: ir.Graph | ir.Function) -> frozenset[ir.Node]:
     """The nodes of `graph` (not of its subgraphs) that own subgraphs."""
     size = len(graph)
-    cached = _OWNERS.get(graph)
-    if cached is not None and cached[0] == size:
-        return cached[1]
+    meta = graph.meta
+    cached = meta.get(_OWNERS_KEY)
+    # A copied graph (Model.clone copies `meta`) holds other nodes: those must be its own.
+    if cached is not None and cached[0] == size and cached[1] == _generation and all(
+        owner.graph is graph for owner in cached[2]
+    ):
+        return cached[2]
     owners = frozenset(node for node in graph if node.attributes and has_subgraphs(node))
-    _OWNERS[graph] = (size, owners)
+    meta[_OWNERS_KEY] = (size, _generation, owners)
     return owners
 
 
 def forget_structure() -> None:
-    """Drop the remembered subgraph owners: call after a pass that may add control flow while
-    keeping a graph's node count (inlining a one-node function body, say)."""
-    _OWNERS.clear()
+    """Forget the remembered subgraph owners of every graph: call after a pass that may add
+    control flow while keeping a graph's node count (inlining a one-node function body, say)."""
+    global _generation  # noqa: PLW0603 - one counter for all graphs
+    _generation += 1
 
 
 def walk_nodes(graph: ir.Graph | ir.Function) -> list[ir.Node]:

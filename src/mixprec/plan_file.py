@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 PLAN_FORMAT = "mixprec.plan/1"
 PLAN_REASON = "set by plan"
+# Categories of nodes whose precision follows their neighbours' (not asked for on their own).
+FOLLOWING = frozenset({Category.FOLLOW, Category.CONSUMERS, Category.CAST_COST, Category.QDQ})
 _PRECISIONS = {p.value: p for p in Precision}
 # Notes list at most this many nodes by name.
 _NOTE_NODES = 5
@@ -198,7 +200,7 @@ class PlanFile:
         plan = make_plan({})
         if not wanted:
             return plan
-        following = {Category.FOLLOW.value, Category.CONSUMERS.value}
+        following = {c.value for c in FOLLOWING}
         forced: dict[ir.Node, tuple[Category, str]] = {}
         for name, node in zip(self.names(Precision.FP32), wanted):
             if plan.decisions[node].precision is Precision.LOW and self.nodes[name].category not in following:
@@ -230,7 +232,7 @@ class PlanFile:
             decision = plan.decisions.get(resolved[name])
             if decision is None or decision.precision is not Precision.FP32:
                 continue
-            if decision.category in (Category.FOLLOW, Category.CONSUMERS):
+            if decision.category in FOLLOWING:
                 following.append(name)
             else:
                 unmet.append(f"{name} ({decision.category.value}: {decision.reason})")

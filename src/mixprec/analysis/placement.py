@@ -22,7 +22,6 @@ one, so the cut never trades a Cast for compute.
 
 from __future__ import annotations
 
-import functools
 from collections import deque
 from dataclasses import dataclass
 
@@ -37,7 +36,7 @@ from mixprec.policy.table import OpClass
 
 __all__ = ["Island", "min_cut_islands"]
 
-_INF = 1 << 62
+_INF = 1 << 256  # beyond any sum of byte costs (Python integers do not overflow)
 _CAST_BYTES = CAST_BYTES_PER_ELEMENT
 _FP32_EXTRA_BYTES = FP32_EXTRA_BYTES_PER_ELEMENT
 _UNKNOWN_ELEMENTS = SYMBOLIC_DIM * SYMBOLIC_DIM  # tensors of unknown shape: one consistent guess
@@ -168,6 +167,19 @@ def _casts(values: tuple, low: tuple[bool, ...]) -> tuple[int, int]:
     return count, size
 
 
+def _next_to_qdq(node: ir.Node) -> bool:
+    """Whether the node reads a DequantizeLinear's output or feeds a QuantizeLinear."""
+    for value in node.inputs:
+        producer = value.producer() if value is not None else None
+        if producer is not None and op_facts(producer.domain, producer.op_type).quantization == "dequantize":
+            return True
+    return any(
+        op_facts(use.node.domain, use.node.op_type).quantization == "quantize"
+        for value in node.outputs
+        for use in value.uses()
+    )
+
+
 def _bound_to_lowerable(node: ir.Node, fact) -> bool:  # noqa: ANN001
     """Whether every FP32 input (flexible ones aside) and output follows the node's precision."""
     sig = fact.sig
@@ -223,7 +235,7 @@ class _Islands:
             return False
         if fact.sig is None or not fact.lowerable or node.graph is not main:
             return False
-        if op_facts(node.domain, node.op_type).quantization is not None:
+        if op_facts(node.domain, node.op_type).quantization is not None or _next_to_qdq(node):
             return False  # Q/DQ pairs have rules of their own (mixprec.analysis.qdq)
         return _bound_to_lowerable(node, fact) and not self.planner.is_weight_heavy(node)
 
@@ -302,17 +314,18 @@ class _Islands:
             wants_low = wants_high = False
             for use in value.uses():
                 consumer, index = use.node, use.idx
+                fact = facts.get(consumer)
+                if fact is not None and index in fact.flexible:
+                    continue  # read as it is (Shape, CastLike's input): no Cast either way
                 j = ids.get(consumer)
                 if j is not None:
                     free_readers.add(j)
-                    continue
-                fact = facts.get(consumer)
-                if fact is not None and index in fact.flexible:
-                    continue
-                if view.input_is_lowered(consumer, index):
+                elif view.input_is_lowered(consumer, index):
                     wants_low = True
                 else:
                     wants_high = True
+            if value in planner.sub_outputs:
+                wants_high = True  # a subgraph returns it as it is, in FP32
             if value in planner.main_outputs:
                 if planner.keep_io_types:
                     wants_high = True
@@ -334,9 +347,12 @@ class _Islands:
                 readers: set[int] = set()
                 for value in outputs:
                     for use in value.uses():
+                        fact = facts.get(use.node)
+                        if fact is not None and use.idx in fact.flexible:
+                            continue
                         j = ids.get(use.node)
                         readers.add(j if j is not None else (-1 if not view.input_is_lowered(use.node, use.idx) else -3))
-                    if value in planner.main_outputs and planner.keep_io_types:
+                    if (value in planner.main_outputs and planner.keep_io_types) or value in planner.sub_outputs:
                         readers.add(-1)
                 readers.discard(-3)  # fixed 16-bit readers allow it
                 specs.append((touched, 2, tuple(sorted(readers))))
@@ -352,13 +368,16 @@ def min_cut_islands(planner) -> list[tuple[Island, dict[ir.Node, bool], tuple[in
         return []
     decisions = planner.decisions
     changes = []
+    solved_problems: dict[tuple, tuple[bool, ...] | None] = {}  # repeated layers: solved once
     for nodes in islands.groups():
         greedy = tuple(decisions[n].precision is Precision.LOW for n in nodes)
         found = islands.problem(nodes, greedy)
         if found is None:
             continue
         problem, before = found
-        solved = _solve(problem)
+        if problem not in solved_problems:
+            solved_problems[problem] = _solve(problem)
+        solved = solved_problems[problem]
         if solved is None or solved == greedy:
             continue
         after = _casts(problem[1], solved)
@@ -367,7 +386,6 @@ def min_cut_islands(planner) -> list[tuple[Island, dict[ir.Node, bool], tuple[in
     return changes
 
 
-@functools.lru_cache(maxsize=4096)
 def _solve(problem: tuple) -> tuple[bool, ...] | None:
     """The minimum-cost assignment (True: 16-bit) with the most 16-bit nodes (None: infeasible)."""
     nodes, values = problem

@@ -36,6 +36,7 @@ import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_range, is_constant, small_constant_array
 from mixprec.analysis.placement import min_cut_islands
+from mixprec.analysis.qdq import role as qdq_role
 from mixprec.analysis.decisions import (
     Category,
     Decision,
@@ -317,19 +318,7 @@ class _Planner:
         self._resolve_flex()
         self._place_casts()
         self._decide_storage()
-        return PrecisionPlan(
-            target=self.target,
-            keep_io_types=self.keep_io_types,
-            decisions=self.decisions,
-            lowered_vars=self.lowered,
-            facts=self.facts,
-            storage=self.storage,
-            constant_notes=self.constant_notes,
-            saturated=self.saturated,
-            order=self.order,
-            graphs=self.graphs,
-            keys=self.keys,
-        )
+        return self.view()
 
     def _decision(self, precision: Precision, category: Category, reason: str) -> Decision:
         key = (precision, category, reason)
@@ -428,7 +417,8 @@ class _Planner:
             self._decide_dtype_source(node, facts, rule)
             return
         fixed_by = template.fixed_by
-        if fixed_by is not None and node.attributes.get(fixed_by) is not None:
+        fixing = node.attributes.get(fixed_by) if fixed_by is not None else None
+        if fixing is not None and not (fixing.type is ir.AttributeType.INT and fixing.as_int() == 0):  # 0: unset
             self._keep(node, Category.SCHEMA, f"{op_name}: its {fixed_by} attribute fixes its output type", State.HIGH)
             return
         if not facts.lowerable and facts.runtime_blocked & facts.float_vars and rule.op_class is not OpClass.FP32:
@@ -666,7 +656,7 @@ class _Planner:
         group: runtimes fuse DequantizeLinear -> op -> QuantizeLinear into one integer kernel
         (ONNX Runtime's CPU provider even with 16-bit scales it cannot run, QLinearConcat), so
         such a group gains nothing in 16 bits; graph inputs stay as they are."""
-        if op_facts(node.domain, node.op_type).quantization != "quantize" or not node.inputs:
+        if qdq_role(node) != "quantize" or not node.inputs:
             return False
         x = node.inputs[0]
         producer = x.producer() if x is not None else None
@@ -674,8 +664,7 @@ class _Planner:
             return False
         floats = [v for v in producer.inputs if v is not None and is_fp32_tensor(v) and not is_constant(v)]
         return not floats or not all(
-            (p := v.producer()) is not None and op_facts(p.domain, p.op_type).quantization == "dequantize"
-            for v in floats
+            (p := v.producer()) is not None and qdq_role(p) == "dequantize" for v in floats
         )
 
     # -- cast placement -----------------------------------------------------------------
@@ -694,6 +683,7 @@ class _Planner:
 
     def _place_casts(self) -> None:
         """Re-decide the follow-class nodes of each FP32 island by cast cost (minimum cut)."""
+        changed = False
         for island, assignment, before, after in min_cut_islands(self):
             anchor = self.keys.get(island.nodes[0]) or island.nodes[0].op_type
             why = (
@@ -707,9 +697,24 @@ class _Planner:
                 facts = self.facts[node]
                 op_name = format_op_name(node.domain, node.op_type)
                 if low:
+                    for out in node.outputs:
+                        self.bounded.pop(out, None)
                     self._lower(node, facts, Category.CAST_COST, f"{op_name} in {self.target.short_name}: {why}")
                 else:
                     self._keep(node, Category.CAST_COST, f"{op_name} in FP32: {why}", State.HIGH)
+            changed = True
+        if changed:
+            self._settle_constants()
+
+    def _settle_constants(self) -> None:
+        """Constant nodes decided 16-bit before the placement keep FP32 where a reader now
+        computes in FP32 (their FP32 value serves it; 16-bit readers get a stored copy)."""
+        for node in self.order:
+            if node.op_type != "Constant" or self.decisions[node].precision is not Precision.LOW:
+                continue
+            if any(State.HIGH in self.demands(out) for out in node.outputs if is_fp32_tensor(out)):
+                op_name = format_op_name(node.domain, node.op_type)
+                self._keep(node, Category.CONSUMERS, f"{op_name}: some consumers compute in FP32", State.HIGH)
 
     def _weight_heavy(self, node: ir.Node, facts: NodeFacts) -> bool:
         """Whether a data-movement node reads constants far larger than what it produces.

@@ -55,7 +55,7 @@ def required_opset(
         if normalize_domain(node.domain) == ""
         and (rule := policy.rule_for("", node.op_type)) is not None
         and rule.op_class is OpClass.LOW and rule.compute_bound
-        and (runtime is None or runtime.runs_in("", node.op_type, target.type_str))
+        and (runtime is None or runtime.runs_in("", node.op_type, type_str))
     }
     if heavy:
         # A QDQ model's compute ops convert only with their DequantizeLinear/QuantizeLinear

@@ -1,0 +1,59 @@
+"""Graph traversal: subgraph owners are remembered per graph without keeping models alive, and
+copies and structural changes are noticed."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import onnx_ir as ir
+from onnx import TensorProto
+from onnx import helper as oh
+
+from mixprec.graphs import all_graphs, all_nodes, forget_structure
+
+
+def _model_with_if() -> ir.Model:
+    then = oh.make_graph([oh.make_node("Identity", ["x"], ["t"])], "then", [], [oh.make_tensor_value_info("t", TensorProto.FLOAT, [1])])
+    other = oh.make_graph([oh.make_node("Identity", ["x"], ["e"])], "else", [], [oh.make_tensor_value_info("e", TensorProto.FLOAT, [1])])
+    graph = oh.make_graph(
+        [oh.make_node("If", ["c"], ["y"], name="if", then_branch=then, else_branch=other)], "g",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1]), oh.make_tensor_value_info("c", TensorProto.BOOL, [])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    return ir.serde.deserialize_model(oh.make_model(graph))
+
+
+def test_remembered_owners_do_not_keep_a_model_alive() -> None:
+    model = _model_with_if()
+    assert len(all_graphs(model)) == 3
+    ref = weakref.ref(model.graph)
+    del model
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_clone_walks_its_own_subgraphs() -> None:
+    model = _model_with_if()
+    assert len(all_nodes(model)) == 3
+    clone = model.clone()
+    nodes = all_nodes(clone)
+    assert len(nodes) == 3 and all(n.graph is not None and n not in all_nodes(model) for n in nodes)
+
+
+def test_forget_structure_sees_control_flow_added_in_place() -> None:
+    model = _model_with_if()
+    plain = ir.serde.deserialize_model(oh.make_model(oh.make_graph(
+        [oh.make_node("Identity", ["x"], ["y"], name="id")], "g",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1]), oh.make_tensor_value_info("c", TensorProto.BOOL, [])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )))
+    assert len(all_nodes(plain)) == 1
+    # Swap the Identity for the If: the node count stays 1.
+    node = next(iter(model.graph))
+    model.graph.remove(node)
+    old = next(iter(plain.graph))
+    plain.graph.insert_after(old, node)
+    plain.graph.remove(old)
+    forget_structure()
+    assert len(all_nodes(plain)) == 3
