@@ -214,6 +214,7 @@ class _Islands:
         self._elements: dict[ir.Value, int] = {}
         main = planner.model.graph
         facts, decisions = planner.facts, planner.decisions
+        self.quantized = any(op_facts(domain, op).quantization for op, domain in planner.op_types())
         for node in planner.order:
             decision = decisions[node]
             if decision.category not in _FREE_CATEGORIES:
@@ -235,7 +236,7 @@ class _Islands:
             return False
         if fact.sig is None or not fact.lowerable or node.graph is not main:
             return False
-        if op_facts(node.domain, node.op_type).quantization is not None or _next_to_qdq(node):
+        if self.quantized and (op_facts(node.domain, node.op_type).quantization is not None or _next_to_qdq(node)):
             return False  # Q/DQ pairs have rules of their own (mixprec.analysis.qdq)
         return _bound_to_lowerable(node, fact) and not self.planner.is_weight_heavy(node)
 

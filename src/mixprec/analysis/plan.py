@@ -677,6 +677,10 @@ class _Planner:
             graphs=self.graphs, keys=self.keys,
         )
 
+    def op_types(self) -> set[tuple[str, str]]:
+        """The (op type, domain) pairs the model uses."""
+        return {(key[0], key[1]) for key in self._templates}
+
     def is_weight_heavy(self, node: ir.Node) -> bool:
         """Whether the node was lowered for the large constant it reads (kept as decided)."""
         return self._weight_heavy(node, self.facts[node])
