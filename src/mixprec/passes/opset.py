@@ -140,7 +140,8 @@ def upgrade_for_target(
         notes.append(f"{', '.join(ops)} need opset {version} for {target.value} but {e}; they stay FP32")
         return None
     notes.append(
-        f"opset upgraded from {current} to {version}: {', '.join(ops)} admit {target.value} from "
+        f"opset upgraded from {current} to {version}: {', '.join(ops)} "
+        f"{'admits' if len(ops) == 1 else 'admit'} {target.value} from "
         f"opset {version} (pin a version with --opset)"
     )
     if profile.opset_range is not None and version > profile.opset_range[1]:
