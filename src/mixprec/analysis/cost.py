@@ -26,23 +26,28 @@ FP32_EXTRA_BYTES_PER_ELEMENT = 4 - 2
 BOUNDARIES = frozenset({Category.CONTROL_FLOW, Category.FUNCTION})
 
 
-def _size(dim: object, symbolic: int | None) -> int | None:
-    """A dimension's size: static, a named symbolic one (``seq``) as `symbolic`, None for an
-    unnamed one (shape inference's ``unk__N``: nothing is known of it)."""
+def _size(dim: object, symbolic: int | None, unnamed: int | None = None) -> int | None:
+    """A dimension's size: static, a named symbolic one (``seq``) as `symbolic`, an unnamed one
+    (shape inference's ``unk__N``: nothing is known of it) as `unnamed` (None: unknown)."""
     if isinstance(dim, int):
         return int(dim)
     name = getattr(dim, "value", None)
-    if symbolic is None or not name or str(name).startswith("unk__"):
+    if symbolic is None:
         return None
+    if not name or str(name).startswith("unk__"):
+        return unnamed
     return symbolic
 
 
-def tensor_elements(shape: ir.Shape | None, symbolic: int | None = None) -> int | None:
+def tensor_elements(
+    shape: ir.Shape | None, symbolic: int | None = None, unnamed: int | None = None
+) -> int | None:
     """Elements of a tensor of `shape`, named symbolic dimensions as `symbolic` (None: a shape
-    with symbolic dimensions is unknown); None when the shape or a dimension is unknown."""
+    with symbolic dimensions is unknown) and unnamed ones as `unnamed` (None: unknown); None
+    when the shape or a dimension is unknown."""
     if shape is None:
         return None
-    sizes = [_size(d, symbolic) for d in shape.dims]
+    sizes = [_size(d, symbolic, unnamed) for d in shape.dims]
     return None if any(s is None for s in sizes) else math.prod(sizes)  # type: ignore[arg-type]
 
 

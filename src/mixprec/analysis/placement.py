@@ -28,7 +28,13 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from mixprec.analysis.constants import is_constant
-from mixprec.analysis.cost import CAST_BYTES_PER_ELEMENT, FP32_EXTRA_BYTES_PER_ELEMENT, SYMBOLIC_DIM
+from mixprec.analysis.cost import (
+    CAST_BYTES_PER_ELEMENT,
+    FP32_EXTRA_BYTES_PER_ELEMENT,
+    SYMBOLIC_DIM,
+    tensor_elements,
+)
+from mixprec.analysis.qdq import role as qdq_role
 from mixprec.analysis.decisions import Category, Precision
 from mixprec.dtypes import is_fp32_tensor
 from mixprec.policy.opfacts import op_facts
@@ -44,14 +50,10 @@ _FREE_CATEGORIES = frozenset({Category.FOLLOW, Category.CONSUMERS})
 
 
 def _elements(value: ir.Value) -> int:
-    """Estimated elements: static dimensions as they are, any other one as `SYMBOLIC_DIM`."""
-    shape = value.shape
-    if shape is None:
-        return _UNKNOWN_ELEMENTS
-    elements = 1
-    for dim in shape.dims:
-        elements *= dim if isinstance(dim, int) else SYMBOLIC_DIM
-    return elements
+    """Estimated elements: every dimension that is not static as `SYMBOLIC_DIM`, a tensor of
+    unknown rank as `_UNKNOWN_ELEMENTS` (costs must exist for every value of an island)."""
+    elements = tensor_elements(value.shape, SYMBOLIC_DIM, unnamed=SYMBOLIC_DIM)
+    return elements if elements is not None else _UNKNOWN_ELEMENTS
 
 
 class _Network:
@@ -171,13 +173,9 @@ def _next_to_qdq(node: ir.Node) -> bool:
     """Whether the node reads a DequantizeLinear's output or feeds a QuantizeLinear."""
     for value in node.inputs:
         producer = value.producer() if value is not None else None
-        if producer is not None and op_facts(producer.domain, producer.op_type).quantization == "dequantize":
+        if producer is not None and qdq_role(producer) == "dequantize":
             return True
-    return any(
-        op_facts(use.node.domain, use.node.op_type).quantization == "quantize"
-        for value in node.outputs
-        for use in value.uses()
-    )
+    return any(qdq_role(use.node) == "quantize" for value in node.outputs for use in value.uses())
 
 
 def _bound_to_lowerable(node: ir.Node, fact) -> bool:  # noqa: ANN001
@@ -236,7 +234,7 @@ class _Islands:
             return False
         if fact.sig is None or not fact.lowerable or node.graph is not main:
             return False
-        if self.quantized and (op_facts(node.domain, node.op_type).quantization is not None or _next_to_qdq(node)):
+        if self.quantized and (qdq_role(node) is not None or _next_to_qdq(node)):
             return False  # Q/DQ pairs have rules of their own (mixprec.analysis.qdq)
         return _bound_to_lowerable(node, fact) and not self.planner.is_weight_heavy(node)
 
