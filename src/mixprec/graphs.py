@@ -4,7 +4,7 @@ default ONNX domain, ``domain::Op``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import onnx_ir as ir
 
@@ -101,6 +101,14 @@ def all_graphs(model: ir.Model) -> list[ir.Graph]:
             graphs.extend(sub for node in graph if node in owners for sub in subgraphs_of(node))
         index += 1
     return graphs
+
+
+def main_values(model: ir.Model) -> Iterator[ir.Value]:
+    """The main graph's inputs, then every main-graph node's outputs."""
+    graph = model.graph
+    yield from graph.inputs
+    for node in graph:
+        yield from node.outputs
 
 
 def function_graphs(model: ir.Model) -> list[ir.Graph]:

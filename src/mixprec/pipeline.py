@@ -24,7 +24,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from mixprec.analysis.calibrate import RangeTable, safe_values_from_ranges, wide_values_from_ranges
+from mixprec.analysis.calibrate import RangeTable, measured_values
 from mixprec.analysis.integer_semantics import integer_semantics
 from mixprec.analysis.plan import Category, NodeMatcher, Precision, PrecisionPlan, plan_precision
 from mixprec.analysis.qdq import keep_pairs as keep_qdq_pairs
@@ -32,7 +32,7 @@ from mixprec.analysis.plan import weights_only as weights_only_plan
 from mixprec.analysis.typeinfo import TypeInfo, assume_float_outputs, infer_types
 from mixprec.config import Config
 from mixprec.errors import InputError, ModelLoadError, RunError
-from mixprec.graphs import node_keys, walk_nodes
+from mixprec.graphs import main_values, node_keys, walk_nodes
 from mixprec.io import load_model, staged_save, typed_values, uses_external_data, wants_external_data, weight_bytes
 from mixprec.passes.norm_blocks import fuse_norm_blocks, opset_for_fusion
 from mixprec.passes.opset import upgrade_for_target, upgrade_opset
@@ -187,9 +187,8 @@ def analyze(c: Conversion) -> None:
         ranges = _calibrate(c)
     if ranges is not None:
         c.ranges = ranges
-        wide = wide_values_from_ranges(c.model, ranges, c.target)
+        wide, safe = measured_values(c.model, ranges, c.target)
         c.wide = {value.name: evidence for value, evidence in wide.items() if value.name}
-        safe = safe_values_from_ranges(c.model, ranges, c.target)
         c.safe = {value.name: evidence for value, evidence in safe.items() if value.name}
         if calibration.ranges is not None:
             c.notes.append(f"{len(wide)} value(s) measured beyond the {c.target.value} range stay FP32")
@@ -337,7 +336,7 @@ def make_plan(
     """Plan `model` (typed) with the analyses' findings, the plan file and the node choices."""
     by_key = {key: node for node, key in keys.items()}
     forced_nodes = {by_key[k]: finding for k, finding in forced.items() if k in by_key}
-    values = {v.name: v for v in _main_values(model)}
+    values = {v.name: v for v in main_values(model)}
     wide_values = {values[name]: evidence for name, evidence in wide.items() if name in values} or None
     safe_values = {values[name]: evidence for name, evidence in (safe or {}).items() if name in values} or None
     matcher = NodeMatcher(config.nodes.exclude)
@@ -410,17 +409,10 @@ def prepare(source: object, config: Config) -> Prepared:
 # -- helpers -----------------------------------------------------------------------------------
 
 
-def _main_values(model: ir.Model):  # noqa: ANN202 - Iterator[ir.Value]
-    graph = model.graph
-    yield from graph.inputs
-    for node in graph:
-        yield from node.outputs
-
-
 def _elem_types(model: ir.Model) -> dict[str, int]:
     """ONNX element type of every typed main-graph value (0 for non-tensors)."""
     types: dict[str, int] = {}
-    for value in _main_values(model):
+    for value in main_values(model):
         if value.name and value.type is not None:
             types[value.name] = int(value.type.dtype) if isinstance(value.type, ir.TensorType) else 0
     return types

@@ -33,6 +33,7 @@ import onnx_ir as ir
 from mixprec.analysis.constants import is_constant
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.errors import InputError
+from mixprec.graphs import main_values
 from mixprec.io import write_text_atomic
 from mixprec.progress import Progress
 from mixprec.runtime.batches import BatchesLike, BatchSource
@@ -286,14 +287,7 @@ def wide_values_from_ranges(
     Raises:
         InputError: `margin` is below 1.
     """
-    if not margin >= 1.0:
-        raise InputError(f"calibration margin must be >= 1, got {margin}")
-    wide: dict[ir.Value, str] = {}
-    for value, rng in _measured(model, table):
-        evidence = range_evidence(rng, target, margin)
-        if evidence is not None:
-            wide[value] = evidence
-    return wide
+    return measured_values(model, table, target, margin)[0]
 
 
 def safe_values_from_ranges(
@@ -302,19 +296,32 @@ def safe_values_from_ranges(
     """The FP32 values whose measured range the 16-bit type holds (by the rules of
     :func:`wide_values_from_ranges`, and finite), with evidence, for
     ``plan_precision(safe_values=...)``."""
+    return measured_values(model, table, target, margin)[1]
+
+
+def measured_values(
+    model: ir.Model, table: Mapping[str, ValueRange], target: LowPrecision, margin: float = 2.0
+) -> tuple[dict[ir.Value, str], dict[ir.Value, str]]:
+    """Both in one pass: (values beyond the 16-bit range, values it holds), with evidence."""
+    if not margin >= 1.0:
+        raise InputError(f"calibration margin must be >= 1, got {margin}")
+    wide: dict[ir.Value, str] = {}
     safe: dict[ir.Value, str] = {}
     for value, rng in _measured(model, table):
-        if rng.nonfinite == 0 and range_evidence(rng, target, margin) is None:
+        evidence = range_evidence(rng, target, margin)
+        if evidence is not None:
+            wide[value] = evidence
+        elif rng.nonfinite == 0:
             safe[value] = f"measured within +-{rng.absmax:.3g} on data"
-    return safe
+    return wide, safe
 
 
 def _measured(model: ir.Model, table: Mapping[str, ValueRange]) -> Iterator[tuple[ir.Value, ValueRange]]:
     """Main-graph FP32 (or untyped) graph inputs and node outputs with a measured range."""
-    graph = model.graph
-    candidates: list[ir.Value] = [v for v in graph.inputs if v.name not in graph.initializers]
-    candidates.extend(out for node in graph for out in node.outputs)
-    for value in candidates:
+    initializers = model.graph.initializers
+    for value in main_values(model):
+        if value.name in initializers:
+            continue
         rng = table.get(value.name or "")
         if rng is None or rng.count == 0:
             continue
