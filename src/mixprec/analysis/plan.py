@@ -36,7 +36,7 @@ import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_range, is_constant, small_constant_array
 from mixprec.analysis.placement import min_cut_islands
-from mixprec.analysis.qdq import role as qdq_role
+from mixprec.analysis.qdq import quantizes_float_chain
 from mixprec.analysis.decisions import (
     Category,
     Decision,
@@ -634,7 +634,7 @@ class _Planner:
             op_name = format_op_name(node.domain, node.op_type)
             if wanted == {State.LOW}:
                 self._lower(node, facts, Category.CONSUMERS, f"{op_name}: all consumers compute in {self.target.short_name}")
-            elif not wanted and self._quantizes_float_chain(node):
+            elif not wanted and quantizes_float_chain(node):
                 # A QuantizeLinear has no float output: in 16 bits it lets the ops before it
                 # (back to their DequantizeLinear) convert without a Cast.
                 self._lower(node, facts, Category.CONSUMERS, f"{op_name}: reads a chain of ops computed in {self.target.short_name}")
@@ -649,23 +649,6 @@ class _Planner:
             else:
                 why = "some consumers compute in FP32" if State.HIGH in wanted else "no 16-bit consumer"
                 self._keep(node, Category.CONSUMERS, f"{op_name}: {why}", State.HIGH)
-
-    @staticmethod
-    def _quantizes_float_chain(node: ir.Node) -> bool:
-        """Whether the node quantizes a value computed by an op that is not a single-op QDQ
-        group: runtimes fuse DequantizeLinear -> op -> QuantizeLinear into one integer kernel
-        (ONNX Runtime's CPU provider even with 16-bit scales it cannot run, QLinearConcat), so
-        such a group gains nothing in 16 bits; graph inputs stay as they are."""
-        if qdq_role(node) != "quantize" or not node.inputs:
-            return False
-        x = node.inputs[0]
-        producer = x.producer() if x is not None else None
-        if producer is None:
-            return False
-        floats = [v for v in producer.inputs if v is not None and is_fp32_tensor(v) and not is_constant(v)]
-        return not floats or not all(
-            (p := v.producer()) is not None and qdq_role(p) == "dequantize" for v in floats
-        )
 
     # -- cast placement -----------------------------------------------------------------
     def view(self) -> PrecisionPlan:

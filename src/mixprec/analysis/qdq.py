@@ -22,11 +22,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
+from mixprec.analysis.constants import is_constant
 from mixprec.analysis.decisions import Category, Precision, PrecisionPlan
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.policy.opfacts import op_facts
 
-__all__ = ["QuantizedSummary", "broken_pairs", "keep_pairs", "quantized_summary", "small_scales"]
+__all__ = [
+    "QuantizedSummary", "broken_pairs", "keep_pairs", "quantized_summary", "quantizes_float_chain", "small_scales",
+]
 
 Forced = dict[ir.Node, tuple[Category, str]]
 
@@ -39,6 +42,21 @@ def role(node: ir.Node) -> str | None:
 def has_qdq(nodes: list[ir.Node]) -> bool:
     """Whether any node quantizes or dequantizes."""
     return any(role(node) is not None for node in nodes)
+
+
+def quantizes_float_chain(node: ir.Node) -> bool:
+    """Whether the node quantizes a value computed by an op that is not a single-op QDQ group:
+    runtimes fuse DequantizeLinear -> op -> QuantizeLinear into one integer kernel (ONNX
+    Runtime's CPU provider even with 16-bit scales it cannot run, QLinearConcat), so such a
+    group gains nothing in 16 bits; graph inputs stay as they are."""
+    if role(node) != "quantize" or not node.inputs:
+        return False
+    x = node.inputs[0]
+    producer = x.producer() if x is not None else None
+    if producer is None:
+        return False
+    floats = [v for v in producer.inputs if v is not None and is_fp32_tensor(v) and not is_constant(v)]
+    return not floats or not all((p := v.producer()) is not None and role(p) == "dequantize" for v in floats)
 
 
 def _pair_edges(plan: PrecisionPlan) -> Iterator[tuple[ir.Node, int, ir.Node, int]]:
