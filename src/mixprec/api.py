@@ -102,6 +102,7 @@ def convert(
     ranges: RangeTable | None = None,
     runtime: str | None = None,
     weights_only: bool = False,
+    fold_norm_scales: bool = True,
     allow_invalid: bool = False,
     overwrite: bool = False,
 ) -> ConversionResult:
@@ -145,6 +146,10 @@ def convert(
         weights_only: Store the weights in the 16-bit type and compute everything in FP32 (for
             runtimes without 16-bit compute for the model's heavy ops: half the file, FP32
             speed).
+        fold_norm_scales: Where a normalization's output only feeds matrix products with
+            constant weights of their own, multiply its scale into those weights (in FP32) and
+            make the scale ones, so that it is not rounded to 16 bits on its own
+            (`mixprec.passes.norm_scales`). False keeps the scales where they are.
         allow_invalid: Convert a model the ONNX checker rejects (by default that is a
             `ModelLoadError` naming the checker's first problem).
         overwrite: Allow `output` to be the input model's own file (replaced only once the new
@@ -167,7 +172,8 @@ def convert(
         policy_file=policy_file, validate=validate, data=data, max_batches=max_batches,
         tolerance=tolerance, external_data=external_data, opset=opset, progress=progress,
         calibrate=calibrate, plan=plan, ranges=ranges, runtime=runtime,
-        weights_only=weights_only, allow_invalid=allow_invalid, overwrite=overwrite,
+        weights_only=weights_only, fold_norm_scales=fold_norm_scales, allow_invalid=allow_invalid,
+        overwrite=overwrite,
     )
     return convert_with_config(model, output, config)
 

@@ -80,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--weights-only", action="store_true",
                          help="store weights in 16 bits, compute in FP32 (runtimes without 16-bit "
                               "compute: half the file, FP32 speed)")
+    convert.add_argument("--keep-norm-scales", action="store_true",
+                         help="leave normalization scales in place (default: a scale whose output "
+                              "only feeds MatMul/Gemm weights is multiplied into them, so it is "
+                              "not rounded to 16 bits on its own)")
     convert.add_argument("--policy", metavar="TOML", help="use this policy table instead of the default")
     convert.add_argument("--validate", default="auto", choices=["auto", "run", "load", "checker", "none"],
                          help="auto (default): checker always; onnxruntime run for models of moderate "
@@ -174,6 +178,7 @@ def _config(args: argparse.Namespace) -> Config:
             external_data={"auto": None, "yes": True, "no": False}[args.external_data],
             progress=None,
             weights_only=args.weights_only,
+            fold_norm_scales=not args.keep_norm_scales,
             allow_invalid=args.allow_invalid,
             overwrite=args.overwrite,
         )

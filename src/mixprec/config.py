@@ -33,6 +33,7 @@ class OpsConfig:
     follow_ops: tuple[str, ...] = ()
     policy_file: str | os.PathLike | None = None
     weights_only: bool = False
+    fold_norm_scales: bool = True
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,7 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "follow_ops": ("ops", "follow_ops"),
     "policy_file": ("ops", "policy_file"),
     "weights_only": ("ops", "weights_only"),
+    "fold_norm_scales": ("ops", "fold_norm_scales"),
     "exclude_nodes": ("nodes", "exclude"),
     "plan": ("nodes", "plan"),
     "keep_io_types": ("io", "keep_io_types"),

@@ -35,6 +35,7 @@ from mixprec.errors import InputError, ModelLoadError, RunError
 from mixprec.graphs import main_values, node_keys, walk_nodes
 from mixprec.io import load_model, staged_save, typed_values, uses_external_data, wants_external_data, weight_bytes
 from mixprec.passes.norm_blocks import fuse_norm_blocks, opset_for_fusion
+from mixprec.passes.norm_scales import FoldedScales, fold_norm_scales
 from mixprec.passes.opset import upgrade_for_target, upgrade_opset
 from mixprec.passes.rewrite import RewriteStats, apply_plan
 from mixprec.policy.runtime import RuntimeProfile, load_runtime
@@ -210,9 +211,16 @@ def plan(c: Conversion) -> None:
 
 
 def rewrite(c: Conversion) -> None:
-    """Apply the plan: retype nodes, insert the shared Casts, cast the weights."""
+    """Apply the plan: fold normalization scales, retype nodes, insert the shared Casts, cast
+    the weights."""
     assert c.plan is not None
-    c.stats = apply_plan(c.model, c.plan)
+    c.stats, folded = _apply(c.model, c.plan, c.config)
+    if folded.norms:
+        c.notes.append(
+            f"folded the scales of {len(folded.norms)} normalization(s) into the weights of "
+            f"{len(folded.weights)} matrix product(s) (multiplied in FP32, rounded once to "
+            f"{c.target.value} with the weights; --keep-norm-scales to leave them): {_first(folded.norms)}"
+        )
 
 
 def report(c: Conversion) -> None:
@@ -396,7 +404,7 @@ class Prepared:
         forced = {**(extra_fp32 or {}), **c.forced}
         config = c.config if plan is None else c.config.with_options(plan=plan)
         result = make_plan(model, keys, config, c.policy, c.profile, forced, c.wide, [], c.safe)
-        apply_plan(model, result)
+        _apply(model, result, config)
         return model, result
 
 
@@ -407,6 +415,12 @@ def prepare(source: object, config: Config) -> Prepared:
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+def _apply(model: ir.Model, plan: PrecisionPlan, config: Config) -> tuple[RewriteStats, FoldedScales]:
+    """Rewrite `model` by `plan`, its normalization scales folded first (unless asked not to)."""
+    folded = fold_norm_scales(plan) if config.ops.fold_norm_scales else FoldedScales()
+    return apply_plan(model, plan), folded
 
 
 def _elem_types(model: ir.Model) -> dict[str, int]:

@@ -17,8 +17,6 @@ from mixprec.graphs import is_default_domain
 
 _CHUNK_BYTES = 64 * 1024 * 1024
 _META_RANGE = "mixprec.constant_range"
-# Arrays up to this many bytes are kept in value.meta once read (condition checks reuse them).
-_CACHE_BYTES = 4096
 
 
 def constant_tensor(value: ir.Value) -> ir.TensorProtocol | None:
@@ -139,6 +137,13 @@ def reduction_axes(
         return []
     array = (constant or small_constant_array)(node.inputs[1])
     return None if array is None else [int(a) for a in np.asarray(array).reshape(-1)]
+
+def replace_constant(value: ir.Value, tensor: ir.TensorProtocol) -> None:
+    """Give an initializer new values (same type and shape), forgetting what was measured of
+    the old ones."""
+    value.const_value = tensor
+    value.meta.pop(_META_RANGE, None)
+
 
 def constant_range(value: ir.Value, target: LowPrecision) -> ConstantRange | None:
     """Range analysis of a float32 constant for `target` (cached on the value)."""

@@ -73,6 +73,8 @@ class OpFacts:
     quantization: str | None = None
     scale_input: int | None = None
     output_type_from: int | None = None
+    norm_scale: int | None = None
+    norm_bias: int | None = None
 
     @property
     def carries_floats(self) -> bool:
@@ -84,7 +86,7 @@ NO_FACTS = OpFacts()
 
 _FLAGS = ("shape_only", "comparison", "exact_use", "random", "value_preserving", "gathers", "bounded")
 _NAMES = {"interval": INTERVAL_RULES, "flops": FLOPS_FORMULAS, "quantization": QUANTIZATION_ROLES}
-_INDICES = ("scale_input", "output_type_from")
+_INDICES = ("scale_input", "output_type_from", "norm_scale", "norm_bias")
 _KEYS = frozenset({*_FLAGS, *_NAMES, *_INDICES, "carrier", "integer_inputs", "dtype_attribute"})
 
 

@@ -1,0 +1,161 @@
+"""Normalization scales folded into the weights of the matrix products that read them
+(`mixprec.passes.norm_scales`): the scale is not rounded to 16 bits on its own, the outputs get
+closer to FP32, and nothing folds where the identity `(n * g) @ W == n @ (g * W)` does not hold
+or the folded weights would not fit the type."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from helpers import check_full, convert, run
+from mixprec.cli import main as cli_main
+from mixprec.validate.emulate import emulate_low_precision
+
+HIDDEN, OUT = 64, 32
+_WIDTH = {"q": OUT, "k": OUT, "p": OUT, "r": HIDDEN}
+
+
+def _weights(seed: int = 0, gamma_scale: float = 1.0, weight_scale: float = 0.05) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    # Scales just short of halfway between two float16 numbers: rounding loses ~4.9e-4 of each.
+    gamma = (1.0 + (rng.integers(0, 512, HIDDEN) + 0.49) / 1024).astype(np.float32) * gamma_scale
+    return {
+        "g": gamma,
+        "wq": (rng.standard_normal((HIDDEN, OUT)) * weight_scale).astype(np.float32),
+        "wk": (rng.standard_normal((OUT, HIDDEN)) * weight_scale).astype(np.float32),
+        "b": (rng.standard_normal(HIDDEN) * 0.1).astype(np.float32),
+    }
+
+
+def _model(body: list[onnx.NodeProto], outputs: list[str], weights: dict[str, np.ndarray], opset: int = 23) -> onnx.ModelProto:
+    graph = onnx.helper.make_graph(
+        body,
+        "norm",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [8, HIDDEN])],
+        [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [8, _WIDTH[name]]) for name in outputs],
+        [numpy_helper.from_array(array, name) for name, array in weights.items()],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
+    model.ir_version = 10
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _rms_into_products(weights: dict[str, np.ndarray], extra: list[onnx.NodeProto] = (), outputs: tuple[str, ...] = ()) -> onnx.ModelProto:
+    used = {k: v for k, v in weights.items() if k != "b"}
+    body = [
+        onnx.helper.make_node("RMSNormalization", ["x", "g"], ["y"], axis=-1, epsilon=1e-5, stash_type=1),
+        onnx.helper.make_node("MatMul", ["y", "wq"], ["q"]),
+        onnx.helper.make_node("Gemm", ["y", "wk"], ["k"], transB=1),
+        *extra,
+    ]
+    return _model(body, ["q", "k", *outputs], used)
+
+
+def _initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+def _error(original: onnx.ModelProto, converted: onnx.ModelProto, seeds: int = 16) -> float:
+    """Root-mean-square error of the emulated 16-bit model's outputs relative to the FP32
+    outputs' root mean square, averaged over outputs and input batches."""
+    emulated = emulate_low_precision(converted)
+    errors = []
+    for seed in range(seeds):
+        feeds = {"x": np.random.default_rng(100 + seed).standard_normal((8, HIDDEN)).astype(np.float32) * 3}
+        for got, want in zip(run(emulated, feeds), run(original, feeds)):
+            errors.append(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
+    return float(np.mean(errors))
+
+
+def test_scale_moves_into_matmul_and_gemm_weights_and_the_error_falls() -> None:
+    weights = _weights()
+    model = _rms_into_products(weights)
+    result, out = convert(model)
+    check_full(out)
+    stored = _initializers(out)
+    g, wq, wk = weights["g"], weights["wq"], weights["wk"]
+    assert stored["g"].dtype == np.float16 and np.all(stored["g"] == 1)
+    np.testing.assert_array_equal(stored["wq"], (g[:, None] * wq).astype(np.float16))
+    np.testing.assert_array_equal(stored["wk"], (wk * g[None, :]).astype(np.float16))
+    assert any("folded the scales of 1 normalization(s) into the weights of 2" in n for n in result.report.notes)
+    _, kept = convert(model, fold_norm_scales=False)
+    assert np.array_equal(_initializers(kept)["g"], g.astype(np.float16))
+    folded_error, kept_error = _error(model, out), _error(model, kept)
+    assert folded_error < 0.85 * kept_error, (folded_error, kept_error)  # measured 0.73-0.75
+
+
+def test_bfloat16_folds_too() -> None:
+    weights = _weights(seed=1)
+    model = _rms_into_products(weights)
+    _, out = convert(model, target_dtype="bfloat16")
+    check_full(out)
+    _, kept = convert(model, target_dtype="bfloat16", fold_norm_scales=False)
+    assert _error(model, out) < 0.95 * _error(model, kept)  # measured 0.87-0.90
+
+
+def test_no_fold_where_another_node_reads_the_normalized_value() -> None:
+    weights = _weights()
+    model = _rms_into_products(weights, [onnx.helper.make_node("Add", ["y", "x"], ["r"])], ("r",))
+    result, out = convert(model)
+    np.testing.assert_array_equal(_initializers(out)["g"], weights["g"].astype(np.float16))
+    assert not any("folded the scales" in n for n in result.report.notes)
+
+
+def test_no_fold_where_a_weight_is_shared() -> None:
+    weights = _weights()
+    body = [
+        onnx.helper.make_node("RMSNormalization", ["x", "g"], ["y"], axis=-1, stash_type=1),
+        onnx.helper.make_node("MatMul", ["y", "wq"], ["q"]),
+        onnx.helper.make_node("MatMul", ["x", "wq"], ["p"]),
+    ]
+    _, out = convert(_model(body, ["q", "p"], {"g": weights["g"], "wq": weights["wq"]}))
+    stored = _initializers(out)
+    np.testing.assert_array_equal(stored["g"], weights["g"].astype(np.float16))
+    np.testing.assert_array_equal(stored["wq"], weights["wq"].astype(np.float16))
+
+
+def test_layer_normalization_folds_without_bias_only() -> None:
+    weights = _weights()
+    without = _model(
+        [
+            onnx.helper.make_node("LayerNormalization", ["x", "g"], ["y"], axis=-1),
+            onnx.helper.make_node("MatMul", ["y", "wq"], ["q"]),
+        ],
+        ["q"], {"g": weights["g"], "wq": weights["wq"]}, opset=17,
+    )
+    _, out = convert(without)
+    check_full(out)
+    assert np.all(_initializers(out)["g"] == 1)
+    with_bias = _model(
+        [
+            onnx.helper.make_node("LayerNormalization", ["x", "g", "b"], ["y"], axis=-1),
+            onnx.helper.make_node("MatMul", ["y", "wq"], ["q"]),
+        ],
+        ["q"], {"g": weights["g"], "b": weights["b"], "wq": weights["wq"]}, opset=17,
+    )
+    _, out = convert(with_bias)
+    np.testing.assert_array_equal(_initializers(out)["g"], weights["g"].astype(np.float16))
+
+
+def test_no_fold_where_the_folded_weights_would_leave_the_float16_range() -> None:
+    # 300 x up to ~200: beyond half the float16 maximum; bfloat16 has room.
+    weights = _weights(gamma_scale=300.0, weight_scale=50.0)
+    model = _rms_into_products(weights)
+    _, out = convert(model)
+    np.testing.assert_array_equal(_initializers(out)["g"], weights["g"].astype(np.float16))
+    _, out = convert(model, target_dtype="bfloat16")
+    assert np.all(_initializers(out)["g"].astype(np.float32) == 1)
+
+
+def test_cli_keeps_the_scales_when_asked(tmp_path) -> None:  # noqa: ANN001
+    weights = _weights()
+    source = tmp_path / "norm.onnx"
+    onnx.save(_rms_into_products(weights), source)
+    for flags, folded in (([], True), (["--keep-norm-scales"], False)):
+        target = tmp_path / f"out{len(flags)}.onnx"
+        assert cli_main(["convert", str(source), str(target), "--runtime", "onnx", "--validate", "checker", *flags]) == 0
+        scale = _initializers(onnx.load(target))["g"]
+        assert bool(np.all(scale == 1)) is folded
