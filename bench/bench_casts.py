@@ -3,7 +3,8 @@ another mixprec version.
 
 For each model and target type: runtime casts, bytes they move per inference (estimated with
 named symbolic dimensions as 128 where shapes are not static), 16-bit nodes among the nodes that
-compute floats, and the 16-bit share of the matrix/convolution FLOPs. Models: the demo models,
+compute floats, the 16-bit share of the matrix/convolution FLOPs, and the cost model's
+estimated speed against FP32 (the `onnx` runtime's default figures). Models: the demo models,
 the light CNNs shipped with `onnx`, the PyTorch exports of `tests/torch_models.py` (when torch
 is installed), ONNX backend node cases with If/Loop/Scan, and any `.onnx` given on the command
 line (e.g. `bench/out/llama_tiny.onnx`).
@@ -92,8 +93,14 @@ def measure(models: list[tuple[str, str]]) -> dict[str, dict]:
                 if report.cast_bytes_per_inference is not None else getattr(report, "cast_bytes_estimate", None),
                 "low_nodes": round(counts.get("low", 0) / float_nodes, 3) if float_nodes else None,
                 "low_flops": getattr(report, "low_compute_share", None),
+                "speed": getattr(report, "estimated_speedup", None),
             }
     return rows
+
+
+def _compared(row: dict | None) -> dict | None:
+    """A row without the speed estimate (versions without it compare on the rest)."""
+    return None if row is None else {k: v for k, v in row.items() if k != "speed"}
 
 
 def main() -> int:
@@ -129,15 +136,16 @@ def main() -> int:
         mb = "?" if row["cast_bytes"] is None else f"{row['cast_bytes'] / 1e6:.2f}MB"
         flops = "?" if row["low_flops"] is None else f"{100 * row['low_flops']:.0f}%"
         nodes = "?" if row["low_nodes"] is None else f"{100 * row['low_nodes']:.0f}%"
-        return f"{row['casts']:4d} casts {mb:>9} {nodes:>4} nodes {flops:>4} FLOPs"
+        speed = "?" if row.get("speed") is None else f"{row['speed']:.2f}x"
+        return f"{row['casts']:4d} casts {mb:>9} {nodes:>4} nodes {flops:>4} FLOPs {speed:>6}"
 
     changed = 0
-    print(f"{'model:target':60} {'current':40} {'baseline' if base else ''}")
+    print(f"{'model:target':60} {'current':47} {'baseline' if base else ''}")
     for key in sorted(current):
-        differs = bool(base) and base.get(key) != current[key]
+        differs = bool(base) and _compared(base.get(key)) != _compared(current[key])
         changed += differs
         if not base or differs or not key.startswith("node/"):
-            print(f"{key[:60]:60} {cell(current[key]):40} {cell(base.get(key)) if base else ''}")
+            print(f"{key[:60]:60} {cell(current[key]):47} {cell(base.get(key)) if base else ''}")
     if base:
         grew = [k for k in current if "casts" in current[k] and "casts" in (base.get(k) or {}) and current[k]["casts"] > base[k]["casts"]]
         print(f"{len(current)} rows, {changed} differ; casts grew in {len(grew)}: {', '.join(grew[:5])}")

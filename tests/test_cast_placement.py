@@ -175,3 +175,25 @@ agraph (float[16,4] x) => (float[16,4] y, float[1,1] z)
     result, out = convert(model)
     check_full(out)
     assert_matches_fp32(model, out, random_feeds(model))
+
+
+def test_a_launch_per_cast_breaks_the_tie_towards_fewer_casts() -> None:
+    # On tiny tensors the bytes tie (two casts around a 16-bit Add, or one cast and an FP32 Add
+    # that moves as many bytes more); each Cast is one more kernel launch on the runtime's device
+    # (mixprec.policy.costs), so the Add computes in FP32 for its FP32 model output.
+    model = parse(f"""{HEADER}
+agraph (float[4,4] x) => (float[4,4] y)
+<float[4,4] w = {W44}>
+{{
+  a = MatMul(x, w)
+  s = Softmax<axis = -1>(x)
+  y = Add(a, s)
+}}
+""")
+    result, out = convert(model)
+    check_full(out)
+    assert sigs_of(out, "Add") == [NodeSig("Add", (F, F), (F,))]
+    assert _category(result, "Add") == "placed by cast cost"
+    assert "2 -> 1 casts, 192 -> 96 bytes" in next(d.reason for n, d in result.plan.decisions.items() if n.op_type == "Add")
+    assert result.report.casts_runtime == 2  # x in, and the MatMul output up
+    assert_matches_fp32(model, out, random_feeds(model))

@@ -200,15 +200,17 @@ agraph (float[2,3] x) => (float[2,3] y)
 
 
 def test_bounded_fp32_input_does_not_hold_a_follow_op() -> None:
-    """A Softmax output lies in [0, 1]: the Add of it and a 16-bit MatMul output computes in 16
-    bits, with one Cast on the Softmax output (the FP32 island ends right there)."""
+    """A Softmax output lies in [0, 1]: the Add of it and a 16-bit MatMul output, read by another
+    MatMul, computes in 16 bits, with one Cast on the Softmax output (the FP32 island ends right
+    there)."""
     model = parse(f"""{header()}
 agraph (float[2,3] x) => (float[2,3] y)
 <float[3,3] w1 = {W33}>
 {{
   a = MatMul(x, w1)
   s = Softmax<axis = -1>(x)
-  y = Add(a, s)
+  z = Add(a, s)
+  y = MatMul(z, w1)
 }}
 """)
     result, out = convert(model)
@@ -242,15 +244,16 @@ agraph (float[2,3] x) => (float[2,3] y)
 
 def test_measured_range_ends_an_fp32_island() -> None:
     """Exp stays FP32 in float16 (it may overflow). Measured on data that keeps it far below
-    65504, its output does not hold the Add after it in FP32: one Cast, and the Add computes
-    in 16 bits; without data the Add follows the FP32 input as before."""
+    65504, its output does not hold the Add after it (read by a MatMul) in FP32: one Cast, and
+    the Add computes in 16 bits; without data the Add follows the FP32 input as before."""
     model = parse(f"""{header()}
 agraph (float[2,3] x) => (float[2,3] y)
 <float[3,3] w1 = {W33}>
 {{
   a = MatMul(x, w1)
   e = Exp(x)
-  y = Add(a, e)
+  z = Add(a, e)
+  y = MatMul(z, w1)
 }}
 """)
     _, blind = convert(model)
@@ -269,8 +272,8 @@ agraph (float[2,3] x) => (float[2,3] y)
 
 def test_integer_path_stays_fp32_and_its_bounded_result_is_cast_once() -> None:
     """Positions (Range, cast to float) feed Cos: integer semantics keeps them FP32 and exact.
-    Cos's output lies in [-1, 1]: the 16-bit activations it multiplies are not pulled into FP32;
-    the island ends with one Cast on the Cos output."""
+    Cos's output lies in [-1, 1]: the 16-bit activations it multiplies (for another MatMul) are
+    not pulled into FP32; the island ends with one Cast on the Cos output."""
     model = parse(f"""{header()}
 agraph (float[N,4] x) => (float[N,4] y)
 <float[4,4] w = {{{", ".join(["0.25", "-0.5", "1", "0.75"] * 4)}}}, int64 zero = {{0}}, int64 one = {{1}}, int64 idx = {{0}}, int64[1] axis1 = {{1}}>
@@ -282,7 +285,8 @@ agraph (float[N,4] x) => (float[N,4] y)
   c = Cos(f)
   u = Unsqueeze(c, axis1)
   a = MatMul(x, w)
-  y = Mul(a, u)
+  m = Mul(a, u)
+  y = MatMul(m, w)
 }}
 """)
     result, out = convert(model)

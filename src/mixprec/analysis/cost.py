@@ -1,18 +1,24 @@
-"""The cost model of a conversion: what its casts move and how much of its arithmetic is
-16-bit, estimated from shapes (each named symbolic dimension, ``batch`` or ``seq``, taken as
-`SYMBOLIC_DIM`, one consistent estimate; tensors with dimensions shape inference could not
-name are left out). FLOPs come from a formula per op, named by the `flops` op fact; the
-report and the accuracy search both use them."""
+"""The cost model of a conversion: what its casts move, how much of its arithmetic is 16-bit
+and how long it should take on its runtime, estimated from shapes: each named symbolic
+dimension (``batch``, ``seq``) taken as `SYMBOLIC_DIM`, one consistent estimate; dimensions
+shape inference could not name make sizes and FLOPs unknown, except in the time estimate and
+the cast placement, which guess them as `SYMBOLIC_DIM` too (they compare costs, and need one for
+every tensor). FLOPs come from a formula per op,
+named by the `flops` op fact. Time is a roofline per op on the runtime's figures
+(`mixprec.policy.costs`): the larger of its float traffic and its matrix arithmetic, plus a
+launch. The report, the accuracy search and the cast placement all use them."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import onnx_ir as ir
 
 from mixprec.analysis.decisions import Category, Precision, PrecisionPlan
 from mixprec.graphs import is_default_domain
+from mixprec.policy.costs import RuntimeCost
 from mixprec.policy.opfacts import op_facts
 
 # A symbolic dimension (batch, sequence) counts as this many elements in estimates.
@@ -22,18 +28,20 @@ SYMBOLIC_DIM = 128
 # cast bytes and the cast placement (mixprec.analysis.placement) price with them.
 CAST_BYTES_PER_ELEMENT = 4 + 2
 FP32_EXTRA_BYTES_PER_ELEMENT = 4 - 2
+LOW_BYTES_PER_ELEMENT, FP32_BYTES_PER_ELEMENT = 2, 4
+_FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 # Nodes that only own subgraphs or function bodies: they compute nothing themselves.
 BOUNDARIES = frozenset({Category.CONTROL_FLOW, Category.FUNCTION})
 
 
-def _size(dim: object, symbolic: int | None, unnamed: int | None = None) -> int | None:
+def _size(dim: object, symbolic: int | None, unnamed: int | None) -> int | None:
     """A dimension's size: static, a named symbolic one (``seq``) as `symbolic`, an unnamed one
     (shape inference's ``unk__N``: nothing is known of it) as `unnamed` (None: unknown)."""
     if isinstance(dim, int):
-        return int(dim)
-    name = getattr(dim, "value", None)
+        return dim
     if symbolic is None:
         return None
+    name = getattr(dim, "value", None)
     if not name or str(name).startswith("unk__"):
         return unnamed
     return symbolic
@@ -47,8 +55,13 @@ def tensor_elements(
     when the shape or a dimension is unknown."""
     if shape is None:
         return None
-    sizes = [_size(d, symbolic, unnamed) for d in shape.dims]
-    return None if any(s is None for s in sizes) else math.prod(sizes)  # type: ignore[arg-type]
+    total = 1
+    for dim in shape.dims:
+        size = dim if isinstance(dim, int) else _size(dim, symbolic, unnamed)
+        if size is None:
+            return None
+        total *= size
+    return total
 
 
 def estimated_elements(shape: ir.Shape | None) -> int | None:
@@ -56,40 +69,30 @@ def estimated_elements(shape: ir.Shape | None) -> int | None:
     return tensor_elements(shape, SYMBOLIC_DIM)
 
 
-def low_compute_share(plan: PrecisionPlan) -> float | None:
-    """The estimated share of the float arithmetic that runs in 16 bits: FLOPs of the ops with
-    a formula and known shapes; None when there is none."""
-    low = total = 0.0
-    for node in plan.order:
-        decision = plan.decisions[node]
-        if decision.precision is Precision.NONE or decision.category in BOUNDARIES:
-            continue
-        cost = flops_of(node, SYMBOLIC_DIM)
-        if cost is None:
-            continue
-        total += cost
-        if decision.precision is Precision.LOW:
-            low += cost
-    return low / total if total > 0 else None
+def guessed_elements(shape: ir.Shape | None) -> int | None:
+    """Elements of a tensor of `shape` with every dimension that is not static, named or not,
+    as `SYMBOLIC_DIM` (None only for an unknown rank)."""
+    return tensor_elements(shape, SYMBOLIC_DIM, SYMBOLIC_DIM)
 
 
-def _dims(value: ir.Value | None, symbolic: int | None = None) -> list[int] | None:
-    """Static dims of a value; symbolic ones as `symbolic` (None: the dims are unknown then)."""
+def _dims(value: ir.Value | None, symbolic: int | None = None, unnamed: int | None = None) -> list[int] | None:
+    """Static dims of a value; symbolic ones as `symbolic` and unnamed ones as `unnamed` (None:
+    the dims are unknown then)."""
     if value is None or value.shape is None:
         return None
-    dims = [_size(d, symbolic) for d in value.shape.dims]
+    dims = [_size(d, symbolic, unnamed) for d in value.shape.dims]
     return None if any(d is None for d in dims) else dims  # type: ignore[return-value]
 
 
-def _matmul(node: ir.Node, out: list[int] | None, symbolic: int | None) -> float | None:
-    a = _dims(node.inputs[0], symbolic)
+def _matmul(node: ir.Node, out: list[int] | None, symbolic: int | None, unnamed: int | None) -> float | None:
+    a = _dims(node.inputs[0], symbolic, unnamed)
     if a is None or out is None or not a:
         return None
     return 2.0 * math.prod(out) * a[-1]
 
 
-def _gemm(node: ir.Node, out: list[int] | None, symbolic: int | None) -> float | None:
-    a = _dims(node.inputs[0], symbolic)
+def _gemm(node: ir.Node, out: list[int] | None, symbolic: int | None, unnamed: int | None) -> float | None:
+    a = _dims(node.inputs[0], symbolic, unnamed)
     if a is None or out is None or len(a) != 2:
         return None
     trans_a = node.attributes.get_int("transA", 0)
@@ -97,22 +100,23 @@ def _gemm(node: ir.Node, out: list[int] | None, symbolic: int | None) -> float |
     return 2.0 * math.prod(out) * k
 
 
-def _conv(node: ir.Node, out: list[int] | None, symbolic: int | None) -> float | None:
-    w = _dims(node.inputs[1], symbolic)
+def _conv(node: ir.Node, out: list[int] | None, symbolic: int | None, unnamed: int | None) -> float | None:
+    w = _dims(node.inputs[1], symbolic, unnamed)
     if w is None or out is None:
         return None
     return 2.0 * math.prod(out) * math.prod(w[1:])
 
 
-def _conv_transpose(node: ir.Node, out: list[int] | None, symbolic: int | None) -> float | None:
-    x, w = _dims(node.inputs[0], symbolic), _dims(node.inputs[1], symbolic)
+def _conv_transpose(node: ir.Node, out: list[int] | None, symbolic: int | None, unnamed: int | None) -> float | None:
+    x, w = _dims(node.inputs[0], symbolic, unnamed), _dims(node.inputs[1], symbolic, unnamed)
     if x is None or w is None:
         return None
     return 2.0 * math.prod(x) * math.prod(w[1:])
 
 
-# The `flops` formulas of the op facts: (node, static output dims or None) -> FLOPs or None.
-_FORMULAS: dict[str, Callable[[ir.Node, list[int] | None, int | None], float | None]] = {
+# The `flops` formulas of the op facts: (node, static output dims or None, size of named and of
+# unnamed symbolic dimensions) -> FLOPs or None.
+_FORMULAS: dict[str, Callable[[ir.Node, list[int] | None, int | None, int | None], float | None]] = {
     "matmul": _matmul,
     "gemm": _gemm,
     "conv": _conv,
@@ -120,10 +124,91 @@ _FORMULAS: dict[str, Callable[[ir.Node, list[int] | None, int | None], float | N
 }
 
 
-def flops_of(node: ir.Node, symbolic: int | None = None) -> float | None:
+def flops_of(node: ir.Node, symbolic: int | None = None, unnamed: int | None = None) -> float | None:
     """FLOPs of a node by its op's formula (`flops` in the op facts); None where unknown.
-    `symbolic`: the size taken for symbolic dimensions (None: such nodes are unknown)."""
+    `symbolic` / `unnamed`: the size taken for named / unnamed symbolic dimensions (None: such
+    nodes are unknown)."""
     formula = op_facts(node.domain, node.op_type).flops if is_default_domain(node.domain) else None
     if formula is None or not node.outputs or len(node.inputs) < 2:
         return None
-    return _FORMULAS[formula](node, _dims(node.outputs[0], symbolic), symbolic)
+    return _FORMULAS[formula](node, _dims(node.outputs[0], symbolic, unnamed), symbolic, unnamed)
+
+
+def float_elements(node: ir.Node, symbolic: int | None = SYMBOLIC_DIM, known: dict[ir.Value, int] | None = None) -> int:
+    """Elements of the float tensors a node reads and writes, every dimension that is not static
+    as `symbolic` (None: such tensors and those of unknown rank count none); `known` remembers
+    each value's count across calls."""
+    total = 0
+    for value in (*node.inputs, *node.outputs):
+        if value is None:
+            continue
+        elements = known.get(value) if known is not None else None
+        if elements is None:
+            elements = (tensor_elements(value.shape, symbolic, symbolic) or 0) if value.dtype in _FLOAT_TYPES else 0
+            if known is not None:
+                known[value] = elements
+        total += elements
+    return total
+
+
+def node_time(elements: int, flops: float | None, low: bool, cost: RuntimeCost) -> float:
+    """Estimated time of one op (in byte-times of `cost`'s device): the larger of its traffic
+    (`elements` in 16 bits or FP32) and its matrix arithmetic, plus one launch."""
+    traffic = elements * (LOW_BYTES_PER_ELEMENT if low else FP32_BYTES_PER_ELEMENT)
+    arithmetic = (flops or 0.0) / cost.flops_per_byte * (1.0 if low else cost.fp32_flop_cost)
+    return max(float(traffic), arithmetic) + cost.launch_bytes
+
+
+def cast_time(elements: int, cost: RuntimeCost) -> float:
+    """Estimated time of one Cast of `elements` between FP32 and 16 bits."""
+    return elements * CAST_BYTES_PER_ELEMENT + cost.launch_bytes
+
+
+@dataclass(frozen=True)
+class PlanEstimate:
+    """The cost model's view of a converted model.
+
+    Attributes:
+        low_flops_share: Share of the matrix and convolution FLOPs (ops with a formula and
+            shapes known up to named symbolic dimensions) computed in 16 bits; None when there
+            are none.
+        time: Estimated time on the runtime's device (byte-times), runtime Casts included,
+            every dimension that is not static guessed as `SYMBOLIC_DIM`.
+        fp32_time: The same for the FP32 model (every node FP32, no Casts).
+    """
+
+    low_flops_share: float | None
+    time: float
+    fp32_time: float
+
+    @property
+    def speedup(self) -> float | None:
+        """FP32 time / converted time."""
+        return self.fp32_time / self.time if self.time > 0 else None
+
+
+def estimate_plan(plan: PrecisionPlan, cast_elements: list[int | None], cost: RuntimeCost) -> PlanEstimate:
+    """Price `plan` on `cost`'s device in one pass: every node in its precision (nodes without
+    float compute and control flow at one launch each in both models) plus the runtime Casts
+    (`cast_elements`, guessed like the tensors; unknown sizes count their launch only), against
+    the FP32 model."""
+    converted = fp32 = low_flops = total_flops = 0.0
+    known: dict[ir.Value, int] = {}
+    for node in plan.order:
+        decision = plan.decisions[node]
+        if decision.precision is Precision.NONE or decision.category in BOUNDARIES:
+            converted += cost.launch_bytes
+            fp32 += cost.launch_bytes
+            continue
+        low = decision.precision is Precision.LOW
+        flops = flops_of(node, SYMBOLIC_DIM)
+        if flops is not None:
+            total_flops += flops
+            low_flops += flops if low else 0.0
+        else:
+            flops = flops_of(node, SYMBOLIC_DIM, SYMBOLIC_DIM)
+        elements = float_elements(node, SYMBOLIC_DIM, known)
+        converted += node_time(elements, flops, low, cost)
+        fp32 += node_time(elements, flops, False, cost)
+    converted += sum(cast_time(e or 0, cost) for e in cast_elements)
+    return PlanEstimate(low_flops / total_flops if total_flops > 0 else None, converted, fp32)

@@ -4,8 +4,9 @@ The planner's passes decide a follow-class node from its neighbours ("widest inp
 the consumers need"), which puts every Cast next to the node that forced it. Here the nodes whose
 precision only those rules decided ("free" nodes) are decided again, together, by cost:
 
-* a Cast costs the bytes it reads and writes (elements x (4 + 2)); one Cast per (value, type)
-  serves every consumer, so a value's cost counts once whatever its number of consumers;
+* a Cast costs the bytes it reads and writes (elements x (4 + 2)) plus a kernel launch on the
+  runtime's device (`mixprec.policy.costs`); one Cast per (value, type) serves every consumer,
+  so a value's cost counts once whatever its number of consumers;
 * a free node computed in FP32 moves 2 more bytes per element it reads and writes than in 16 bits;
 * numerics bound the choice exactly as the passes do: a value that may hold what the 16-bit type
   cannot (the output of an FP32 op that is neither bounded nor measured to fit, and whatever
@@ -32,11 +33,12 @@ from mixprec.analysis.cost import (
     CAST_BYTES_PER_ELEMENT,
     FP32_EXTRA_BYTES_PER_ELEMENT,
     SYMBOLIC_DIM,
-    tensor_elements,
+    guessed_elements,
 )
 from mixprec.analysis.qdq import role as qdq_role
 from mixprec.analysis.decisions import Category, Precision
 from mixprec.dtypes import is_fp32_tensor
+from mixprec.policy.costs import runtime_cost
 from mixprec.policy.opfacts import op_facts
 from mixprec.policy.table import OpClass
 
@@ -52,7 +54,7 @@ _FREE_CATEGORIES = frozenset({Category.FOLLOW, Category.CONSUMERS})
 def _elements(value: ir.Value) -> int:
     """Estimated elements: every dimension that is not static as `SYMBOLIC_DIM`, a tensor of
     unknown rank as `_UNKNOWN_ELEMENTS` (costs must exist for every value of an island)."""
-    elements = tensor_elements(value.shape, SYMBOLIC_DIM, unnamed=SYMBOLIC_DIM)
+    elements = guessed_elements(value.shape)
     return elements if elements is not None else _UNKNOWN_ELEMENTS
 
 
@@ -156,14 +158,19 @@ class Island:
     nodes: list[ir.Node]
 
 
+def _value_casts(producer: int, consumers: tuple[int, ...], fixed_low: bool, fixed_high: bool, low: tuple[bool, ...]) -> int:
+    """Casts one value needs under an assignment (see `_problem` for the encoding)."""
+    produced_low = low[producer] if producer >= 0 else producer == -1
+    readers_low = fixed_low or any(low[c] for c in consumers)
+    readers_high = fixed_high or any(not low[c] for c in consumers)
+    return int(produced_low and readers_high) + int(not produced_low and readers_low)
+
+
 def _casts(values: tuple, low: tuple[bool, ...]) -> tuple[int, int]:
     """(casts, cast bytes) of an island's values (see `_problem`) under an assignment."""
     count = size = 0
     for elements, producer, consumers, fixed_low_reader, fixed_high_reader in values:
-        produced_low = low[producer] if producer >= 0 else producer == -1
-        readers_low = fixed_low_reader or any(low[c] for c in consumers)
-        readers_high = fixed_high_reader or any(not low[c] for c in consumers)
-        n = int(produced_low and readers_high) + int(not produced_low and readers_low)
+        n = _value_casts(producer, consumers, fixed_low_reader, fixed_high_reader, low)
         count += n
         size += n * elements * _CAST_BYTES
     return count, size
@@ -178,22 +185,30 @@ def _next_to_qdq(node: ir.Node) -> bool:
     return any(qdq_role(use.node) == "quantize" for value in node.outputs for use in value.uses())
 
 
-def _bound_to_lowerable(node: ir.Node, fact) -> bool:  # noqa: ANN001
-    """Whether every FP32 input (flexible ones aside) and output follows the node's precision."""
-    sig = fact.sig
+def _free_values(node: ir.Node, fact) -> tuple[list[ir.Value], list[ir.Value]] | None:  # noqa: ANN001
+    """The node's FP32 inputs that follow its precision (flexible ones and constants aside) and
+    its FP32 outputs; None when an FP32 input or output does not follow it (bound to a type
+    variable that cannot be lowered)."""
+    sig, lowerable, flexible = fact.sig, fact.lowerable, fact.flexible
+    input_vars, output_vars = sig.input_vars, sig.output_vars
+    inputs: list[ir.Value] = []
     for index, value in enumerate(node.inputs):
-        if value is None or index in fact.flexible or not is_fp32_tensor(value):
+        if index in flexible or not is_fp32_tensor(value):
             continue
-        var = sig.input_vars[index] if index < len(sig.input_vars) else None
-        if var is None or var not in fact.lowerable:
-            return False
+        var = input_vars[index] if index < len(input_vars) else None
+        if var is None or var not in lowerable:
+            return None
+        if not is_constant(value):  # type: ignore[arg-type]
+            inputs.append(value)  # type: ignore[arg-type]
+    outputs: list[ir.Value] = []
     for index, value in enumerate(node.outputs):
         if not is_fp32_tensor(value):
             continue
-        var = sig.output_vars[index] if index < len(sig.output_vars) else None
-        if var is None or var not in fact.lowerable:
-            return False
-    return True
+        var = output_vars[index] if index < len(output_vars) else None
+        if var is None or var not in lowerable:
+            return None
+        outputs.append(value)
+    return inputs, outputs
 
 
 class _Islands:
@@ -215,37 +230,24 @@ class _Islands:
         self.quantized = any(op_facts(domain, op).quantization for op, domain in planner.op_types())
         for node in planner.order:
             decision = decisions[node]
-            if decision.category not in _FREE_CATEGORIES:
+            if decision.category not in _FREE_CATEGORIES or decision.precision is Precision.NONE:
                 continue
             fact = facts[node]
-            if not self._is_free(node, fact, decision, main):
+            rule = fact.rule
+            if (
+                rule is None or rule.op_class is not OpClass.FOLLOW or rule.dtype_attribute is not None
+                or fact.sig is None or not fact.lowerable or node.graph is not main
+            ):
+                continue
+            if self.quantized and (qdq_role(node) is not None or _next_to_qdq(node)):
+                continue  # Q/DQ pairs have rules of their own (mixprec.analysis.qdq)
+            found = _free_values(node, fact)
+            if found is None or planner.is_weight_heavy(node):
                 continue
             self.free[node] = len(self.free)
-            self.inputs[node] = self._float_inputs(node, fact)
-            self.outputs[node] = [v for v in node.outputs if is_fp32_tensor(v)]
+            self.inputs[node], self.outputs[node] = found
             if decision.category is Category.FOLLOW and decision.precision is Precision.FP32:
                 self.reads_tainted.add(node)
-
-    def _is_free(self, node: ir.Node, fact, decision, main: ir.Graph) -> bool:  # noqa: ANN001
-        if decision.precision is Precision.NONE:
-            return False
-        rule = fact.rule
-        if rule is None or rule.op_class is not OpClass.FOLLOW or rule.dtype_attribute is not None:
-            return False
-        if fact.sig is None or not fact.lowerable or node.graph is not main:
-            return False
-        if self.quantized and (qdq_role(node) is not None or _next_to_qdq(node)):
-            return False  # Q/DQ pairs have rules of their own (mixprec.analysis.qdq)
-        return _bound_to_lowerable(node, fact) and not self.planner.is_weight_heavy(node)
-
-    @staticmethod
-    def _float_inputs(node: ir.Node, fact) -> list[ir.Value]:  # noqa: ANN001
-        """The node's FP32 inputs that follow its precision (flexible ones and constants aside)."""
-        flexible = fact.flexible
-        return [
-            value for index, value in enumerate(node.inputs)
-            if value is not None and index not in flexible and is_fp32_tensor(value) and not is_constant(value)
-        ]
 
     def elements(self, value: ir.Value) -> int:
         found = self._elements.get(value)
@@ -300,7 +302,8 @@ class _Islands:
             values.update(dict.fromkeys(self.inputs[node]))
             values.update(dict.fromkeys(self.outputs[node]))
         elements = self.elements
-        value_specs = []
+        described: list[tuple] = []
+        needs_cast = False
         for value in values:
             producer = value.producer()
             if producer in ids:
@@ -330,10 +333,13 @@ class _Islands:
                     wants_high = True
                 else:
                     wants_low = True
-            value_specs.append((elements(value), origin, tuple(sorted(free_readers)), wants_low, wants_high))
+            readers = tuple(sorted(free_readers))
+            needs_cast = needs_cast or _value_casts(origin, readers, wants_low, wants_high, greedy) > 0
+            described.append((value, origin, readers, wants_low, wants_high))
+        if not needs_cast:
+            return None  # sized only where there is something to improve
+        value_specs = [(elements(value), *rest) for value, *rest in described]
         before = _casts(value_specs, greedy)
-        if before == (0, 0):
-            return None
         specs = []
         for node in nodes:
             inputs, outputs = self.inputs[node], self.outputs[node]
@@ -366,6 +372,7 @@ def min_cut_islands(planner) -> list[tuple[Island, dict[ir.Node, bool], tuple[in
     if not islands.free:
         return []
     decisions = planner.decisions
+    launch = round(runtime_cost(planner.runtime.name).launch_bytes)
     changes = []
     solved_problems: dict[tuple, tuple[bool, ...] | None] = {}  # repeated layers: solved once
     for nodes in islands.groups():
@@ -375,7 +382,7 @@ def min_cut_islands(planner) -> list[tuple[Island, dict[ir.Node, bool], tuple[in
             continue
         problem, before = found
         if problem not in solved_problems:
-            solved_problems[problem] = _solve(problem)
+            solved_problems[problem] = _solve(problem, launch)
         solved = solved_problems[problem]
         if solved is None or solved == greedy:
             continue
@@ -385,8 +392,9 @@ def min_cut_islands(planner) -> list[tuple[Island, dict[ir.Node, bool], tuple[in
     return changes
 
 
-def _solve(problem: tuple) -> tuple[bool, ...] | None:
-    """The minimum-cost assignment (True: 16-bit) with the most 16-bit nodes (None: infeasible)."""
+def _solve(problem: tuple, launch: int) -> tuple[bool, ...] | None:
+    """The minimum-cost assignment (True: 16-bit) with the most 16-bit nodes (None: infeasible);
+    each Cast costs its bytes and `launch`."""
     nodes, values = problem
     net = _Network()
     ids = [net.node() for _ in nodes]
@@ -398,7 +406,7 @@ def _solve(problem: tuple) -> tuple[bool, ...] | None:
             for reader in readers:
                 net.edge(n, 1 if reader < 0 else ids[reader], _INF)
     for elements, producer_index, consumers_index, fixed_low_reader, fixed_high_reader in values:
-        cost = elements * _CAST_BYTES
+        cost = elements * _CAST_BYTES + launch
         producer = ids[producer_index] if producer_index >= 0 else (0 if producer_index == -1 else 1)
         consumers = [ids[c] for c in consumers_index]
         if producer != 1:  # a 16-bit producer with an FP32 reader: one upcast

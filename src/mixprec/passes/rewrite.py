@@ -26,7 +26,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_tensor, is_constant, iter_chunks
-from mixprec.analysis.cost import estimated_elements, tensor_elements
+from mixprec.analysis.cost import estimated_elements, guessed_elements, tensor_elements
 from mixprec.analysis.plan import Precision, PrecisionPlan, Storage
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.graphs import FreshNames
@@ -46,7 +46,8 @@ class CastRecord:
     to: str
     elements: int | None
     runtime: bool  # False: the cast was done offline on a constant
-    estimated_elements: int | None = None  # with symbolic dimensions estimated (analysis.cost)
+    estimated_elements: int | None = None  # named symbolic dimensions estimated (analysis.cost)
+    guessed_elements: int | None = None  # every dimension that is not static guessed (analysis.cost)
 
 
 @dataclass
@@ -159,7 +160,10 @@ class _Rewriter:
         )
         self._place_after_definition(value, node)
         self.stats.casts.append(
-            CastRecord(base, short, tensor_elements(value.shape), runtime=True, estimated_elements=estimated_elements(value.shape))
+            CastRecord(
+                base, short, tensor_elements(value.shape), runtime=True,
+                estimated_elements=estimated_elements(value.shape), guessed_elements=guessed_elements(value.shape),
+            )
         )
         self.cache[key] = out
         self.created.add(out)

@@ -82,6 +82,17 @@ def _mb(n: int | None) -> str:
     return f"{n / 1e6:.2f} MB" if n < 1e9 else f"{n / 1e9:.2f} GB"
 
 
+def _speed_note(report: Report) -> str:
+    """The cost model's estimate of the speed against FP32, casts included (empty without one)."""
+    if report.estimated_speedup is None:
+        return ""
+    return (
+        f'<div class="note" id="estimated-speedup">estimated speed {report.estimated_speedup:.2f}&#215; '
+        f"the FP32 model's on {esc(report.cost_device or '')} (traffic, matrix FLOPs and launches per "
+        "op from shapes; not measured)</div>"
+    )
+
+
 def _cast_bytes(n: int | None) -> str:
     if n is None:
         return "bytes moved per inference unknown (shapes not static)"
@@ -211,7 +222,9 @@ def _header(report: Report, page: Page) -> str:
             if report.cast_elements_per_inference is not None
             else ""
         )
-        + f"; {report.casts_inserted} inserted, {report.casts_removed} redundant removed</div></div>",
+        + f"; {report.casts_inserted} inserted, {report.casts_removed} redundant removed</div>"
+        + _speed_note(report)
+        + "</div>",
         *_quantization_card(report),
         '<div class="card"><h3>Validation</h3>',
         (

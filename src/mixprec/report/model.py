@@ -14,12 +14,13 @@ from typing import Any
 
 import onnx_ir as ir
 
-from mixprec.analysis.cost import CAST_BYTES_PER_ELEMENT, SYMBOLIC_DIM, low_compute_share
+from mixprec.analysis.cost import CAST_BYTES_PER_ELEMENT, SYMBOLIC_DIM, estimate_plan
 from mixprec.analysis.qdq import QuantizedSummary, quantized_summary
 from mixprec.analysis.plan import Category, Precision, PrecisionPlan
 from mixprec.graphs import has_subgraphs, walk_nodes
 from mixprec.passes.rewrite import RewriteStats
 from mixprec.passes.opset import first_opset_admitting
+from mixprec.policy.costs import runtime_cost
 from mixprec.policy.runtime import RuntimeProfile
 from mixprec.policy.table import normalize_domain
 
@@ -149,6 +150,10 @@ class Report:
     cast_bytes_estimate: int | None = None
     low_compute_share: float | None = None
     symbolic_dim: int = SYMBOLIC_DIM
+    # The cost model's time of the converted model against the FP32 one on the runtime's device
+    # class (`cost_device`): FP32 time / converted time, casts included.
+    estimated_speedup: float | None = None
+    cost_device: str | None = None
     # QDQ models: Q/DQ nodes, the ops between them and the float ops outside (None otherwise).
     quantization: QuantizedSummary | None = None
 
@@ -200,6 +205,12 @@ class Report:
             lines.append(
                 f"  compute: {self.low_compute_share:.1%} of the estimated matrix and convolution FLOPs "
                 f"(ops of known shape) in {self.target}"
+            )
+        if self.estimated_speedup is not None:
+            lines.append(
+                f"  speed: about {self.estimated_speedup:.2f}x the FP32 model's speed on {self.cost_device} "
+                "(cost model: traffic, matrix FLOPs and launches per op from shapes, casts included; "
+                "an estimate, not a measurement)"
             )
         if self.quantization is not None:
             lines.append(self.quantization.format_line(self.target))
@@ -317,6 +328,8 @@ def build_report(
         sum(e * CAST_BYTES_PER_ELEMENT for e in estimates if e is not None)
         if all(e is not None for e in estimates) else None
     )
+    cost = runtime_cost(profile.name if profile is not None else None)
+    estimate = estimate_plan(plan, [c.guessed_elements for c in runtime], cost)
     return Report(
         runtime=profile.name if profile is not None else "onnx",
         source=source,
@@ -342,7 +355,9 @@ def build_report(
         notes=notes,
         graph=node_graph(plan),
         cast_bytes_estimate=cast_estimate,
-        low_compute_share=low_compute_share(plan),
+        low_compute_share=estimate.low_flops_share,
+        estimated_speedup=round(estimate.speedup, 3) if estimate.speedup is not None else None,
+        cost_device=cost.device,
         quantization=quantized_summary(plan),
     )
 
@@ -360,6 +375,7 @@ def node_graph(plan: PrecisionPlan) -> NodeGraph:
     constant_inputs: list[int] = []
     cast_inputs: list[list[int]] = []
     cast_outputs: list[int] = []
+    cast_to_output = _cast_to_model_output(plan, index)
     for node in plan.order:
         decision = plan.decisions[node]
         names.append(keys[node])
@@ -389,7 +405,7 @@ def node_graph(plan: PrecisionPlan) -> NodeGraph:
         constant.append(only_constants)
         constant_inputs.append(constants)
         cast_inputs.append(cast_from)
-        cast_outputs.append(sum(_cast_to_model_output(value, index) for value in node.outputs))
+        cast_outputs.append(sum(value in cast_to_output for value in node.outputs))
     return NodeGraph(
         names, op_types, "".join(precision), category, reason, inputs,
         categories=[c.value for c in categories], reasons=list(reasons),
@@ -421,13 +437,17 @@ def _trace_input(value: ir.Value, index: dict[ir.Node, int]) -> tuple[int | None
     return None, through_cast, False
 
 
-def _cast_to_model_output(value: ir.Value, index: dict[ir.Node, int]) -> bool:
-    """Whether an inserted Cast turns `value` into a model output."""
-    return any(
-        consumer not in index and consumer.op_type == "Cast"
-        and any(out.is_graph_output() for out in consumer.outputs)
-        for consumer in value.consumers()
-    )
+def _cast_to_model_output(plan: PrecisionPlan, index: dict[ir.Node, int]) -> set[ir.Value]:
+    """The values an inserted Cast turns into an output of their graph."""
+    found: set[ir.Value] = set()
+    for graph in plan.graphs:
+        for out in graph.outputs:
+            producer = out.producer()
+            if producer is not None and producer not in index and producer.op_type == "Cast" and producer.inputs:
+                source = producer.inputs[0]
+                if source is not None:
+                    found.add(source)
+    return found
 
 
 def count_nodes(model: ir.Model) -> int:

@@ -1,26 +1,37 @@
-"""FLOPs of the nodes on the search's data (the formulas: :mod:`mixprec.analysis.cost`) and the FP32
-share of a plan."""
+"""The cost model on the search's data (:mod:`mixprec.analysis.cost`, shapes of the first batch):
+FLOPs of the nodes, what keeping each FP32 costs on the runtime, and the FP32 share of a plan."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
 import onnx.shape_inference
 import onnx_ir as ir
 
-from mixprec.analysis.cost import BOUNDARIES, flops_of
+from mixprec.analysis.cost import BOUNDARIES, float_elements, flops_of, node_time
 from mixprec.analysis.plan import Precision, PrecisionPlan
 from mixprec.graphs import node_keys
+from mixprec.policy.costs import RuntimeCost
 
 logger = logging.getLogger(__name__)
 
 
 
-def node_flops(proto: onnx.ModelProto, batch: Mapping[str, np.ndarray]) -> dict[str, float]:
-    """FLOPs of the nodes with a FLOPs formula whose shapes are known for this batch."""
+@dataclass(frozen=True)
+class NodeCosts:
+    """Per node key: FLOPs (nodes with a formula and known shapes), and the estimated time that
+    computing the node in FP32 instead of 16 bits adds on the runtime's device."""
+
+    flops: dict[str, float]
+    fp32_penalty: dict[str, float]
+
+
+def node_costs(proto: onnx.ModelProto, batch: Mapping[str, np.ndarray], cost: RuntimeCost) -> NodeCosts:
+    """The cost model on the shapes this batch gives the model's values."""
     model = onnx.ModelProto()
     model.CopyFrom(proto)
     for value in model.graph.input:
@@ -35,16 +46,18 @@ def node_flops(proto: onnx.ModelProto, batch: Mapping[str, np.ndarray]) -> dict[
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
         ir_model = ir.from_proto(inferred)
     except Exception as e:  # noqa: BLE001 - shape inference raises assorted types
-        logger.debug("shape inference for FLOPs failed: %s", e)
-        return {}
+        logger.debug("shape inference for the cost model failed: %s", e)
+        return NodeCosts({}, {})
     names = node_keys(ir_model)
-    nodes = list(names)
     flops: dict[str, float] = {}
-    for node in nodes:
-        cost = flops_of(node)
-        if cost is not None:
-            flops[names[node]] = cost
-    return flops
+    penalty: dict[str, float] = {}
+    for node, key in names.items():
+        found = flops_of(node)
+        if found is not None:
+            flops[key] = found
+        elements = float_elements(node, None)
+        penalty[key] = node_time(elements, found, False, cost) - node_time(elements, found, True, cost)
+    return NodeCosts(flops, penalty)
 
 
 def fp32_share(plan: PrecisionPlan, flops: Mapping[str, float]) -> tuple[float, float | None]:

@@ -68,6 +68,8 @@ class TuneResult:
             shapes are known (None when none is).
         default_fp32_share_nodes: `fp32_share_nodes` of the default plan.
         default_fp32_share_flops: `fp32_share_flops` of the default plan.
+        estimated_speedup: The final model's speed against FP32 on the runtime by the cost
+            model (`Report.estimated_speedup`), None without a report.
         history: Every evaluation, in order.
         notes: Warnings (probe fallbacks, failed runs).
         seconds: Wall time.
@@ -95,6 +97,10 @@ class TuneResult:
     seconds: float = 0.0
     report: Report | None = None
 
+    @property
+    def estimated_speedup(self) -> float | None:
+        return self.report.estimated_speedup if self.report is not None else None
+
     def save_plan(self, path: str | os.PathLike) -> Path:
         """Write the final plan as a plan file."""
         return save_plan(self.plan, path)
@@ -115,6 +121,7 @@ class TuneResult:
             "fp32_share_flops": self.fp32_share_flops,
             "default_fp32_share_nodes": self.default_fp32_share_nodes,
             "default_fp32_share_flops": self.default_fp32_share_flops,
+            "estimated_speedup": self.estimated_speedup,
             "history": [e.__dict__ for e in self.history],
             "notes": list(self.notes),
             "seconds": self.seconds,
@@ -137,6 +144,11 @@ class TuneResult:
             + (f", {_pct(self.default_fp32_share_flops)}" if self.default_fp32_share_flops is not None else "")
             + ")",
         ]
+        if self.estimated_speedup is not None and self.report is not None:
+            lines.append(
+                f"estimated speed: about {self.estimated_speedup:.2f}x FP32 on {self.report.cost_device} "
+                "(cost model, not measured)"
+            )
         if self.fp32_nodes:
             lines.append("kept FP32: " + ", ".join(self.fp32_nodes[:top]) + (" ..." if len(self.fp32_nodes) > top else ""))
         lines.append("largest own errors (normalised):")

@@ -23,6 +23,7 @@ from mixprec.errors import InputError, MixprecError
 from mixprec.io import wants_external_data
 from mixprec.pipeline import Prepared, prepare
 from mixprec.plan_file import PlanFile, fp32_plan, load_plan
+from mixprec.policy.costs import runtime_cost
 from mixprec.tolerance import Tolerance
 from mixprec.tune.batches import read_batches
 from mixprec.tune.candidates import (
@@ -32,7 +33,7 @@ from mixprec.tune.candidates import (
     outlier_count,
     rank_error,
 )
-from mixprec.tune.flops import fp32_share, node_flops
+from mixprec.tune.flops import NodeCosts, fp32_share, node_costs
 from mixprec.tune.metrics import output_metrics
 from mixprec.tune.probe import ProbeBuilder
 from mixprec.tune.results import Evaluation, OutputMetrics, TuneResult
@@ -279,14 +280,15 @@ class _Search:
         default = self._convert([])
         candidates = candidates_of(default.plan)
         self.say(f"{len(candidates)} candidate node(s); probe run over {len(self.batches)} batch(es)")
-        errors, flops = self._probe(model_path, candidates)
-        # Largest own error first; among equal errors the cheaper node (fewer FLOPs) is kept
-        # FP32 first; unprobed nodes last, in graph order.
+        errors, costs = self._probe(model_path, candidates)
+        flops = costs.flops
+        # Largest own error first; among equal errors the node cheapest to keep FP32 on the
+        # runtime (the cost model's estimate) first; unprobed nodes last, in graph order.
         ranked = sorted(
             candidates,
             key=lambda c: (
                 rank_error(errors.get(c.name)),
-                (flops.get(c.name) or 0.0) if c.name in errors else 0.0,
+                costs.fp32_penalty.get(c.name, 0.0) if c.name in errors else 0.0,
                 c.index,
             ),
         )
@@ -353,13 +355,16 @@ class _Search:
     # -- the probe -------------------------------------------------------------------------------
     def _probe(
         self, model_path: Path, candidates: Sequence[Candidate]
-    ) -> tuple[dict[str, float], dict[str, float]]:
-        """Run the probe model: keep the reference outputs; return per-candidate errors and FLOPs."""
+    ) -> tuple[dict[str, float], NodeCosts]:
+        """Run the probe model: keep the reference outputs; return per-candidate errors and the
+        cost model's figures per node."""
         from mixprec.runtime.intermediates import IntermediateRunner  # noqa: PLC0415
         from mixprec.runtime import sessions as runner  # noqa: PLC0415
 
         with IntermediateRunner(model_path) as exposer:
-            flops = node_flops(exposer.proto, self.batches[0])
+            assert self.prepared is not None
+            cost = runtime_cost(self.prepared.conversion.profile.name)
+            costs = node_costs(exposer.proto, self.batches[0], cost)
             reference_names = [o.name for o in exposer.proto.graph.output]
             errors: dict[str, float] = {}
             try:
@@ -389,4 +394,4 @@ class _Search:
             self.notes.append(
                 f"{len(missing)} candidate(s) could not be probed (e.g. {missing[0]!r}); they rank last"
             )
-        return errors, flops
+        return errors, costs

@@ -1,0 +1,132 @@
+"""Measure the cost model's figures (`src/mixprec/policy/tables/costs.toml`) for the CPU runtimes
+on this machine: memory bandwidth, matrix throughput in FP32 and in 16 bits, and the fixed cost
+of one op, each run with default session options.
+
+    python bench/bench_costs.py            # onnxruntime CPU, and OpenVINO CPU when installed
+
+It prints, per runtime, flops_per_byte (16-bit matrix FLOP/s over copy bandwidth),
+fp32_flop_cost (FP32 matrix time over 16-bit matrix time) and launch_bytes (the time of a
+one-element op, in bytes of copy traffic). Bandwidth and the per-op time are the machine's,
+measured once with onnxruntime (OpenVINO copies its outputs and fuses a chain of Adds, which
+would measure neither). onnxruntime's CPU provider has no 16-bit MatMul, so its 16-bit
+throughput is its FP32 one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+
+def _model(nodes: list[onnx.NodeProto], inputs: list, outputs: list, opset: int = 17) -> bytes:
+    graph = helper.make_graph(nodes, "bench", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 9
+    return model.SerializeToString()
+
+
+def _copy_model(elements: int) -> bytes:
+    """y = x + 1 over `elements` floats: reads and writes each once."""
+    one = helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])
+    graph_nodes = [helper.make_node("Add", ["x", "one_c"], ["y"]), helper.make_node("Constant", [], ["one_c"], value=one)]
+    return _model(
+        graph_nodes[::-1],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [elements])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [elements])],
+    )
+
+
+def _matmul_model(n: int) -> bytes:
+    return _model(
+        [helper.make_node("MatMul", ["a", "b"], ["c"])],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, [n, n]) for name in ("a", "b")],
+        [helper.make_tensor_value_info("c", TensorProto.FLOAT, [n, n])],
+    )
+
+
+def _chain_model(length: int) -> bytes:
+    """`length` one-element Adds in a row: each costs its launch, nothing else."""
+    one = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
+    nodes = [helper.make_node("Constant", [], ["one_c"], value=one)]
+    previous = "x"
+    for i in range(length):
+        nodes.append(helper.make_node("Add", [previous, "one_c"], [f"t{i}"]))
+        previous = f"t{i}"
+    nodes.append(helper.make_node("Identity", [previous], ["y"]))
+    return _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+
+
+def _median_seconds(run, feeds: dict, repeats: int) -> float:  # noqa: ANN001
+    run(feeds)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run(feeds)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _ort(model: bytes):  # noqa: ANN202
+    import onnxruntime as ort  # noqa: PLC0415
+
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    return lambda feeds: session.run(None, feeds)
+
+
+def _openvino(model: bytes, precision: str):  # noqa: ANN202
+    import openvino as ov  # noqa: PLC0415
+
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(model, b""), "CPU", {"INFERENCE_PRECISION_HINT": precision})
+    request = compiled.create_infer_request()
+    return lambda feeds: request.infer(feeds)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--elements", type=int, default=1 << 26, help="copy size in floats (default 64 Mi)")
+    parser.add_argument("--n", type=int, default=2048, help="square matrix size (default 2048)")
+    parser.add_argument("--chain", type=int, default=2000, help="one-element ops in the launch chain")
+    parser.add_argument("--repeats", type=int, default=7)
+    options = parser.parse_args()
+    rng = np.random.default_rng(0)
+    copy_feeds = {"x": rng.standard_normal(options.elements).astype(np.float32)}
+    matmul_feeds = {k: rng.standard_normal((options.n, options.n)).astype(np.float32) for k in ("a", "b")}
+    chain_feeds = {"x": np.ones(1, np.float32)}
+    flops = 2.0 * options.n**3
+    copy_bytes = 8.0 * options.elements
+
+    runners = {"ort-cpu": {"fp32": _ort, "16": _ort}}
+    try:
+        import openvino  # noqa: F401, PLC0415
+    except ImportError:
+        print("openvino not installed: onnxruntime only")
+    else:
+        runners["openvino"] = {
+            "fp32": lambda m: _openvino(m, "f32"),
+            "16": lambda m: _openvino(m, "bf16"),
+        }
+    print(f"{'runtime':<9} {'copy GB/s':>9} {'fp32 GFLOP/s':>12} {'16-bit GFLOP/s':>14} {'op us':>7} "
+          f"{'flops_per_byte':>14} {'fp32_flop_cost':>14} {'launch_bytes':>12}")
+    bandwidth = copy_bytes / _median_seconds(_ort(_copy_model(options.elements)), copy_feeds, options.repeats)
+    op_seconds = _median_seconds(_ort(_chain_model(options.chain)), chain_feeds, options.repeats) / options.chain
+    for name, make in runners.items():
+        fp32_rate = flops / _median_seconds(make["fp32"](_matmul_model(options.n)), matmul_feeds, options.repeats)
+        low_rate = flops / _median_seconds(make["16"](_matmul_model(options.n)), matmul_feeds, options.repeats)
+        print(f"{name:<9} {bandwidth / 1e9:>9.1f} {fp32_rate / 1e9:>12.1f} {low_rate / 1e9:>14.1f} "
+              f"{op_seconds * 1e6:>7.2f} {low_rate / bandwidth:>14.1f} {low_rate / fp32_rate:>14.2f} "
+              f"{op_seconds * bandwidth:>12.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

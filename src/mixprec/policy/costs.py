@@ -1,0 +1,91 @@
+"""Per-runtime cost figures (`tables/costs.toml`): what a byte of traffic, a matrix FLOP in 16
+bits or FP32, and a kernel launch cost on the device class each runtime targets. The formulas
+that use them live in :mod:`mixprec.analysis.cost`."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from mixprec.errors import PolicyError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+_SOURCE = "costs.toml"
+_NUMBERS = ("flops_per_byte", "fp32_flop_cost", "launch_bytes")
+_TEXTS = ("device", "source")
+_OPTIONAL_TEXTS = ("measured",)
+
+
+@dataclass(frozen=True)
+class RuntimeCost:
+    """One runtime's cost figures, in units of the time to move one byte (see the table).
+
+    Attributes:
+        runtime: The profile the figures are for ("default" for unlisted ones).
+        flops_per_byte: 16-bit matrix FLOPs per byte of traffic (machine balance).
+        fp32_flop_cost: Time of an FP32 matrix FLOP relative to a 16-bit one.
+        launch_bytes: Fixed cost of one kernel launch, in bytes of traffic.
+        device: The device class described.
+        source: Where the figures come from.
+        measured: The command that measured them, if they were measured.
+    """
+
+    runtime: str
+    flops_per_byte: float
+    fp32_flop_cost: float
+    launch_bytes: float
+    device: str
+    source: str
+    measured: str | None = None
+
+
+def runtime_cost(runtime: str | None) -> RuntimeCost:
+    """The cost figures of `runtime` (a profile name; None or unlisted: the default ones)."""
+    table = _shipped()
+    return table.get(runtime or "default", table["default"])
+
+
+@functools.lru_cache(maxsize=1)
+def _shipped() -> Mapping[str, RuntimeCost]:
+    text = resources.files("mixprec.policy").joinpath(f"tables/{_SOURCE}").read_text()
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise PolicyError(f"{_SOURCE}: not valid TOML: {e}") from e
+    return parse_costs(document, _SOURCE)
+
+
+def parse_costs(document: Mapping[str, Any], source: str) -> dict[str, RuntimeCost]:
+    """Build the cost table from a parsed document; `source` names it in errors."""
+    if "default" not in document:
+        raise PolicyError(f"{source}: a [default] table is required")
+    table: dict[str, RuntimeCost] = {}
+    for runtime, entry in document.items():
+        where = f"{source}: [{runtime}]"
+        if not isinstance(entry, Mapping):
+            raise PolicyError(f"{where}: expected a table of figures, got {entry!r}")
+        unknown = sorted(set(entry) - {*_NUMBERS, *_TEXTS, *_OPTIONAL_TEXTS})
+        missing = [key for key in (*_NUMBERS, *_TEXTS) if key not in entry]
+        if unknown or missing:
+            raise PolicyError(f"{where}: {'unknown' if unknown else 'missing'} key {(unknown or missing)[0]!r}")
+        values: dict[str, Any] = {}
+        for key in _NUMBERS:
+            number = entry[key]
+            if isinstance(number, bool) or not isinstance(number, (int, float)) or number <= 0:
+                raise PolicyError(f"{where}: {key!r} must be a positive number, got {number!r}")
+            values[key] = float(number)
+        for key in (*_TEXTS, *_OPTIONAL_TEXTS):
+            if key in entry:
+                if not isinstance(entry[key], str) or not entry[key].strip():
+                    raise PolicyError(f"{where}: {key!r} must be a non-empty string")
+                values[key] = entry[key]
+        table[runtime] = RuntimeCost(runtime=runtime, **values)
+    return table

@@ -1,0 +1,120 @@
+"""The cost model (`mixprec.analysis.cost`) on the per-runtime figures of `policy/tables/costs.toml`:
+the table is checked strictly, an op costs the larger of its traffic and its arithmetic, and the
+report and the accuracy search price with the runtime's figures."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from helpers import convert
+from mixprec.analysis.cost import cast_time, node_time
+from mixprec.errors import PolicyError
+from mixprec.policy.costs import parse_costs, runtime_cost
+from mixprec.policy.runtime import RUNTIMES
+from mixprec.report.html import render_html_report
+from mixprec.tune.flops import node_costs
+
+GOOD = {"flops_per_byte": 100.0, "fp32_flop_cost": 2.0, "launch_bytes": 10.0, "device": "d", "source": "s"}
+
+
+def test_every_runtime_has_figures_and_unlisted_ones_take_the_default() -> None:
+    default = runtime_cost(None)
+    assert default.runtime == "default"
+    for name in RUNTIMES:
+        cost = runtime_cost(name)
+        assert cost.flops_per_byte > 0 and cost.fp32_flop_cost >= 1 and cost.launch_bytes > 0
+        assert cost.device and cost.source
+    # onnxruntime's CPU provider has no 16-bit MatMul: FP32 arithmetic costs the same there.
+    assert runtime_cost("ort-cpu").fp32_flop_cost == 1.0
+    assert runtime_cost("openvino").measured == "python bench/bench_costs.py"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"flops_per_byte": -1.0}, "'flops_per_byte' must be a positive number"),
+        ({"launch_bytes": True}, "'launch_bytes' must be a positive number"),
+        ({"speed": 3.0}, "unknown key 'speed'"),
+        ({"device": ""}, "'device' must be a non-empty string"),
+    ],
+)
+def test_bad_tables_are_refused_with_the_table_named(change: dict, message: str) -> None:
+    with pytest.raises(PolicyError, match=message) as info:
+        parse_costs({"default": GOOD, "gpu": {**GOOD, **change}}, "costs.toml")
+    assert "[gpu]" in str(info.value)
+    missing = {k: v for k, v in GOOD.items() if k != "source"}
+    with pytest.raises(PolicyError, match="missing key 'source'"):
+        parse_costs({"default": missing}, "costs.toml")
+    with pytest.raises(PolicyError, match="a \\[default\\] table is required"):
+        parse_costs({"gpu": GOOD}, "costs.toml")
+
+
+def test_an_op_costs_its_traffic_or_its_arithmetic_whichever_is_larger() -> None:
+    gpu = runtime_cost("ort-cuda")
+    # A large square MatMul is compute-bound: FP32 costs fp32_flop_cost times the arithmetic.
+    n = 4096
+    elements, flops = 3 * n * n, 2.0 * n**3
+    low, fp32 = node_time(elements, flops, True, gpu), node_time(elements, flops, False, gpu)
+    assert low == pytest.approx(flops / gpu.flops_per_byte + gpu.launch_bytes)
+    assert fp32 - gpu.launch_bytes == pytest.approx(gpu.fp32_flop_cost * (low - gpu.launch_bytes))
+    # An element-wise op is memory-bound: FP32 moves twice the bytes.
+    assert node_time(1 << 20, None, False, gpu) - gpu.launch_bytes == 2 * (node_time(1 << 20, None, True, gpu) - gpu.launch_bytes)
+    # A Cast reads 4 and writes 2 bytes per element, plus a launch.
+    assert cast_time(1000, gpu) == 6000 + gpu.launch_bytes
+
+
+def _matmul_chain(layers: int = 4, width: int = 256) -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    nodes, weights, previous = [], [], "x"
+    for i in range(layers):
+        weights.append(numpy_helper.from_array((rng.standard_normal((width, width)) * 0.05).astype(np.float32), f"w{i}"))
+        nodes.append(onnx.helper.make_node("MatMul", [previous, f"w{i}"], [f"m{i}"]))
+        nodes.append(onnx.helper.make_node("Relu", [f"m{i}"], [f"r{i}"]))
+        previous = f"r{i}"
+    nodes.append(onnx.helper.make_node("Identity", [previous], ["y"]))
+    graph = onnx.helper.make_graph(
+        nodes, "chain",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [512, width])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [512, width])],
+        weights,
+    )
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+
+def test_report_estimates_the_speed_against_fp32_on_the_runtime() -> None:
+    model = _matmul_chain()
+    gpu, _ = convert(model, runtime="ort-cuda")
+    cpu, _ = convert(model, runtime="ort-cpu")
+    kept, _ = convert(model, runtime="ort-cuda", fp32_ops=["MatMul", "Relu", "Identity"])
+    assert kept.report.estimated_speedup == pytest.approx(1.0)
+    # Every MatMul in float16 on the GPU: close to the FP32 / 16-bit cost ratio of the arithmetic.
+    assert 1.5 < gpu.report.estimated_speedup <= runtime_cost("ort-cuda").fp32_flop_cost + 0.01
+    # The CPU provider runs no 16-bit MatMul: the MatMuls stay FP32 and only casts are added.
+    assert cpu.report.estimated_speedup < gpu.report.estimated_speedup
+    assert cpu.report.cost_device == runtime_cost("ort-cpu").device
+    text = gpu.report.format_text()
+    assert f"speed: about {gpu.report.estimated_speedup:.2f}x the FP32 model's speed on NVIDIA H100 SXM" in text
+    assert gpu.report.to_dict()["estimated_speedup"] == gpu.report.estimated_speedup
+    page = render_html_report(gpu.report)
+    assert f'id="estimated-speedup">estimated speed {gpu.report.estimated_speedup:.2f}' in page
+
+
+def test_search_costs_come_from_the_batch_shapes_and_the_runtime() -> None:
+    model = _matmul_chain(layers=2, width=64)
+    batch = {"x": np.zeros((512, 64), np.float32)}
+    gpu = node_costs(model, batch, runtime_cost("ort-cuda"))
+    cpu = node_costs(model, batch, runtime_cost("ort-cpu"))
+    matmul = next(k for k in gpu.fp32_penalty if "MatMul" in k)
+    relu = next(k for k in gpu.fp32_penalty if "Relu" in k)
+    assert gpu.flops[matmul] == 2.0 * 512 * 64 * 64
+    # Both memory-bound at this size on the GPU: FP32 costs the extra 2 bytes per element.
+    assert gpu.fp32_penalty[relu] == pytest.approx(2 * 2 * 512 * 64)
+    assert gpu.fp32_penalty[matmul] == pytest.approx(2 * (2 * 512 * 64 + 64 * 64))
+    # A bigger batch costs more to keep FP32.
+    bigger = node_costs(model, {"x": np.zeros((4096, 64), np.float32)}, runtime_cost("ort-cuda"))
+    assert bigger.fp32_penalty[relu] == pytest.approx(8 * gpu.fp32_penalty[relu])
+    # On the CPU the MatMul is compute-bound and FP32 arithmetic costs the same: nothing to gain.
+    assert cpu.fp32_penalty[matmul] == 0.0 and cpu.fp32_penalty[relu] > 0
