@@ -8,6 +8,10 @@ the small one.
 
 from __future__ import annotations
 
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
 from helpers import NodeSig, assert_matches_fp32, check_full, convert, parse, producer, random_feeds, sigs_of
 
 F, H, I = "float", "float16", "int64"
@@ -197,3 +201,51 @@ agraph (float[4,4] x) => (float[4,4] y)
     assert "2 -> 1 casts, 192 -> 96 bytes" in next(d.reason for n, d in result.plan.decisions.items() if n.op_type == "Add")
     assert result.report.casts_runtime == 2  # x in, and the MatMul output up
     assert_matches_fp32(model, out, random_feeds(model))
+
+
+def test_casts_move_inside_an_if_branch_too() -> None:
+    # The Expand graph above as both branches of an If (x from the outer scope, constants in the
+    # branches as exporters write them): each branch casts the small ReduceSum result, not the
+    # expanded tensor.
+    def constant(name: str, array: np.ndarray) -> onnx.NodeProto:
+        return onnx.helper.make_node("Constant", [], [name], value=numpy_helper.from_array(array, name))
+
+    def branch(tag: str) -> onnx.GraphProto:
+        nodes = [
+            constant(f"{tag}_w", np.array([[0.5, -0.25, 1, 0.125]] * 4, np.float32)),
+            constant(f"{tag}_axis0", np.array([0], np.int64)),
+            constant(f"{tag}_reps", np.array([8, 16, 4], np.int64)),
+            constant(f"{tag}_last", np.array([2], np.int64)),
+            onnx.helper.make_node("ReduceSum", ["x", f"{tag}_last"], [f"{tag}_s"], keepdims=0),
+            onnx.helper.make_node("Unsqueeze", [f"{tag}_s", f"{tag}_axis0"], [f"{tag}_u"]),
+            onnx.helper.make_node("Expand", [f"{tag}_u", f"{tag}_reps"], [f"{tag}_e"]),
+            onnx.helper.make_node("MatMul", [f"{tag}_e", f"{tag}_w"], [f"{tag}_y"]),
+        ]
+        out = onnx.helper.make_tensor_value_info(f"{tag}_y", onnx.TensorProto.FLOAT, [8, 16, 4])
+        return onnx.helper.make_graph(nodes, tag, [], [out])
+
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("If", ["c"], ["y"], then_branch=branch("a"), else_branch=branch("b"))],
+        "if_expand",
+        [
+            onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [16, 4, 8]),
+            onnx.helper.make_tensor_value_info("c", onnx.TensorProto.BOOL, []),
+        ],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [8, 16, 4])],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    result, out = convert(model)
+    check_full(out)
+    (if_node,) = [n for n in out.graph.node if n.op_type == "If"]
+    for attribute in if_node.attribute:
+        body = attribute.g
+        (expand,) = [n for n in body.node if n.op_type == "Expand"]
+        (unsqueeze,) = [n for n in body.node if n.op_type == "Unsqueeze"]
+        casts = {n.output[0]: n for n in body.node if n.op_type == "Cast"}
+        assert unsqueeze.input[0] in casts, "the ReduceSum result is cast before the Unsqueeze"
+        assert expand.input[0] not in casts
+    moved = [d for n, d in result.plan.decisions.items() if n.op_type in ("Unsqueeze", "Expand")]
+    assert len(moved) == 4 and all(d.category.value == "placed by cast cost" for d in moved)
+    feeds = random_feeds(model)
+    for flag in (True, False):
+        assert_matches_fp32(model, out, {**feeds, "c": np.array(flag)})

@@ -225,7 +225,6 @@ class _Islands:
         self.inputs: dict[ir.Node, list[ir.Value]] = {}
         self.outputs: dict[ir.Node, list[ir.Value]] = {}
         self._elements: dict[ir.Value, int] = {}
-        main = planner.model.graph
         facts, decisions = planner.facts, planner.decisions
         self.quantized = any(op_facts(domain, op).quantization for op, domain in planner.op_types())
         for node in planner.order:
@@ -236,7 +235,7 @@ class _Islands:
             rule = fact.rule
             if (
                 rule is None or rule.op_class is not OpClass.FOLLOW or rule.dtype_attribute is not None
-                or fact.sig is None or not fact.lowerable or node.graph is not main
+                or fact.sig is None or not fact.lowerable
             ):
                 continue
             if self.quantized and (qdq_role(node) is not None or _next_to_qdq(node)):
