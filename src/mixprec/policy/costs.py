@@ -5,18 +5,12 @@ that use them live in :mod:`mixprec.analysis.cost`."""
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 from mixprec.errors import PolicyError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from mixprec.policy.toml_tables import shipped_table
 
 _SOURCE = "costs.toml"
 _NUMBERS = ("flops_per_byte", "fp32_flop_cost", "launch_bytes")
@@ -55,12 +49,7 @@ def runtime_cost(runtime: str | None) -> RuntimeCost:
 
 @functools.lru_cache(maxsize=1)
 def _shipped() -> Mapping[str, RuntimeCost]:
-    text = resources.files("mixprec.policy").joinpath(f"tables/{_SOURCE}").read_text()
-    try:
-        document = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise PolicyError(f"{_SOURCE}: not valid TOML: {e}") from e
-    return parse_costs(document, _SOURCE)
+    return parse_costs(shipped_table(_SOURCE), _SOURCE)
 
 
 def parse_costs(document: Mapping[str, Any], source: str) -> dict[str, RuntimeCost]:

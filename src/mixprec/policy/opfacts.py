@@ -11,20 +11,14 @@ from __future__ import annotations
 
 import enum
 import functools
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import resources
 from types import MappingProxyType
 from typing import Any
 
 from mixprec.errors import PolicyError
+from mixprec.policy.toml_tables import shipped_table
 from mixprec.graphs import normalize_domain, parse_op_name
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 _SOURCE = "opfacts.toml"
 
@@ -102,12 +96,7 @@ def all_op_facts() -> Mapping[tuple[str, str], OpFacts]:
 
 @functools.lru_cache(maxsize=1)
 def _shipped() -> Mapping[tuple[str, str], OpFacts]:
-    text = resources.files("mixprec.policy").joinpath(f"tables/{_SOURCE}").read_text()
-    try:
-        document = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise PolicyError(f"{_SOURCE}: not valid TOML: {e}") from e
-    return parse_op_facts(document, _SOURCE)
+    return parse_op_facts(shipped_table(_SOURCE), _SOURCE)
 
 
 def parse_op_facts(document: Mapping[str, Any], source: str) -> Mapping[tuple[str, str], OpFacts]:

@@ -8,23 +8,17 @@ from __future__ import annotations
 
 import enum
 import functools
-import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from mixprec.dtypes import LowPrecision
 from mixprec.errors import PolicyError
+from mixprec.policy.toml_tables import parse_toml, shipped_table
 from mixprec.graphs import DEFAULT_DOMAIN, format_op_name, normalize_domain, parse_op_name
 from mixprec.policy.opfacts import op_facts
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 __all__ = [
     "DEFAULT_DOMAIN", "OpClass", "OpRule", "Policy", "format_op_name", "load_policy",
@@ -235,16 +229,9 @@ def _default_policy(target: LowPrecision) -> Policy:
 
 def _read_policy(target: LowPrecision, path: str | Path | None) -> Policy:
     if path is None:
-        text = resources.files("mixprec.policy").joinpath("tables/default.toml").read_text()
-        source = "default.toml"
-    else:
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise PolicyError(f"cannot read policy file {path}: {e.strerror}") from e
-        source = str(path)
+        return parse_policy(shipped_table("default.toml"), target, "default.toml")
     try:
-        document = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise PolicyError(f"{source}: not valid TOML: {e}") from e
-    return parse_policy(document, target, source)
+        text = Path(path).read_text()
+    except OSError as e:
+        raise PolicyError(f"cannot read policy file {path}: {e.strerror}") from e
+    return parse_policy(parse_toml(text, str(path)), target, str(path))
