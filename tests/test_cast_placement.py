@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from mixprec.analysis import placement
 from helpers import NodeSig, assert_matches_fp32, check_full, convert, parse, producer, random_feeds, sigs_of
 
 F, H, I = "float", "float16", "int64"
@@ -249,3 +250,21 @@ def test_casts_move_inside_an_if_branch_too() -> None:
     feeds = random_feeds(model)
     for flag in (True, False):
         assert_matches_fp32(model, out, {**feeds, "c": np.array(flag)})
+
+
+def test_a_cut_that_trades_cast_bytes_for_launches_gives_way_to_the_cut_by_bytes() -> None:
+    # An island as plain data (see placement._Islands.problem): three free nodes, four values.
+    # Priced with a launch per Cast, the cheapest cut has one Cast of a 1,000-element value (6,000
+    # bytes, more than the passes' 720): not kept. The cut priced by bytes alone is (2 casts, 660
+    # bytes): kept.
+    nodes = ((10, 0, ()), (100, 0, ()), (100, 0, ()))
+    values = (
+        (10, 2, (), True, False),
+        (1000, -2, (0,), False, False),
+        (100, 0, (1,), True, False),
+        (10, 0, (), True, False),
+    )
+    greedy = (False, True, False)
+    assert placement._casts(values, greedy) == (3, 720)
+    assert placement._casts(values, placement._solve((nodes, values), 8192)) == (1, 6000)
+    assert placement._best_cut((nodes, values), greedy, (3, 720), 8192) == ((False, True, True), (2, 660))

@@ -35,8 +35,10 @@ def test_every_runtime_has_figures_and_unlisted_ones_take_the_default() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"flops_per_byte": -1.0}, "'flops_per_byte' must be a positive number"),
-        ({"launch_bytes": True}, "'launch_bytes' must be a positive number"),
+        ({"flops_per_byte": -1.0}, "'flops_per_byte' must be a positive finite number"),
+        ({"fp32_flop_cost": float("nan")}, "'fp32_flop_cost' must be a positive finite number"),
+        ({"flops_per_byte": float("inf")}, "'flops_per_byte' must be a positive finite number"),
+        ({"launch_bytes": True}, "'launch_bytes' must be a positive finite number"),
         ({"speed": 3.0}, "unknown key 'speed'"),
         ({"device": ""}, "'device' must be a non-empty string"),
     ],
@@ -92,6 +94,10 @@ def test_report_estimates_the_speed_against_fp32_on_the_runtime() -> None:
     assert kept.report.estimated_speedup == pytest.approx(1.0)
     # Every MatMul in float16 on the GPU: close to the FP32 / 16-bit cost ratio of the arithmetic.
     assert 1.5 < gpu.report.estimated_speedup <= runtime_cost("ort-cuda").fp32_flop_cost + 0.01
+    # Weights stored in 16 bits, compute in FP32: the weights' Casts fold when the model loads.
+    weights_only, _ = convert(model, runtime="ort-cuda", weights_only=True)
+    assert weights_only.report.casts_runtime > 0
+    assert weights_only.report.estimated_speedup == pytest.approx(1.0)
     # The CPU provider runs no 16-bit MatMul: the MatMuls stay FP32 and only casts are added.
     assert cpu.report.estimated_speedup < gpu.report.estimated_speedup
     assert cpu.report.cost_device == runtime_cost("ort-cpu").device

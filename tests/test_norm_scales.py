@@ -14,7 +14,7 @@ from mixprec.cli import main as cli_main
 from mixprec.validate.emulate import emulate_low_precision
 
 HIDDEN, OUT = 64, 32
-_WIDTH = {"q": OUT, "k": OUT, "p": OUT, "r": HIDDEN}
+_SHAPES = {"q": [8, OUT], "k": [8, OUT], "p": [8, OUT], "r": [8, HIDDEN], "qt": [HIDDEN, OUT]}
 
 
 def _weights(seed: int = 0, gamma_scale: float = 1.0, weight_scale: float = 0.05) -> dict[str, np.ndarray]:
@@ -34,7 +34,7 @@ def _model(body: list[onnx.NodeProto], outputs: list[str], weights: dict[str, np
         body,
         "norm",
         [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [8, HIDDEN])],
-        [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [8, _WIDTH[name]]) for name in outputs],
+        [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, _SHAPES[name]) for name in outputs],
         [numpy_helper.from_array(array, name) for name, array in weights.items()],
     )
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
@@ -159,3 +159,83 @@ def test_cli_keeps_the_scales_when_asked(tmp_path) -> None:  # noqa: ANN001
         assert cli_main(["convert", str(source), str(target), "--runtime", "onnx", "--validate", "checker", *flags]) == 0
         scale = _initializers(onnx.load(target))["g"]
         assert bool(np.all(scale == 1)) is folded
+
+
+def test_folded_weights_are_computed_chunk_by_chunk_from_external_data(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    # A weight in an external file, read in chunks that cut rows apart: every chunk is scaled
+    # along the right axis, and the whole tensor equals the FP32 product.
+    import onnx_ir as ir  # noqa: PLC0415
+
+    from mixprec.analysis import constants  # noqa: PLC0415
+
+    monkeypatch.setattr(constants, "_CHUNK_BYTES", 4 * 37)
+    rng = np.random.default_rng(3)
+    weight = rng.standard_normal((3, 8, 6)).astype(np.float32)
+    (tmp_path / "w.bin").write_bytes(weight.tobytes())
+    source = ir.ExternalTensor("w.bin", 0, weight.nbytes, ir.DataType.FLOAT, shape=ir.Shape(weight.shape), name="w", base_dir=tmp_path)
+    for axis, size in ((1, 8), (2, 6), (0, 3)):
+        gamma = rng.uniform(0.5, 2.0, size).astype(np.float32)
+        shape = [1, 1, 1]
+        shape[axis] = size
+        expected = weight * gamma.reshape(shape)
+        scaled = constants.ScaledTensor(source, gamma, axis)
+        chunks = list(constants.iter_chunks(scaled))
+        assert len(chunks) > 1
+        np.testing.assert_array_equal(np.concatenate(chunks).reshape(weight.shape), expected)
+        np.testing.assert_array_equal(scaled.numpy(), expected)
+
+
+def _rms_then(readers: list[onnx.NodeProto], outputs: list[str], weights: dict[str, np.ndarray]) -> onnx.ModelProto:
+    norm = onnx.helper.make_node("RMSNormalization", ["x", "g"], ["y"], name="norm", axis=-1, stash_type=1)
+    return _model([norm, *readers], outputs, weights)
+
+
+def test_no_fold_where_the_identity_does_not_hold() -> None:
+    weights = _weights()
+    g, wq = weights["g"], weights["wq"]
+    square = (np.random.default_rng(4).standard_normal((HIDDEN, HIDDEN)) * 0.05).astype(np.float32)
+    cases = {
+        # The normalized value is a model output as well.
+        "graph output": _model(
+            [onnx.helper.make_node("RMSNormalization", ["x", "g"], ["r"], axis=-1), onnx.helper.make_node("MatMul", ["r", "wq"], ["q"])],
+            ["q", "r"], {"g": g, "wq": wq},
+        ),
+        # Gemm transposes the normalized value: it contracts over tokens, the scale would land
+        # on the output's rows.
+        "transA": _rms_then([onnx.helper.make_node("Gemm", ["y", "b"], ["qt"], transA=1)], ["qt"], {"g": g, "b": square[:8, :OUT].copy()}),
+        # The normalized value is the right-hand operand of the MatMul.
+        "input B": _rms_then([onnx.helper.make_node("MatMul", ["sq", "y"], ["r"])], ["r"], {"g": g, "sq": square[:8, :8].copy()}),
+    }
+    for name, model in cases.items():
+        result, out = convert(model)
+        assert not any("folded the scales" in n for n in result.report.notes), name
+        np.testing.assert_array_equal(_initializers(out)["g"].astype(np.float32), g.astype(np.float16).astype(np.float32), err_msg=name)
+    # A normalization kept FP32 keeps its FP32 scale: nothing rounds it.
+    _, excluded = convert(_rms_then([onnx.helper.make_node("MatMul", ["y", "wq"], ["q"])], ["q"], {"g": g, "wq": wq}), exclude_nodes=["norm"])
+    stored = _initializers(excluded)
+    assert stored["g"].dtype == np.float32 and np.array_equal(stored["g"], g)
+    np.testing.assert_array_equal(stored["wq"], wq.astype(np.float16))
+
+
+def test_skip_simplified_layer_normalization_folds_its_gamma() -> None:
+    # onnxruntime's contrib op: gamma is input 2 (op facts), output 0 is the normalized value,
+    # output 3 (input + skip) does not involve gamma and may be read anywhere.
+    weights = _weights()
+    g, wq = weights["g"], weights["wq"]
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node(
+                "SkipSimplifiedLayerNormalization", ["x", "s", "g"], ["y", "", "", "sum"], domain="com.microsoft", epsilon=1e-5,
+            ),
+            onnx.helper.make_node("MatMul", ["y", "wq"], ["q"]),
+        ],
+        "skip",
+        [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [8, HIDDEN]) for n in ("x", "s")],
+        [onnx.helper.make_tensor_value_info("q", onnx.TensorProto.FLOAT, [8, OUT]), onnx.helper.make_tensor_value_info("sum", onnx.TensorProto.FLOAT, [8, HIDDEN])],
+        [numpy_helper.from_array(g, "g"), numpy_helper.from_array(wq, "wq")],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid("com.microsoft", 1)])
+    result, out = convert(model, runtime="ort-cuda")
+    stored = _initializers(out)
+    assert np.all(stored["g"] == 1), result.report.format_text()
+    np.testing.assert_array_equal(stored["wq"], (g[:, None] * wq).astype(np.float16))

@@ -6,6 +6,7 @@ inspecting a multi-gigabyte model does not grow the resident set.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -58,6 +59,9 @@ def is_constant(value: ir.Value) -> bool:
 
 def iter_chunks(tensor: ir.TensorProtocol) -> Iterator[np.ndarray]:
     """Yield the tensor's elements as flat NumPy chunks of bounded size."""
+    if isinstance(tensor, ScaledTensor):
+        yield from tensor.chunks()
+        return
     if isinstance(tensor, ir.ExternalTensor) and tensor.dtype.itemsize and tensor.dtype.bitwidth % 8 == 0:
         dtype = tensor.dtype.numpy()
         total = tensor.size
@@ -74,6 +78,44 @@ def iter_chunks(tensor: ir.TensorProtocol) -> Iterator[np.ndarray]:
                 done += count
         return
     yield np.asarray(tensor.numpy()).reshape(-1)
+
+
+class ScaledTensor(ir.LazyTensor):
+    """An FP32 constant multiplied by a vector along one axis, computed when read: whole by
+    `numpy()`, in bounded chunks by `iter_chunks` (reading the source in chunks too)."""
+
+    def __init__(self, source: ir.TensorProtocol, factor: np.ndarray, axis: int) -> None:
+        shape = tuple(int(d) for d in source.shape)
+        self._source = source
+        self._factor = np.asarray(factor, dtype=np.float32).reshape(-1)
+        self._stride = math.prod(shape[axis + 1 :])  # elements that share one factor
+        super().__init__(
+            lambda: ir.Tensor(np.concatenate([np.empty(0, np.float32), *self.chunks()]).reshape(shape), name=source.name),
+            dtype=ir.DataType.FLOAT, shape=ir.Shape(shape), name=source.name,
+        )
+
+    def chunks(self) -> Iterator[np.ndarray]:
+        """The scaled elements, flat, in chunks cut at whole rows of the scaled axis."""
+        # A row: `stride` elements that share one factor, or (the scaled axis last) one factor each.
+        row = self._stride if self._stride > 1 else self._factor.size
+        pending = np.empty(0, np.float32)
+        done = 0
+        for chunk in iter_chunks(self._source):
+            data = np.concatenate([pending, chunk]) if pending.size else chunk
+            usable = data.size - data.size % row
+            if usable:
+                yield self._scaled(data[:usable], done)
+                done += usable
+            pending = data[usable:]
+
+    def _scaled(self, block: np.ndarray, offset: int) -> np.ndarray:
+        """`block` (whole rows, starting at element `offset`) times its factors."""
+        factor = self._factor
+        if self._stride == 1:
+            return (block.reshape(-1, factor.size) * factor).reshape(-1)
+        rows = block.reshape(-1, self._stride)
+        index = (offset // self._stride + np.arange(rows.shape[0])) % factor.size
+        return (rows * factor[index, None]).reshape(-1)
 
 
 def small_constant_array(value: ir.Value, max_bytes: int = 1 << 20) -> np.ndarray | None:

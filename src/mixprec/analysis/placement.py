@@ -373,22 +373,39 @@ def min_cut_islands(planner) -> list[tuple[Island, dict[ir.Node, bool], tuple[in
     decisions = planner.decisions
     launch = round(runtime_cost(planner.runtime.name).launch_bytes)
     changes = []
-    solved_problems: dict[tuple, tuple[bool, ...] | None] = {}  # repeated layers: solved once
+    # Repeated layers give equal problems: each is solved once. A cut priced with launches that
+    # trades cast bytes for fewer casts is not kept (cast bytes may not grow); the cut priced by
+    # bytes alone is tried next.
+    solved_problems: dict[tuple, tuple[tuple[bool, ...], tuple[int, int]] | None] = {}  # (problem, greedy)
     for nodes in islands.groups():
         greedy = tuple(decisions[n].precision is Precision.LOW for n in nodes)
         found = islands.problem(nodes, greedy)
         if found is None:
             continue
         problem, before = found
-        if problem not in solved_problems:
-            solved_problems[problem] = _solve(problem, launch)
-        solved = solved_problems[problem]
+        key = (problem, greedy)
+        if key not in solved_problems:
+            solved_problems[key] = _best_cut(problem, greedy, before, launch)
+        solved = solved_problems[key]
+        if solved is not None:
+            assignment, after = solved
+            changes.append((Island(nodes), dict(zip(nodes, assignment)), before, after))
+    return changes
+
+
+def _best_cut(
+    problem: tuple, greedy: tuple[bool, ...], before: tuple[int, int], launch: int
+) -> tuple[tuple[bool, ...], tuple[int, int]] | None:
+    """The first minimum cut (with launches priced, then without) that changes the passes'
+    assignment without more casts or more cast bytes, and its (casts, bytes); None if neither."""
+    for price in dict.fromkeys((launch, 0)):
+        solved = _solve(problem, price)
         if solved is None or solved == greedy:
             continue
         after = _casts(problem[1], solved)
         if after[0] <= before[0] and after[1] <= before[1] and after != before:
-            changes.append((Island(nodes), dict(zip(nodes, solved)), before, after))
-    return changes
+            return solved, after
+    return None
 
 
 def _solve(problem: tuple, launch: int) -> tuple[bool, ...] | None:

@@ -12,8 +12,9 @@ exact in every type.
 A normalization folds when its scale is a constant that is stored in 16 bits, used by it alone,
 and broadcast along the last axis only; it has no bias; its output is no graph output and is read
 only as input A of MatMul / Gemm (transA = 0) nodes whose weight (input B) is an FP32 constant
-used by that node alone; and the folded weights neither leave the 16-bit range nor fall below its
-normal numbers. Which ops are normalizations (and where their scale and bias are) and which are
+used by that node alone; and the folded weights neither come near the edge of the 16-bit range
+nor shrink below its normal numbers as a whole. The folded weights are computed when first
+read, in chunks (`ScaledTensor`), so a large weight is never held twice. Which ops are normalizations (and where their scale and bias are) and which are
 matrix products are op facts (`norm_scale`, `norm_bias`, `flops` in `policy/tables/opfacts.toml`).
 """
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from mixprec.analysis.constants import constant_range, replace_constant, small_constant_array
+from mixprec.analysis.constants import ScaledTensor, constant_range, replace_constant, small_constant_array
 from mixprec.analysis.decisions import PrecisionPlan, Storage
 from mixprec.dtypes import is_fp32_tensor
 from mixprec.graphs import is_default_domain
@@ -60,7 +61,7 @@ def fold_norm_scales(plan: PrecisionPlan) -> FoldedScales:
             continue
         scale, gamma, weights = fold
         for weight, axis in weights:
-            replace_constant(weight, _scaled_lazily(weight.const_value, gamma, axis))  # type: ignore[arg-type]
+            replace_constant(weight, ScaledTensor(weight.const_value, gamma, axis))  # type: ignore[arg-type]
             folded.weights.append(weight.name or "")
         ones = ir.Tensor(np.ones(scale.const_value.shape.numpy(), dtype=np.float32), name=scale.const_value.name)  # type: ignore[union-attr]
         replace_constant(scale, ones)
@@ -128,8 +129,10 @@ def _own_constant(value: ir.Value) -> bool:
 
 
 def _fits(weight: ir.Value, gamma: np.ndarray, plan: PrecisionPlan) -> bool:
-    """Whether the folded weight stays inside the 16-bit type's normal range (bounded from the
-    weight's cached range: no second read of the weight)."""
+    """Whether the folded weight stays inside the 16-bit type's range with room to spare, and
+    the magnitude of its rows inside the normal numbers: bounded from the weight's cached range
+    (no second read of the weight), so single elements near zero may still become subnormal, as
+    they may without the fold."""
     found = constant_range(weight, plan.target)
     if found is None or not found.representable:
         return False
@@ -140,16 +143,3 @@ def _fits(weight: ir.Value, gamma: np.ndarray, plan: PrecisionPlan) -> bool:
         float(magnitude.max()) * found.absmax <= limits.max / 2
         and float(nonzero.min()) * found.absmax >= limits.tiny
     )
-
-
-def _scaled_lazily(tensor: ir.TensorProtocol, gamma: np.ndarray, axis: int) -> ir.LazyTensor:
-    """The weight with `gamma` multiplied along `axis`, in FP32, computed when first read."""
-    shape = tuple(int(d) for d in tensor.shape)
-    broadcast = [1] * len(shape)
-    broadcast[axis] = gamma.size
-    factor = gamma.reshape(broadcast)
-
-    def load() -> ir.TensorProtocol:
-        return ir.Tensor(np.asarray(tensor.numpy(), dtype=np.float32).reshape(shape) * factor, name=tensor.name)
-
-    return ir.LazyTensor(load, dtype=ir.DataType.FLOAT, shape=ir.Shape(shape), name=tensor.name)

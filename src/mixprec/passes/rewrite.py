@@ -48,6 +48,7 @@ class CastRecord:
     runtime: bool  # False: the cast was done offline on a constant
     estimated_elements: int | None = None  # named symbolic dimensions estimated (analysis.cost)
     guessed_elements: int | None = None  # every dimension that is not static guessed (analysis.cost)
+    of_constant: bool = False  # a Cast of a stored constant: runtimes fold it when they load the model
 
 
 @dataclass
@@ -163,6 +164,7 @@ class _Rewriter:
             CastRecord(
                 base, short, tensor_elements(value.shape), runtime=True,
                 estimated_elements=estimated_elements(value.shape), guessed_elements=guessed_elements(value.shape),
+                of_constant=tensor is not None,
             )
         )
         self.cache[key] = out

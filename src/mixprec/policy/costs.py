@@ -5,6 +5,7 @@ that use them live in :mod:`mixprec.analysis.cost`."""
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -68,8 +69,8 @@ def parse_costs(document: Mapping[str, Any], source: str) -> dict[str, RuntimeCo
         values: dict[str, Any] = {}
         for key in _NUMBERS:
             number = entry[key]
-            if isinstance(number, bool) or not isinstance(number, (int, float)) or number <= 0:
-                raise PolicyError(f"{where}: {key!r} must be a positive number, got {number!r}")
+            if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 < number < math.inf:
+                raise PolicyError(f"{where}: {key!r} must be a positive finite number, got {number!r}")
             values[key] = float(number)
         for key in (*_TEXTS, *_OPTIONAL_TEXTS):
             if key in entry:
