@@ -134,19 +134,22 @@ def flops_of(node: ir.Node, symbolic: int | None = None, unnamed: int | None = N
     return _FORMULAS[formula](node, _dims(node.outputs[0], symbolic, unnamed), symbolic, unnamed)
 
 
-def float_elements(node: ir.Node, symbolic: int | None = SYMBOLIC_DIM, known: dict[ir.Value, int] | None = None) -> int:
+def float_elements(node: ir.Node, symbolic: int | None = SYMBOLIC_DIM, known: dict[int, int] | None = None) -> int:
     """Elements of the float tensors a node reads and writes, every dimension that is not static
     as `symbolic` (None: such tensors and those of unknown rank count none); `known` remembers
-    each value's count across calls."""
+    the count of each shape object across calls (values of equal static shape share one)."""
     total = 0
     for value in (*node.inputs, *node.outputs):
-        if value is None:
+        if value is None or value.dtype not in _FLOAT_TYPES:
             continue
-        elements = known.get(value) if known is not None else None
+        shape = value.shape
+        if shape is None:
+            continue
+        elements = known.get(id(shape)) if known is not None else None
         if elements is None:
-            elements = (tensor_elements(value.shape, symbolic, symbolic) or 0) if value.dtype in _FLOAT_TYPES else 0
+            elements = tensor_elements(shape, symbolic, symbolic) or 0
             if known is not None:
-                known[value] = elements
+                known[id(shape)] = elements
         total += elements
     return total
 
@@ -193,7 +196,8 @@ def estimate_plan(plan: PrecisionPlan, cast_elements: list[int | None], cost: Ru
     (`cast_elements`, guessed like the tensors; unknown sizes count their launch only), against
     the FP32 model."""
     converted = fp32 = low_flops = total_flops = 0.0
-    known: dict[ir.Value, int] = {}
+    known: dict[int, int] = {}  # id(shape) -> elements; the plan's values keep their shapes alive
+    formulas: dict[tuple[str, str], bool] = {}
     for node in plan.order:
         decision = plan.decisions[node]
         if decision.precision is Precision.NONE or decision.category in BOUNDARIES:
@@ -201,11 +205,15 @@ def estimate_plan(plan: PrecisionPlan, cast_elements: list[int | None], cost: Ru
             fp32 += cost.launch_bytes
             continue
         low = decision.precision is Precision.LOW
-        flops = flops_of(node, SYMBOLIC_DIM)
+        kind = (node.domain, node.op_type)
+        has_formula = formulas.get(kind)
+        if has_formula is None:
+            has_formula = formulas[kind] = is_default_domain(node.domain) and op_facts(node.domain, node.op_type).flops is not None
+        flops = flops_of(node, SYMBOLIC_DIM) if has_formula else None
         if flops is not None:
             total_flops += flops
             low_flops += flops if low else 0.0
-        else:
+        elif has_formula:
             flops = flops_of(node, SYMBOLIC_DIM, SYMBOLIC_DIM)
         elements = float_elements(node, SYMBOLIC_DIM, known)
         converted += node_time(elements, flops, low, cost)

@@ -224,7 +224,7 @@ class _Islands:
         self.reads_tainted: set[ir.Node] = set()
         self.inputs: dict[ir.Node, list[ir.Value]] = {}
         self.outputs: dict[ir.Node, list[ir.Value]] = {}
-        self._elements: dict[ir.Value, int] = {}
+        self._elements: dict[int, int] = {}  # id(shape) -> elements (the values keep their shapes alive)
         facts, decisions = planner.facts, planner.decisions
         self.quantized = any(op_facts(domain, op).quantization for op, domain in planner.op_types())
         for node in planner.order:
@@ -249,9 +249,13 @@ class _Islands:
                 self.reads_tainted.add(node)
 
     def elements(self, value: ir.Value) -> int:
-        found = self._elements.get(value)
+        """Estimated elements of `value` (remembered per shape object: equal static shapes share one)."""
+        shape = value.shape
+        if shape is None:
+            return _UNKNOWN_ELEMENTS
+        found = self._elements.get(id(shape))
         if found is None:
-            found = self._elements[value] = _elements(value)
+            found = self._elements[id(shape)] = _elements(value)
         return found
 
     def groups(self) -> list[list[ir.Node]]:
