@@ -209,8 +209,8 @@ class Report:
         if self.estimated_speedup is not None:
             lines.append(
                 f"  speed: about {self.estimated_speedup:.2f}x the FP32 model's speed on {self.cost_device} "
-                "(cost model: traffic, matrix FLOPs and launches per op from shapes, casts included; "
-                "an estimate, not a measurement)"
+                "(cost model: traffic, matrix FLOPs and launches per op, casts included, dimensions "
+                f"that are not static as {self.symbolic_dim}; an estimate, not a measurement)"
             )
         if self.quantization is not None:
             lines.append(self.quantization.format_line(self.target))
