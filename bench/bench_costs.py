@@ -3,6 +3,12 @@ on this machine: memory bandwidth, matrix throughput in FP32 and in 16 bits, and
 of one op, each run with default session options.
 
     python bench/bench_costs.py            # onnxruntime CPU, and OpenVINO CPU when installed
+    python bench/bench_costs.py --model bench/out/llama_s.onnx --dim 128   # estimate vs measured
+
+With `--model`, it converts the model to bfloat16 for OpenVINO and sets the report's estimated
+speed against FP32 beside the speed measured on OpenVINO's CPU plugin (FP32 model with the f32
+precision hint against the converted model with the bf16 hint), symbolic dimensions taken as
+`--dim` (the estimate takes them as 128) and integer inputs drawn in [0, 100).
 
 It prints, per runtime, flops_per_byte (16-bit matrix FLOP/s over copy bandwidth),
 fp32_flop_cost (FP32 matrix time over 16-bit matrix time) and launch_bytes (the time of a
@@ -82,13 +88,41 @@ def _ort(model: bytes):  # noqa: ANN202
     return lambda feeds: session.run(None, feeds)
 
 
-def _openvino(model: bytes, precision: str):  # noqa: ANN202
+def _openvino(model: bytes | str, precision: str):  # noqa: ANN202
+    """An OpenVINO CPU runner of a serialized model (no external data) or a model file."""
     import openvino as ov  # noqa: PLC0415
 
     core = ov.Core()
-    compiled = core.compile_model(core.read_model(model, b""), "CPU", {"INFERENCE_PRECISION_HINT": precision})
+    read = core.read_model(model, b"") if isinstance(model, bytes) else core.read_model(model)
+    compiled = core.compile_model(read, "CPU", {"INFERENCE_PRECISION_HINT": precision})
     request = compiled.create_infer_request()
     return lambda feeds: request.infer(feeds)
+
+
+def _check_estimate(model: str, dim: int, repeats: int) -> None:
+    import tempfile  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    import mixprec  # noqa: PLC0415
+
+    proto = onnx.load(model, load_external_data=False)
+    weights = {t.name for t in proto.graph.initializer}
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for value in proto.graph.input:
+        if value.name in weights:
+            continue
+        tensor = value.type.tensor_type
+        shape = [d.dim_value if d.HasField("dim_value") else dim for d in tensor.shape.dim]
+        dtype = helper.tensor_dtype_to_np_dtype(tensor.elem_type)
+        feeds[value.name] = rng.integers(0, 100, shape).astype(dtype) if np.issubdtype(dtype, np.integer) else rng.standard_normal(shape).astype(dtype)
+    with tempfile.TemporaryDirectory() as folder:
+        converted = Path(folder) / "converted.onnx"
+        report = mixprec.convert(model, converted, target_dtype="bfloat16", runtime="openvino", validate="none").report
+        fp32 = _median_seconds(_openvino(model, "f32"), feeds, repeats)
+        low = _median_seconds(_openvino(str(converted), "bf16"), feeds, repeats)
+    print(f"{model}: estimated {report.estimated_speedup:.2f}x, measured {fp32 / low:.2f}x on OpenVINO CPU "
+          f"({fp32 * 1e3:.2f} ms FP32 with the f32 hint, {low * 1e3:.2f} ms converted with the bf16 hint)")
 
 
 def main() -> int:
@@ -97,7 +131,13 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=2048, help="square matrix size (default 2048)")
     parser.add_argument("--chain", type=int, default=2000, help="one-element ops in the launch chain")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--model", action="append", default=[], help="compare the estimate with OpenVINO (repeatable)")
+    parser.add_argument("--dim", type=int, default=128, help="symbolic dimensions for --model (default 128)")
     options = parser.parse_args()
+    if options.model:
+        for model in options.model:
+            _check_estimate(model, options.dim, max(options.repeats, 20))
+        return 0
     rng = np.random.default_rng(0)
     copy_feeds = {"x": rng.standard_normal(options.elements).astype(np.float32)}
     matmul_feeds = {k: rng.standard_normal((options.n, options.n)).astype(np.float32) for k in ("a", "b")}
