@@ -225,6 +225,7 @@ class _Islands:
         self.inputs: dict[ir.Node, list[ir.Value]] = {}
         self.outputs: dict[ir.Node, list[ir.Value]] = {}
         self._elements: dict[int, int] = {}  # id(shape) -> elements (the values keep their shapes alive)
+        self.model_inputs = frozenset(planner.model.graph.inputs)
         facts, decisions = planner.facts, planner.decisions
         self.quantized = any(op_facts(domain, op).quantization for op, domain in planner.op_types())
         for node in planner.order:
@@ -298,7 +299,9 @@ class _Islands:
         or -1 / -2 for a fixed 16-bit / FP32 producer, free reader indices, a fixed reader wants
         16 bits, a fixed reader wants FP32).
         """
-        planner, view, facts = self.planner, self.view, self.planner.facts
+        planner, facts = self.planner, self.planner.facts
+        input_is_lowered, output_is_lowered = self.view.input_is_lowered, self.view.output_is_lowered
+        keep_io_types, main_outputs, sub_outputs = planner.keep_io_types, planner.main_outputs, planner.sub_outputs
         ids = {node: i for i, node in enumerate(nodes)}
         values: dict[ir.Value, None] = {}
         for node in nodes:
@@ -312,9 +315,9 @@ class _Islands:
             if producer in ids:
                 origin = ids[producer]
             elif producer is None:
-                origin = -2 if planner.keep_io_types or value not in planner.model.graph.inputs else -1
+                origin = -2 if keep_io_types or value not in self.model_inputs else -1
             else:
-                origin = -1 if view.output_is_lowered(producer, producer.outputs.index(value)) else -2
+                origin = -1 if output_is_lowered(producer, producer.outputs.index(value)) else -2
             free_readers: set[int] = set()
             wants_low = wants_high = False
             for use in value.uses():
@@ -325,14 +328,14 @@ class _Islands:
                 j = ids.get(consumer)
                 if j is not None:
                     free_readers.add(j)
-                elif view.input_is_lowered(consumer, index):
+                elif input_is_lowered(consumer, index):
                     wants_low = True
                 else:
                     wants_high = True
-            if value in planner.sub_outputs:
+            if value in sub_outputs:
                 wants_high = True  # a subgraph returns it as it is, in FP32
-            if value in planner.main_outputs:
-                if planner.keep_io_types:
+            if value in main_outputs:
+                if keep_io_types:
                     wants_high = True
                 else:
                     wants_low = True
@@ -359,8 +362,8 @@ class _Islands:
                         if fact is not None and use.idx in fact.flexible:
                             continue
                         j = ids.get(use.node)
-                        readers.add(j if j is not None else (-1 if not view.input_is_lowered(use.node, use.idx) else -3))
-                    if (value in planner.main_outputs and planner.keep_io_types) or value in planner.sub_outputs:
+                        readers.add(j if j is not None else (-1 if not input_is_lowered(use.node, use.idx) else -3))
+                    if (value in main_outputs and keep_io_types) or value in sub_outputs:
                         readers.add(-1)
                 readers.discard(-3)  # fixed 16-bit readers allow it
                 specs.append((touched, 2, tuple(sorted(readers))))
