@@ -8,7 +8,8 @@ of one op, each run with default session options.
 With `--model`, it converts the model to bfloat16 for OpenVINO and sets the report's estimated
 speed against FP32 beside the speed measured on OpenVINO's CPU plugin (FP32 model with the f32
 precision hint against the converted model with the bf16 hint), symbolic dimensions taken as
-`--dim` (the estimate takes them as 128) and integer inputs drawn in [0, 100).
+`--dim` (the estimate takes them as 128) and inputs generated as bench_error.py does (integers in
+[0, 100)).
 
 It prints, per runtime, flops_per_byte (16-bit matrix FLOP/s over copy bandwidth),
 fp32_flop_cost (FP32 matrix time over 16-bit matrix time) and launch_bytes (the time of a
@@ -105,17 +106,9 @@ def _check_estimate(model: str, dim: int, repeats: int) -> None:
 
     import mixprec  # noqa: PLC0415
 
-    proto = onnx.load(model, load_external_data=False)
-    weights = {t.name for t in proto.graph.initializer}
-    rng = np.random.default_rng(0)
-    feeds = {}
-    for value in proto.graph.input:
-        if value.name in weights:
-            continue
-        tensor = value.type.tensor_type
-        shape = [d.dim_value if d.HasField("dim_value") else dim for d in tensor.shape.dim]
-        dtype = helper.tensor_dtype_to_np_dtype(tensor.elem_type)
-        feeds[value.name] = rng.integers(0, 100, shape).astype(dtype) if np.issubdtype(dtype, np.integer) else rng.standard_normal(shape).astype(dtype)
+    from bench_error import _inputs  # noqa: PLC0415  (the same generated inputs as the error bench)
+
+    feeds = _inputs(model, dim, 100, 0)
     with tempfile.TemporaryDirectory() as folder:
         converted = Path(folder) / "converted.onnx"
         report = mixprec.convert(model, converted, target_dtype="bfloat16", runtime="openvino", validate="none").report
