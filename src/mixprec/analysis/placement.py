@@ -51,13 +51,6 @@ _UNKNOWN_ELEMENTS = SYMBOLIC_DIM * SYMBOLIC_DIM  # tensors of unknown shape: one
 _FREE_CATEGORIES = frozenset({Category.FOLLOW, Category.CONSUMERS})
 
 
-def _elements(value: ir.Value) -> int:
-    """Estimated elements: every dimension that is not static as `SYMBOLIC_DIM`, a tensor of
-    unknown rank as `_UNKNOWN_ELEMENTS` (costs must exist for every value of an island)."""
-    elements = guessed_elements(value.shape)
-    return elements if elements is not None else _UNKNOWN_ELEMENTS
-
-
 class _Network:
     """A flow network with integer capacities (Dinic's algorithm)."""
 
@@ -250,13 +243,16 @@ class _Islands:
                 self.reads_tainted.add(node)
 
     def elements(self, value: ir.Value) -> int:
-        """Estimated elements of `value` (remembered per shape object: equal static shapes share one)."""
+        """Estimated elements of `value`: every dimension that is not static as `SYMBOLIC_DIM`, an
+        unknown shape as `_UNKNOWN_ELEMENTS` (costs must exist for every value of an island);
+        remembered per shape object (equal static shapes share one)."""
         shape = value.shape
         if shape is None:
             return _UNKNOWN_ELEMENTS
         found = self._elements.get(id(shape))
         if found is None:
-            found = self._elements[id(shape)] = _elements(value)
+            guessed = guessed_elements(shape)
+            found = self._elements[id(shape)] = guessed if guessed is not None else _UNKNOWN_ELEMENTS
         return found
 
     def groups(self) -> list[list[ir.Node]]:
