@@ -239,3 +239,23 @@ def test_skip_simplified_layer_normalization_folds_its_gamma() -> None:
     stored = _initializers(out)
     assert np.all(stored["g"] == 1), result.report.format_text()
     np.testing.assert_array_equal(stored["wq"], (g[:, None] * wq).astype(np.float16))
+
+
+def test_folded_model_runs_in_onnxruntime_as_users_run_it() -> None:
+    # onnxruntime's CPU provider runs RMSNormalization in float16 and MatMul/Gemm in FP32: the
+    # scale is stored in float16 and folds into the FP32 weights. The validation runs the result
+    # with default session options in a child process and compares it with the FP32 model.
+    import mixprec  # noqa: PLC0415
+
+    weights = _weights()
+    model = _rms_into_products(weights)
+    data = [{"x": np.random.default_rng(s).standard_normal((8, HIDDEN)).astype(np.float32)} for s in range(3)]
+    result = mixprec.convert(model, runtime="ort-cpu", validate="run", data=data, calibrate=False)
+    assert any("folded the scales of 1 normalization(s)" in n for n in result.report.notes)
+    validation = result.report.validation
+    assert validation.runtime.startswith("ran") and validation.batches == 3
+    real = validation.real_outputs
+    assert [o.name for o in real] == ["q", "k"] and all(o.nan_count == 0 and o.inf_count == 0 for o in real)
+    # Scale stored as ones, FP32 weights holding it: only the normalization's float16 input and
+    # output round (measured 2e-4 of max |FP32|).
+    assert max(o.scaled_error for o in real) < 2e-3

@@ -218,8 +218,8 @@ def rewrite(c: Conversion) -> None:
     if folded.norms:
         c.notes.append(
             f"folded the scales of {len(folded.norms)} normalization(s) into the weights of "
-            f"{len(folded.weights)} matrix product(s) (multiplied in FP32, rounded once to "
-            f"{c.target.value} with the weights; --keep-norm-scales to leave them): {_first(folded.norms)}"
+            f"{len(folded.weights)} matrix product(s) (multiplied in FP32; the scales became ones, "
+            f"exact in {c.target.value}; --keep-norm-scales to leave them): {_first(folded.norms)}"
         )
 
 
