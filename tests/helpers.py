@@ -290,3 +290,27 @@ def random_feeds(model: onnx.ModelProto, seed: int = 0, low: float = -1.0, high:
 def to_low(array: np.ndarray, target: str) -> np.ndarray:
     """Round float32 data through the 16-bit type and back."""
     return np.asarray(array, np.float32).astype(_NUMPY[LOW_TYPES[target]]).astype(np.float32)
+
+
+# -- hardware ---------------------------------------------------------------------------------
+
+
+def bf16_arithmetic_missing() -> str | None:
+    """Why OpenVINO cannot compute bfloat16 for real on this machine, or None when it can.
+
+    Tests that assert real bfloat16 arithmetic skip with this reason: on a CPU without
+    AVX512-BF16/AMX (or with `MIXPREC_CPU_FLAGS` masking them) OpenVINO computes bfloat16
+    graphs in f32."""
+    from mixprec.host import host_cpu  # noqa: PLC0415
+    from mixprec.runtime.openvino import openvino_available  # noqa: PLC0415
+
+    cpu = host_cpu()
+    if not cpu.computes("bfloat16"):
+        return f"this CPU has {cpu.missing('bfloat16')} ({cpu.source}): OpenVINO computes bfloat16 in f32 here"
+    if not openvino_available():
+        return "openvino is not installed"
+    import openvino  # noqa: PLC0415
+
+    if "BF16" not in openvino.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+        return "OpenVINO's CPU plugin lists no BF16 among its OPTIMIZATION_CAPABILITIES"
+    return None

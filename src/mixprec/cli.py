@@ -49,14 +49,20 @@ def _tolerance(text: str) -> tuple[float, float]:
 
 
 def _parser() -> argparse.ArgumentParser:
+    # -v/--verbose goes before or after the command (`mixprec -v convert ...`, `mixprec convert
+    # ... --verbose`); SUPPRESS keeps a subcommand from resetting the top-level flag (the parsers
+    # share the action, so no default may be set on either).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="log progress to stderr; tracebacks of unexpected errors")
     parser = argparse.ArgumentParser(
         prog="mixprec",
         description="Convert FP32 ONNX models to mixed precision (float16 / bfloat16).",
+        parents=[common],
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    convert = sub.add_parser("convert", help="convert an FP32 model")
+    convert = sub.add_parser("convert", parents=[common], help="convert an FP32 model")
     convert.add_argument("input", help="FP32 .onnx model, or path/to/file.py:factory returning a PyTorch module "
                          "and its example inputs (exported with torch.onnx, then converted)")
     convert.add_argument("output", help="where to write the converted model")
@@ -111,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--overwrite", action="store_true",
                          help="allow OUTPUT to be the input file (replaced only once the new model is complete)")
 
-    tune = sub.add_parser("tune", help="keep the fewest nodes FP32 that meet an accuracy target")
+    tune = sub.add_parser("tune", parents=[common], help="keep the fewest nodes FP32 that meet an accuracy target")
     tune.add_argument("input", help="FP32 .onnx model")
     tune.add_argument("output", help="where to write the converted model (only if the target is met)")
     tune.add_argument("--data", metavar="PATH", action="append", required=True,
@@ -140,17 +146,17 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--html", metavar="HTML",
                       help="write the final report with the per-node error chart as an HTML page")
 
-    inspect = sub.add_parser("inspect", help="show what runs in which precision")
+    inspect = sub.add_parser("inspect", parents=[common], help="show what runs in which precision")
     inspect.add_argument("model")
     inspect.add_argument("--json", action="store_true")
 
-    policy = sub.add_parser("policy", help="show the op policy for a target type")
+    policy = sub.add_parser("policy", parents=[common], help="show the op policy for a target type")
     policy.add_argument("--to", default="fp16")
     policy.add_argument("--policy", metavar="TOML")
     policy.add_argument("--runtime", default=None, choices=RUNTIMES,
                         help=f"show the classes in effect on this runtime (default {DEFAULT_RUNTIME})")
 
-    demo = sub.add_parser("demo", help="convert the built-in demo models and report")
+    demo = sub.add_parser("demo", parents=[common], help="convert the built-in demo models and report")
     demo.add_argument("--out", metavar="DIR", help="keep the models in this folder")
     return parser
 
@@ -369,6 +375,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `mixprec` command."""
     args = _parser().parse_args(argv)
+    args.verbose = getattr(args, "verbose", False)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

@@ -34,11 +34,14 @@ class TypeInfo:
         inferred: Number of values whose type was filled in.
         unknown: Number of node outputs whose element type is still unknown.
         warning: Shape inference's error message when it could not run, else None.
+        corrected: Graph outputs whose declared shape contradicted what the model computes,
+            as "name: declared -> inferred"; their values now carry the inferred shape.
     """
 
     inferred: int
     unknown: int
     warning: str | None
+    corrected: tuple[str, ...] = ()
 
 
 class _TypeCache:
@@ -147,8 +150,10 @@ def infer_types(model: ir.Model, source: Path | None = None) -> TypeInfo:
             value.dtype = value.const_value.dtype
     warning = None
     inferred = 0
+    corrected: list[str] = []
     try:
         proto = graph_only_proto(source) if source is not None else weight_free_proto(model)
+        _forget_output_shapes(proto.graph)
         proto = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False)
     except Exception as e:  # noqa: BLE001 - inference is best effort; the planner copes
         warning = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -157,6 +162,7 @@ def infer_types(model: ir.Model, source: Path | None = None) -> TypeInfo:
         types = _TypeCache()
         for graph, graph_proto in _graph_pairs(model.graph, proto.graph):
             inferred += _apply(graph, graph_proto, types)
+            corrected.extend(_correct_output_shapes(graph, graph_proto, types))
     main_nodes = walk_nodes(model.graph)
     _fill_constant_types(model, main_nodes)
     typed = infer_function_types(model)
@@ -170,7 +176,49 @@ def infer_types(model: ir.Model, source: Path | None = None) -> TypeInfo:
     unknown = sum(
         1 for node in main_nodes for out in node.outputs if out.dtype is None and out.uses()
     )
-    return TypeInfo(inferred=inferred, unknown=unknown, warning=warning)
+    return TypeInfo(inferred=inferred, unknown=unknown, warning=warning, corrected=tuple(corrected))
+
+
+def _forget_output_shapes(graph: onnx.GraphProto) -> None:
+    """Drop the declared shapes of the graph outputs (subgraphs included) from the copy that
+    inference reads, so that what it infers for them is what the model computes."""
+    for output in graph.output:
+        if output.type.HasField("tensor_type"):
+            output.type.tensor_type.ClearField("shape")
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                _forget_output_shapes(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for sub in attr.graphs:
+                    _forget_output_shapes(sub)
+
+
+def _contradicts(declared: ir.Shape, inferred: ir.Shape) -> bool:
+    """Whether two shapes cannot describe the same tensor: another rank, or two different
+    fixed sizes of one dimension."""
+    if len(declared) != len(inferred):
+        return True
+    return any(
+        isinstance(a, int) and isinstance(b, int) and a != b
+        for a, b in zip(declared.dims, inferred.dims)
+    )
+
+
+def _correct_output_shapes(graph: ir.Graph, proto: onnx.GraphProto, types: _TypeCache) -> list[str]:
+    """Give the outputs of `graph` whose declared shape contradicts inference the inferred
+    shape (a declared shape that agrees stays: its dimension names say more)."""
+    inferred = {info.name: info.type for info in proto.output}
+    corrected = []
+    for value in graph.outputs:
+        type_proto = inferred.get(value.name)
+        if value.shape is None or type_proto is None:
+            continue
+        _, shape = types.get(type_proto)
+        if shape is not None and _contradicts(value.shape, shape):
+            corrected.append(f"{value.name}: {list(value.shape.dims)} -> {list(shape.dims)}")
+            value.shape = shape
+    return corrected
 
 
 def assume_float_outputs(model: ir.Model, ops: frozenset[tuple[str, str]]) -> None:

@@ -22,7 +22,7 @@ import onnx_ir as ir
 
 from mixprec.analysis.constants import reduction_axes, small_constant_array
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
-from mixprec.graphs import all_graphs
+from mixprec.graphs import FreshNames, all_graphs, model_names
 from mixprec.passes.opset import default_opset
 from mixprec.policy.runtime import RuntimeProfile
 
@@ -236,18 +236,21 @@ def _affine_tensor(block: NormBlock, value: ir.Value | None, fill: float) -> np.
         return None
 
 
-def _fuse(graph: ir.Graph, block: NormBlock, index: int) -> bool:
+def _fuse(graph: ir.Graph, block: NormBlock, index: int, names: tuple[FreshNames, FreshNames]) -> str | None:
+    """Replace the block by one fused node; its name (fresh in the model), or None when the
+    block's affine constants are not static."""
     op_type, _ = _FUSED_OP[block.kind]
     scale = _affine_tensor(block, block.scale, 1.0)
     bias = _affine_tensor(block, block.bias, 0.0) if block.bias is not None else None
     if scale is None or (block.bias is not None and bias is None):
-        return False
-    name = block.name
+        return None
+    value_names, node_names = names
+    name = node_names(block.name)
     inputs = [block.input]
     for role, array in (("scale", scale), ("bias", bias)):
         if array is None:
             continue
-        value = ir.Value(name=f"{name}.{role}_{index}", shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.FLOAT))
+        value = ir.Value(name=value_names(f"{name}.{role}_{index}"), shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.FLOAT))
         value.const_value = ir.tensor(array, name=value.name)
         graph.register_initializer(value)
         inputs.append(value)
@@ -283,7 +286,7 @@ def _fuse(graph: ir.Graph, block: NormBlock, index: int) -> bool:
     graph.remove(block.nodes, safe=True)
     # Constants only the block read (epsilon, exponent, 1 of 1/x) are dead now.
     graph.remove([c for c in constants if not any(out.uses() or out in graph.outputs for out in c.outputs)], safe=True)
-    return True
+    return name
 
 
 def opset_for_fusion(blocks: NormBlocks, profile: RuntimeProfile, target: LowPrecision) -> int | None:
@@ -306,15 +309,18 @@ def fuse_norm_blocks(model: ir.Model) -> NormBlocks:
     the others are returned to be kept FP32 as one block."""
     opset = default_opset(model) or 0
     result = NormBlocks(fused=[], kept={})
+    names: tuple[FreshNames, FreshNames] | None = None
     count = 0
     for graph in all_graphs(model):
         for block in find_norm_blocks(graph):
             op_type, since = _FUSED_OP[block.kind]
             what = "LayerNorm" if block.kind == "layer" else "RMSNorm"
             if opset >= since:
+                names = names or model_names(model)
                 count += 1
-                if _fuse(graph, block, count):
-                    result.fused.append(block.name)
+                fused = _fuse(graph, block, count, names)
+                if fused is not None:
+                    result.fused.append(fused)
                     continue
                 reason = f"decomposed {what} kept FP32 as one block: its normalized shape or affine constants are not static"
             else:

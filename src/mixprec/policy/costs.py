@@ -4,6 +4,7 @@ that use them live in :mod:`mixprec.analysis.cost`."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Mapping
@@ -11,12 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from mixprec.errors import PolicyError
+from mixprec.host import host_cpu
 from mixprec.policy.toml_tables import shipped_table
 
 _SOURCE = "costs.toml"
 _NUMBERS = ("flops_per_byte", "fp32_flop_cost", "launch_bytes")
 _TEXTS = ("device", "source")
 _OPTIONAL_TEXTS = ("measured",)
+_OPTIONAL_FLAGS = ("host_cpu",)
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,9 @@ class RuntimeCost:
         device: The device class described.
         source: Where the figures come from.
         measured: The command that measured them, if they were measured.
+        host_cpu: The runtime runs on the converting machine's CPU: the figures are taken to
+            describe it (see :func:`runtime_cost`).
+        limitation: What the host lacks that the figures assumed, if anything.
     """
 
     runtime: str
@@ -40,12 +46,34 @@ class RuntimeCost:
     device: str
     source: str
     measured: str | None = None
+    host_cpu: bool = False
+    limitation: str | None = None
 
 
-def runtime_cost(runtime: str | None) -> RuntimeCost:
-    """The cost figures of `runtime` (a profile name; None or unlisted: the default ones)."""
+def runtime_cost(runtime: str | None, target: str | None = None) -> RuntimeCost:
+    """The cost figures of `runtime` (a profile name; None or unlisted: the default ones).
+
+    For a runtime on the host's CPU the device is this machine's CPU, and where it has no
+    matrix arithmetic in `target` ("bfloat16", "float16") a 16-bit matrix FLOP costs what an
+    FP32 one does (the runtime computes the graph in FP32 there).
+    """
     table = _shipped()
-    return table.get(runtime or "default", table["default"])
+    cost = table.get(runtime or "default", table["default"])
+    if not cost.host_cpu:
+        return cost
+    cpu = host_cpu()
+    cost = dataclasses.replace(cost, device=cpu.describe())
+    if target is None or cpu.computes(target) or cost.fp32_flop_cost == 1.0:
+        return cost
+    return dataclasses.replace(
+        cost,
+        flops_per_byte=cost.flops_per_byte / cost.fp32_flop_cost,
+        fp32_flop_cost=1.0,
+        limitation=(
+            f"{cpu.missing(target)} on this CPU: {target} matrix products run as FP32, so 16 bits save "
+            "traffic and file size, not arithmetic (--weights-only keeps FP32 compute with 16-bit weights)"
+        ),
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -62,7 +90,7 @@ def parse_costs(document: Mapping[str, Any], source: str) -> dict[str, RuntimeCo
         where = f"{source}: [{runtime}]"
         if not isinstance(entry, Mapping):
             raise PolicyError(f"{where}: expected a table of figures, got {entry!r}")
-        unknown = sorted(set(entry) - {*_NUMBERS, *_TEXTS, *_OPTIONAL_TEXTS})
+        unknown = sorted(set(entry) - {*_NUMBERS, *_TEXTS, *_OPTIONAL_TEXTS, *_OPTIONAL_FLAGS})
         missing = [key for key in (*_NUMBERS, *_TEXTS) if key not in entry]
         if unknown or missing:
             raise PolicyError(f"{where}: {'unknown' if unknown else 'missing'} key {(unknown or missing)[0]!r}")
@@ -76,6 +104,11 @@ def parse_costs(document: Mapping[str, Any], source: str) -> dict[str, RuntimeCo
             if key in entry:
                 if not isinstance(entry[key], str) or not entry[key].strip():
                     raise PolicyError(f"{where}: {key!r} must be a non-empty string")
+                values[key] = entry[key]
+        for key in _OPTIONAL_FLAGS:
+            if key in entry:
+                if not isinstance(entry[key], bool):
+                    raise PolicyError(f"{where}: {key!r} must be true or false")
                 values[key] = entry[key]
         table[runtime] = RuntimeCost(runtime=runtime, **values)
     return table

@@ -89,7 +89,9 @@ def _speed_note(report: Report) -> str:
     return (
         f'<div class="note" id="estimated-speedup">estimated speed {report.estimated_speedup:.2f}&#215; '
         f"the FP32 model's on {esc(report.cost_device or '')} (traffic, matrix FLOPs and launches per "
-        f"op, dimensions that are not static as {report.symbolic_dim}; not measured)</div>"
+        f"op, dimensions that are not static as {report.symbolic_dim}; not measured)"
+        + (f"; {esc(report.cost_limitation)}" if report.cost_limitation else "")
+        + "</div>"
     )
 
 

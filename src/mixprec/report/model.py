@@ -154,6 +154,7 @@ class Report:
     # class (`cost_device`): FP32 time / converted time, casts included.
     estimated_speedup: float | None = None
     cost_device: str | None = None
+    cost_limitation: str | None = None  # what the host lacks that 16-bit speed needs
     # QDQ models: Q/DQ nodes, the ops between them and the float ops outside (None otherwise).
     quantization: QuantizedSummary | None = None
 
@@ -211,6 +212,7 @@ class Report:
                 f"  speed: about {self.estimated_speedup:.2f}x the FP32 model's speed on {self.cost_device} "
                 "(cost model: traffic, matrix FLOPs and launches per op, casts included, dimensions "
                 f"that are not static as {self.symbolic_dim}; an estimate, not a measurement)"
+                + (f"; {self.cost_limitation}" if self.cost_limitation else "")
             )
         if self.quantization is not None:
             lines.append(self.quantization.format_line(self.target))
@@ -328,7 +330,7 @@ def build_report(
         sum(e * CAST_BYTES_PER_ELEMENT for e in estimates if e is not None)
         if all(e is not None for e in estimates) else None
     )
-    cost = runtime_cost(profile.name if profile is not None else None)
+    cost = runtime_cost(profile.name if profile is not None else None, target.value)
     # Casts of stored constants are folded by the runtime when it loads the model: no time.
     estimate = estimate_plan(plan, [c.guessed_elements for c in runtime if not c.of_constant], cost)
     return Report(
@@ -359,6 +361,7 @@ def build_report(
         low_compute_share=estimate.low_flops_share,
         estimated_speedup=round(estimate.speedup, 3) if estimate.speedup is not None else None,
         cost_device=cost.device,
+        cost_limitation=cost.limitation,
         quantization=quantized_summary(plan),
     )
 

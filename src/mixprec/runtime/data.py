@@ -174,8 +174,50 @@ def _spec_from_ir_value(value: ir.Value) -> InputSpec:
     return InputSpec(name, dtype, shape, kind)
 
 
+def generated_shapes(
+    specs: Sequence[InputSpec], *, dim_value: int = 2, batch_value: int | None = None
+) -> dict[str, tuple[int, ...]]:
+    """The shapes :func:`generate_inputs` gives the inputs, computed without allocating.
+
+    Symbolic and unknown dimensions take `dim_value`; with `batch_value`, the leading
+    dimension of inputs of rank >= 2 (and every dimension sharing its name) takes it instead,
+    so that growing sizes grow the feature dimensions, not the batch.
+
+    Raises:
+        InputError: An input is not a tensor or has unknown rank, or a size is negative.
+    """
+    if dim_value < 0 or (batch_value is not None and batch_value < 0):
+        raise InputError(f"dimension sizes must be >= 0, got {dim_value} and {batch_value}")
+    for spec in specs:
+        if spec.kind != "tensor":
+            raise InputError(
+                f"cannot generate data for input {spec.name!r}: {spec.kind} inputs are "
+                "not supported; provide the data in a file"
+            )
+        if spec.shape is None:
+            raise InputError(
+                f"cannot generate data for input {spec.name!r}: its rank is unknown; "
+                "provide the data in a file"
+            )
+    batch_names: set[str] = set()
+    if batch_value is not None:
+        batch_names = {s.shape[0] for s in specs if len(s.shape) >= 2 and isinstance(s.shape[0], str)}  # type: ignore[arg-type, misc]
+
+    def size(dim: int | str | None, index: int, rank: int) -> int:
+        if isinstance(dim, int) and dim >= 0:
+            return dim
+        if batch_value is not None and (dim in batch_names or (dim is None and index == 0 and rank >= 2)):
+            return batch_value
+        return dim_value
+
+    return {
+        spec.name: tuple(size(d, i, len(spec.shape)) for i, d in enumerate(spec.shape))  # type: ignore[arg-type]
+        for spec in specs
+    }
+
+
 def generate_inputs(
-    specs: Sequence[InputSpec], *, seed: int = 0, dim_value: int = 2
+    specs: Sequence[InputSpec], *, seed: int = 0, dim_value: int = 2, batch_value: int | None = None
 ) -> dict[str, np.ndarray]:
     """Generate deterministic random inputs.
 
@@ -189,31 +231,20 @@ def generate_inputs(
         specs: Input signatures, e.g. from :func:`input_specs`.
         seed: Random seed.
         dim_value: Size used for symbolic and unknown dimensions.
+        batch_value: Size of the leading dimensions instead (see :func:`generated_shapes`).
 
     Returns:
         Arrays by input name.
 
     Raises:
         InputError: An input is not a tensor, has unknown rank or dtype, or
-            ``dim_value`` is negative.
+            a size is negative.
     """
-    if dim_value < 0:
-        raise InputError(f"dim_value must be >= 0, got {dim_value}")
+    shapes = generated_shapes(specs, dim_value=dim_value, batch_value=batch_value)
     feeds: dict[str, np.ndarray] = {}
     for spec in specs:
-        if spec.kind != "tensor":
-            raise InputError(
-                f"cannot generate data for input {spec.name!r}: {spec.kind} inputs are "
-                "not supported; provide the data in a file"
-            )
-        if spec.shape is None:
-            raise InputError(
-                f"cannot generate data for input {spec.name!r}: its rank is unknown; "
-                "provide the data in a file"
-            )
-        shape = tuple(d if isinstance(d, int) and d >= 0 else dim_value for d in spec.shape)
         rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode("utf-8"))])
-        feeds[spec.name] = _random_array(spec, shape, rng)
+        feeds[spec.name] = _random_array(spec, shapes[spec.name], rng)
     return feeds
 
 

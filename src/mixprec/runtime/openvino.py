@@ -265,23 +265,32 @@ class OpenVinoSession:
         }
 
     def latency(
-        self, feeds: Mapping[str, np.ndarray], *, warmup: int = 3, repeat: int = 20
+        self,
+        feeds: Mapping[str, np.ndarray],
+        *,
+        warmup: int = 3,
+        repeat: int = 20,
+        budget: float | None = None,
     ) -> float:
         """Median wall time in seconds of one synchronous inference on ``feeds``.
 
         Inputs are converted once, before timing; each timed call is one ``infer()`` of
-        the single request (one stream), outputs left in OpenVINO's buffers.
+        the single request (one stream), outputs left in OpenVINO's buffers. With ``budget``
+        (seconds), timing stops once that much time was spent and at least 3 runs were made
+        (at most ``repeat``): a large model is not run dozens of times for a ratio.
         """
-        if warmup < 0 or repeat < 1:
-            raise InputError(f"need warmup >= 0 and repeat >= 1, got {warmup} and {repeat}")
+        if warmup < 0 or repeat < 1 or (budget is not None and budget <= 0):
+            raise InputError(f"need warmup >= 0, repeat >= 1 and budget > 0, got {warmup}, {repeat}, {budget}")
         self._set_inputs(feeds)
         for _ in range(warmup):
             self._infer()
-        times = []
-        for _ in range(repeat):
+        times: list[float] = []
+        while len(times) < repeat:
             start = time.perf_counter()
             self._infer()
             times.append(time.perf_counter() - start)
+            if budget is not None and len(times) >= min(3, repeat) and sum(times) >= budget:
+                break
         return statistics.median(times)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import re
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -204,8 +205,13 @@ def _ort_value_to_numpy(name: str, value: ort.OrtValue) -> np.ndarray:
     return bits.view(ml_dtypes.bfloat16).reshape(shape)
 
 
+# onnxruntime's failed-check messages carry the C++ source location and function signature
+# before what went wrong: "<file>:<line> <signature> <condition> was false. <message>".
+_SOURCE_LOCATION = re.compile(r"/onnxruntime_src/\S+:\d+ (?:.*? was false\. )?")
+
+
 def _first_line(exc: BaseException) -> str:
     for line in str(exc).splitlines():
         if line.strip():
-            return line.strip()
+            return _SOURCE_LOCATION.sub("", line.strip())
     return type(exc).__name__

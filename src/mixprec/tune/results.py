@@ -148,6 +148,7 @@ class TuneResult:
             lines.append(
                 f"estimated speed: about {self.estimated_speedup:.2f}x FP32 on {self.report.cost_device} "
                 "(cost model, not measured)"
+                + (f"; {self.report.cost_limitation}" if self.report.cost_limitation else "")
             )
         if self.fp32_nodes:
             lines.append("kept FP32: " + ", ".join(self.fp32_nodes[:top]) + (" ..." if len(self.fp32_nodes) > top else ""))

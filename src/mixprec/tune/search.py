@@ -363,7 +363,7 @@ class _Search:
 
         with IntermediateRunner(model_path) as exposer:
             assert self.prepared is not None
-            cost = runtime_cost(self.prepared.conversion.profile.name)
+            cost = runtime_cost(self.prepared.conversion.profile.name, self.prepared.conversion.target.value)
             costs = node_costs(exposer.proto, self.batches[0], cost)
             reference_names = [o.name for o in exposer.proto.graph.output]
             errors: dict[str, float] = {}

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -24,6 +25,7 @@ import onnx_ir as ir
 
 from mixprec.dtypes import LowPrecision
 from mixprec.errors import InputError, MixprecError, RunError, ValidationFailure
+from mixprec.host import host_cpu
 from mixprec.io import graph_only_proto, uses_external_data
 from mixprec.report import OutputError, Validation
 from mixprec.validate import compare
@@ -36,8 +38,12 @@ Batch = Mapping[str, np.ndarray]
 # Sizes tried for symbolic dimensions of generated inputs until the FP32 model runs.
 _DIM_LADDER = (2, 16, 128, 1024, 4096)
 # A generated input larger than this is not tried.
-_MAX_GENERATED_ELEMENTS = 1 << 23
+_MAX_GENERATED_ELEMENTS = 1 << 23  # all generated inputs of one try together
+# Leading (batch) dimensions of generated inputs stay this small while the others grow.
+_GENERATED_BATCH = 2
 _PASS_DATA = "pass --data"
+# Seconds of timed runs per model for the latency ratio on a real runtime (at least 3 runs).
+_LATENCY_BUDGET_S = 2.0
 
 
 class RuntimeRejection(ValidationFailure):
@@ -186,8 +192,9 @@ def _run_check(
         return
     # The converted model as users run it: default optimizations, first batch, own process.
     outcome = _runtime_check(path, reference, target, result, feeds=batches[0][0])
+    not_on_openvino = None
     if runtime == "openvino":
-        _openvino_check(path, reference, batches, tolerance, result)
+        not_on_openvino = _openvino_check(path, reference, batches, tolerance, result, target, generated=data is None)
     elif outcome.ran and outcome.outputs is not None:
         result.real_runtime = "onnxruntime CPU (batch 1)"
         result.real_outputs = output_errors(compare.compare_outputs(batches[0][1], outcome.outputs), tolerance)
@@ -218,6 +225,8 @@ def _run_check(
     result.runtime = "ran and emulated" if outcome.ran or result.real_outputs else "emulated"
     real = f" and for real on {result.real_runtime}" if result.real_outputs else ""
     result.numerics = f"checked on {result.batches} batch(es) (emulated {target.value}{real})"
+    if not_on_openvino is not None:
+        _unchecked(result, f"{result.numerics}; not on OpenVINO: {not_on_openvino}; {_PASS_DATA}")
     result.outputs = output_errors(merged or [], tolerance)
     for c in merged or []:
         if c.new_nonfinite:
@@ -255,34 +264,77 @@ def output_errors(comparisons: Iterable[compare.OutputComparison], tolerance: tu
     ]
 
 
+# OpenVINO runtime layer types that carry a model's matrix and convolution arithmetic.
+_OPENVINO_COMPUTE_LAYERS = frozenset({
+    "Convolution", "GroupConvolution", "Deconvolution", "FullyConnected", "MatMul", "Gemm",
+    "ScaledDotProductAttention", "RNNSeq", "RNNCell",
+})
+# Precision names OpenVINO's runtime model uses for each target type.
+_OPENVINO_PRECISION = {"bfloat16": "bf16", "float16": "f16"}
+
+
 def _openvino_check(
     path: Path,
     reference: Path,
     batches: list[tuple[Batch, dict[str, np.ndarray]]],
     tolerance: tuple[float, float] | None,
     result: Validation,
-) -> None:
+    target: LowPrecision,
+    generated: bool,
+) -> str | None:
     """Run the converted model on OpenVINO's CPU plugin in its own element types, beside the
-    FP32 model at f32, and record the real errors and the latency ratio."""
+    FP32 model at f32, and record the real errors, what precision OpenVINO executed and the
+    latency ratio. Returns why the real run was not checked (None when it was, or OpenVINO
+    is not installed)."""
     from mixprec.runtime import openvino as openvino_runner  # noqa: PLC0415
 
     if not openvino_runner.openvino_available():
         result.notes.append("openvino is not installed (pip install openvino): its real run was not checked")
-        return
+        return None
     try:
         fp32 = openvino_runner.OpenVinoSession(reference, precision="f32")
+        expected = [fp32.run(feeds) for feeds, _ in batches]
+    except MixprecError as e:
+        where = "on generated inputs " if generated else ""
+        return f"OpenVINO cannot run the FP32 model {where}({e})"
+    try:
         converted = openvino_runner.OpenVinoSession(path, precision="model")
         merged = None
-        for feeds, _ in batches:
-            comparison = compare.compare_outputs(fp32.run(feeds), converted.run(feeds))
+        for (feeds, _), fp32_outputs in zip(batches, expected):
+            comparison = compare.compare_outputs(fp32_outputs, converted.run(feeds))
             merged = comparison if merged is None else compare.merge(merged, comparison)
         feeds = batches[0][0]
-        ratio = converted.latency(feeds) / max(fp32.latency(feeds), 1e-9)
+        ratio = converted.latency(feeds, warmup=1, budget=_LATENCY_BUDGET_S) / max(
+            fp32.latency(feeds, warmup=1, budget=_LATENCY_BUDGET_S), 1e-9
+        )
     except MixprecError as e:
         raise ValidationFailure(f"OpenVINO cannot run the converted model: {e}") from e
-    result.real_runtime = f"OpenVINO CPU ({converted.inference_precision} hint, model types)"
+    executed = _executed_compute(converted.executed_precisions())
+    result.real_runtime = f"OpenVINO CPU (model types; {executed or 'no matrix or convolution layers'})"
     result.real_outputs = output_errors(merged or [], tolerance)
     result.speed_ratio = ratio
+    wanted = _OPENVINO_PRECISION[target.value]
+    layers = {precision for (layer, precision) in converted.executed_precisions() if layer in _OPENVINO_COMPUTE_LAYERS}
+    if layers and wanted not in layers:
+        cpu = host_cpu()
+        why = f"this CPU has {cpu.missing(target.value)}" if not cpu.computes(target.value) else "its own choice"
+        result.notes.append(
+            f"OpenVINO computed every matrix and convolution layer in {'/'.join(sorted(layers))}, not "
+            f"{wanted} ({why}): its real run shows that the model runs there, not {target.value} "
+            f"arithmetic; the emulated figures are the {target.value} ones"
+        )
+    return None
+
+
+def _executed_compute(counts: Mapping[tuple[str, str], int]) -> str:
+    """E.g. "matrix/convolution layers ran in bf16: 12, f32: 1"."""
+    by_precision: dict[str, int] = {}
+    for (layer, precision), count in counts.items():
+        if layer in _OPENVINO_COMPUTE_LAYERS:
+            by_precision[precision] = by_precision.get(precision, 0) + count
+    if not by_precision:
+        return ""
+    return "matrix/convolution layers ran in " + ", ".join(f"{p}: {n}" for p, n in sorted(by_precision.items()))
 
 
 def _reference_batches(
@@ -310,20 +362,27 @@ def _reference_batches(
     specs = data_mod.input_specs(onnx.load(str(reference), load_external_data=False))
     errors: list[str] = []
     for size in _DIM_LADDER:
+        batch = min(size, _GENERATED_BATCH)
         try:
-            feeds = data_mod.generate_inputs(specs, seed=0, dim_value=size)
+            shapes = data_mod.generated_shapes(specs, dim_value=size, batch_value=batch)
         except InputError as e:
             _unchecked(result, f"not checked: {e}; {_PASS_DATA}")
             return
-        if any(np.asarray(a).size > _MAX_GENERATED_ELEMENTS for a in feeds.values()):
-            break
+        if sum(math.prod(shape) for shape in shapes.values()) > _MAX_GENERATED_ELEMENTS:
+            break  # checked before allocating: memory stays bounded
+        feeds = data_mod.generate_inputs(specs, seed=0, dim_value=size, batch_value=batch)
         try:
             expected = sessions.run_session(session, feeds)  # type: ignore[arg-type]
         except (RunError, InputError) as e:
             errors.append(f"{size}: {e}")
+            if len(errors) >= 2 and errors[-1].split(": ", 1)[1] == errors[-2].split(": ", 1)[1]:
+                break  # the same failure at two sizes: larger inputs will not help
             continue
         if size != _DIM_LADDER[0]:
-            result.notes.append(f"generated inputs use {size} for symbolic dimensions (smaller ones fail in the FP32 model)")
+            result.notes.append(
+                f"generated inputs use {size} for symbolic dimensions ({batch} for leading ones; smaller "
+                "ones fail in the FP32 model)"
+            )
         yield feeds, expected
         return
     result.runtime = "reference-fails"

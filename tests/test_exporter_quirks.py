@@ -1,0 +1,127 @@
+"""Golden tests of classes of failures met on third-party exports: each builds the smallest graph
+with the exporter's quirk, converts it with default validation (checker, onnxruntime with default
+options) and checks the output's numbers."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import mixprec
+from helpers import iter_graphs, run, run_low
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _layer_norm(prefix: str, x: str, out: str, index: int, width: int) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """A LayerNorm written out as ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div/Mul/Add, its nodes
+    named the way Paddle2ONNX names them (`p2o.<Op>.<n>`: no common path prefix)."""
+    rng = np.random.default_rng(index)
+    t = f"t{index}_"
+    tensors = [
+        numpy_helper.from_array(np.array(2.0, np.float32), f"{t}two"),
+        numpy_helper.from_array(np.array(1e-5, np.float32), f"{t}eps"),
+        numpy_helper.from_array(rng.uniform(0.5, 1.5, width).astype(np.float32), f"{t}gamma"),
+        numpy_helper.from_array(rng.uniform(-0.1, 0.1, width).astype(np.float32), f"{t}beta"),
+    ]
+    n = iter(range(10 * index, 10 * index + 10))
+    nodes = [
+        helper.make_node("ReduceMean", [x], [f"{t}mean"], axes=[-1], name=f"{prefix}.ReduceMean.{next(n)}"),
+        helper.make_node("Sub", [x, f"{t}mean"], [f"{t}centered"], name=f"{prefix}.Sub.{next(n)}"),
+        helper.make_node("Pow", [f"{t}centered", f"{t}two"], [f"{t}sq"], name=f"{prefix}.Pow.{next(n)}"),
+        helper.make_node("ReduceMean", [f"{t}sq"], [f"{t}var"], axes=[-1], name=f"{prefix}.ReduceMean.{next(n)}"),
+        helper.make_node("Add", [f"{t}var", f"{t}eps"], [f"{t}vareps"], name=f"{prefix}.Add.{next(n)}"),
+        helper.make_node("Sqrt", [f"{t}vareps"], [f"{t}std"], name=f"{prefix}.Sqrt.{next(n)}"),
+        helper.make_node("Div", [f"{t}centered", f"{t}std"], [f"{t}normed"], name=f"{prefix}.Div.{next(n)}"),
+        helper.make_node("Mul", [f"{t}normed", f"{t}gamma"], [f"{t}scaled"], name=f"{prefix}.Mul.{next(n)}"),
+        helper.make_node("Add", [f"{t}scaled", f"{t}beta"], [out], name=f"{prefix}.Add.{next(n)}"),
+    ]
+    return nodes, tensors
+
+
+def _two_norm_encoder(opset: int) -> onnx.ModelProto:
+    width = 16
+    rng = np.random.default_rng(0)
+    nodes, tensors = [], []
+    for i, (x, out) in enumerate((("x", "n0"), ("h0", "n1"))):
+        block, consts = _layer_norm("p2o", x, out, i, width)
+        nodes += block
+        tensors += consts
+        w = numpy_helper.from_array(rng.normal(0, 0.3, (width, width)).astype(np.float32), f"w{i}")
+        tensors.append(w)
+        nodes.append(helper.make_node("MatMul", [out, f"w{i}"], [f"h{i}"], name=f"p2o.MatMul.{i}"))
+    graph = helper.make_graph(
+        nodes, "encoder", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, width])],
+        [helper.make_tensor_value_info("h1", TensorProto.FLOAT, [2, 5, width])], tensors,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+@pytest.mark.parametrize(("opset", "target"), [(17, "bfloat16"), (12, "bfloat16"), (17, "float16")])
+def test_fused_normalizations_get_names_of_their_own(tmp_path, opset: int, target: str) -> None:
+    """Paddle2ONNX names give every fused block the same readable name; the converted model
+    must still have unique node names (onnxruntime refuses duplicates) and run."""
+    model = _two_norm_encoder(opset)
+    source = tmp_path / "encoder.onnx"
+    onnx.save(model, source)
+    result = mixprec.convert(str(source), str(tmp_path / "out.onnx"), target_dtype=target)
+    converted = onnx.load(str(tmp_path / "out.onnx"))
+    fused = [n for n in converted.graph.node if n.op_type == "LayerNormalization"]
+    assert len(fused) == 2, result.report.format_text()
+    names = Counter(n.name for g in iter_graphs(converted.graph) for n in g.node if n.name)
+    assert not [name for name, count in names.items() if count > 1]
+    x = np.random.default_rng(1).normal(size=(2, 5, 16)).astype(np.float32)
+    expected = run(model, {"x": x})[0]
+    actual = run_low(converted, {"x": x}, target)[0]
+    np.testing.assert_allclose(actual, expected, atol=0.05 * np.abs(expected).max(), rtol=0)
+
+
+def _wrong_output_shape() -> onnx.ModelProto:
+    """A MatMul whose declared graph-output shape has the wrong rank (the model computes
+    [1, 3, 4]; the file says [1, seqlen]), as some exporters write it: onnxruntime runs it."""
+    weight = numpy_helper.from_array(np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "seqlen"])], [weight],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 12)])
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_declared_output_shape_of_the_wrong_rank(tmp_path, target: str) -> None:
+    model = _wrong_output_shape()
+    source = tmp_path / "crnn.onnx"
+    onnx.save(model, source)
+    result = mixprec.convert(str(source), str(tmp_path / "out.onnx"), target_dtype=target)
+    converted = onnx.load(str(tmp_path / "out.onnx"))
+    onnx.checker.check_model(converted, full_check=True)
+    dims = [d.dim_value for d in converted.graph.output[0].type.tensor_type.shape.dim]
+    assert dims == [1, 3, 4]
+    assert any("declared output shape" in note and "'seqlen'" in note for note in result.report.notes)
+    x = np.random.default_rng(1).normal(size=(1, 3, 8)).astype(np.float32)
+    np.testing.assert_allclose(run_low(converted, {"x": x}, target)[0], run(model, {"x": x})[0], rtol=2e-2, atol=2e-2)
+
+
+def test_declared_output_shape_that_agrees_keeps_its_names(tmp_path) -> None:
+    """A declared shape that says more than inference (a named dimension) stays as it is."""
+    model = _wrong_output_shape()
+    model.graph.output[0].type.tensor_type.shape.dim[1].dim_param = "three"
+    del model.graph.output[0].type.tensor_type.shape.dim[:]
+    for dim in (1, "rows", 4):
+        d = model.graph.output[0].type.tensor_type.shape.dim.add()
+        if isinstance(dim, int):
+            d.dim_value = dim
+        else:
+            d.dim_param = dim
+    source = tmp_path / "m.onnx"
+    onnx.save(model, source)
+    result = mixprec.convert(str(source), str(tmp_path / "out.onnx"), target_dtype="float16")
+    converted = onnx.load(str(tmp_path / "out.onnx"))
+    dims = [d.dim_param or d.dim_value for d in converted.graph.output[0].type.tensor_type.shape.dim]
+    assert dims == [1, "rows", 4]
+    assert not any("declared output shape" in note for note in result.report.notes)

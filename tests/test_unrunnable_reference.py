@@ -1,0 +1,77 @@
+"""A model whose FP32 form onnxruntime cannot run (a quantizer wrote a per-axis
+DequantizeLinear scale of the wrong rank): the conversion ends with "numerics not checked"
+(exit 5, model written), and the generated-input retry stays bounded."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from mixprec.cli import main
+from mixprec.runtime import data as data_mod
+
+
+def _bad_per_axis_scale(path: Path) -> None:
+    """x[N, 3, H, W] -> Conv with weights dequantized per output channel, the scale written as
+    [1, 8] instead of [8]: valid to the checker, fails when onnxruntime runs it."""
+    rng = np.random.default_rng(0)
+    tensors = [
+        numpy_helper.from_array(rng.integers(-100, 100, (8, 3, 3, 3)).astype(np.int8), "w_q"),
+        numpy_helper.from_array(rng.uniform(1e-3, 2e-3, (1, 8)).astype(np.float32), "w_scale"),
+        numpy_helper.from_array(np.zeros(8, np.int8), "w_zero"),
+    ]
+    graph = helper.make_graph(
+        [
+            helper.make_node("DequantizeLinear", ["w_q", "w_scale", "w_zero"], ["w"], axis=0, name="w_dq"),
+            helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+            helper.make_node("Relu", ["c"], ["y"], name="relu"),
+        ],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, "H", "W"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8, "H", "W"])], tensors,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]), str(path))
+
+
+def test_reference_that_cannot_run_is_unchecked_with_bounded_inputs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    source, out = tmp_path / "bad.onnx", tmp_path / "out.onnx"
+    _bad_per_axis_scale(source)
+    generated: list[dict[str, tuple[int, ...]]] = []
+    original = data_mod.generate_inputs
+
+    def recording(specs, **kwargs):  # type: ignore[no-untyped-def]
+        feeds = original(specs, **kwargs)
+        generated.append({name: array.shape for name, array in feeds.items()})
+        return feeds
+
+    monkeypatch.setattr(data_mod, "generate_inputs", recording)
+    assert main(["convert", str(source), str(out)]) == 5
+    assert out.exists()
+    err = capsys.readouterr().err
+    assert "numerics not checked: the FP32 model fails on generated inputs" in err
+    assert "scale must be 1D" in err and "/onnxruntime_src/" not in err
+    # The failure does not depend on the input size: the retry stops after it repeats, the
+    # batch dimension never grows, and no try allocates more than the cap.
+    assert len(generated) == 2, generated
+    assert all(shapes["x"][0] == 2 for shapes in generated)
+    assert all(math.prod(shapes["x"]) <= 1 << 23 for shapes in generated)
+
+
+def test_generated_shapes_grow_features_not_the_batch() -> None:
+    specs = [
+        data_mod.InputSpec("ids", np.dtype(np.int64), ("batch", "seq")),
+        data_mod.InputSpec("mask", np.dtype(np.int64), ("batch", "seq")),
+        data_mod.InputSpec("audio", np.dtype(np.float32), ("samples",)),
+        data_mod.InputSpec("image", np.dtype(np.float32), (None, 3, "h", "w")),
+    ]
+    shapes = data_mod.generated_shapes(specs, dim_value=128, batch_value=2)
+    assert shapes == {"ids": (2, 128), "mask": (2, 128), "audio": (128,), "image": (2, 3, 128, 128)}
+    assert data_mod.generated_shapes(specs, dim_value=16) == {
+        "ids": (16, 16), "mask": (16, 16), "audio": (16,), "image": (16, 3, 16, 16)
+    }
