@@ -267,18 +267,23 @@ class _Islands:
             return i
 
         free = self.free
-        for node, index in free.items():
-            for value in self.inputs[node]:
-                others = [u.node for u in value.uses()]
-                producer = value.producer()
-                if producer is not None:
-                    others.append(producer)
-                for other in others:
-                    j = free.get(other)
-                    if j is not None:
-                        a, b = find(index), find(j)
-                        if a != b:
-                            parent[a] = b
+        # Each value once, however many free nodes read it: its free readers and its producer
+        # join one island (a value with N readers costs N, not N squared).
+        values: dict[ir.Value, None] = {}
+        for node in free:
+            values.update(dict.fromkeys(self.inputs[node]))
+        for value in values:
+            members = [j for u in value.uses() if (j := free.get(u.node)) is not None]
+            producer = value.producer()
+            if producer is not None and (j := free.get(producer)) is not None:
+                members.append(j)
+            if len(members) < 2:
+                continue
+            root = find(members[0])
+            for j in members[1:]:
+                other = find(j)
+                if other != root:
+                    parent[other] = root
         out: dict[int, list[ir.Node]] = {}
         for node, index in free.items():
             out.setdefault(find(index), []).append(node)
