@@ -23,7 +23,7 @@ from pathlib import Path
 
 from mixprec.config import Config
 from mixprec.io import write_text_atomic
-from mixprec.errors import InputError, MixprecError, ModelLoadError, PolicyError, ValidationFailure
+from mixprec.errors import InputError, InvariantError, MixprecError, ModelLoadError, PolicyError, ValidationFailure
 from mixprec.policy.runtime import DEFAULT_RUNTIME, RUNTIMES
 
 logger = logging.getLogger("mixprec")
@@ -399,6 +399,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationFailure as e:
         print(f"mixprec: error: {e} (nothing written)", file=sys.stderr)
         return EXIT_VALIDATION
+    except InvariantError as e:  # a conversion step broke the model: a bug, like the unexpected
+        print(f"mixprec: error: {e} (nothing written)", file=sys.stderr)
+        return EXIT_MODEL
     except (InputError, PolicyError, MixprecError) as e:
         print(f"mixprec: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -32,6 +32,12 @@ class RunError(MixprecError):
     """A model could not be run or compared (onnxruntime, OpenVINO, the emulation)."""
 
 
+class InvariantError(MixprecError):
+    """A conversion step left the model broken (duplicate names, a dangling edge, a type that
+    disagrees with its producer, ...): a converter bug, caught where it happened
+    (``MIXPREC_CHECK_STEPS=1``)."""
+
+
 # The earlier names of the two, kept for code written against them.
 ConversionError = ValidationFailure
 ValidationError = RunError

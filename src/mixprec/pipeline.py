@@ -45,6 +45,7 @@ from mixprec.report import Report, build_report
 from mixprec.runtime.batches import BatchSource
 from mixprec.validate.check import RuntimeRejection, validate_staged
 from mixprec.validate.checker import checker_error, input_problem
+from mixprec.validate.invariants import Baseline, require_invariants, steps_checked
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class Conversion:
     staged: Path | None = None
     seconds: dict[str, float] = field(default_factory=dict)
     cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    baseline: Baseline | None = None  # the source as loaded, when the steps are checked
 
     @property
     def target(self):  # noqa: ANN201 - LowPrecision
@@ -152,6 +154,11 @@ def type_model(c: Conversion) -> None:
     """Infer every value's type once; fuse decomposed normalizations; key the nodes."""
     c.declared = typed_values(c.model)
     c.typeinfo = infer_types(c.model, source=c.unchanged_source)
+    if c.typeinfo.corrected:
+        c.notes.append(
+            "declared output shape(s) contradict what the model computes; the output keeps the "
+            f"computed shape: {_first(list(c.typeinfo.corrected))}"
+        )
     assume_float_outputs(c.model, c.policy.user_custom_ops())
     blocks = fuse_norm_blocks(c.model)
     version = opset_for_fusion(blocks, c.profile, c.target) if c.config.io.opset is None else None
@@ -307,12 +314,15 @@ def run(c: Conversion) -> Conversion:
     """Run the steps in order (up to `c.stop_after`), timing each; publish the staged output on
     success (step `publish`), discard it on failure."""
     start = time.perf_counter()
+    checked = steps_checked()
     try:
         with c.cleanup:  # on success publishes the staged model; on failure discards it
             for name, step in STEPS:
                 t = time.perf_counter()
                 step(c)
                 c.seconds[name] = time.perf_counter() - t
+                if checked:
+                    _check_step(c, name)
                 if name == c.stop_after:
                     break
             t = time.perf_counter()
@@ -405,6 +415,8 @@ class Prepared:
         config = c.config if plan is None else c.config.with_options(plan=plan)
         result = make_plan(model, keys, config, c.policy, c.profile, forced, c.wide, [], c.safe)
         _apply(model, result, config)
+        if c.baseline is not None:
+            require_invariants(model, step="rewrite", baseline=c.baseline)
         return model, result
 
 
@@ -415,6 +427,25 @@ def prepare(source: object, config: Config) -> Prepared:
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+# The steps that change the model; `report` and `validate` only read it.
+_CHECKED_STEPS = frozenset({"upgrade", "type", "analyze", "plan", "rewrite", "save"})
+# The staged file is loaded again for the check up to this size (its graph; weights stay unread).
+STAGED_RELOAD_MAX_BYTES = 64 << 20
+
+
+def _check_step(c: Conversion, step: str) -> None:
+    """Check the model's invariants after `step` (``MIXPREC_CHECK_STEPS=1``): after `load` the
+    baseline is taken (what the source itself breaks is never reported); after `save` the
+    staged file too, when it is small."""
+    if step == "load":
+        c.baseline = Baseline.capture(c.model, keep_io_types=c.config.io.keep_io_types)
+        return
+    if step not in _CHECKED_STEPS:
+        return
+    require_invariants(c.model, step=step, baseline=c.baseline)
+    if step == "save" and c.staged is not None and c.staged.stat().st_size <= STAGED_RELOAD_MAX_BYTES:
+        require_invariants(ir.load(c.staged), step="save (staged file)", baseline=c.baseline)
 
 
 def _apply(model: ir.Model, plan: PrecisionPlan, config: Config) -> tuple[RewriteStats, FoldedScales]:

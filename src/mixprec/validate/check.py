@@ -147,7 +147,7 @@ def _runtime_check(
         result.runtime = "no cpu kernels"
         result.notes.append(
             "onnxruntime's CPU provider has no bfloat16 kernels: the graph resolved, but kernel "
-            f"assignment and its fused form were not checked ({outcome.error})"
+            f"assignment and its fused form were not checked ({(outcome.error or '').replace(str(path), path.name)})"
         )
         return outcome
     ref = reference
