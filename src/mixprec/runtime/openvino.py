@@ -84,6 +84,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+import onnx
 
 from mixprec.errors import InputError, ModelLoadError, RunError
 
@@ -175,8 +176,9 @@ class OpenVinoSession:
                 f"OpenVINO cannot compile {self.path}: {_summary(exc)}"
             ) from exc
         self._request = self._compiled.create_infer_request()
-        self._inputs = {_port_name(p): p for p in self._compiled.inputs}
-        self._outputs = [(_port_name(p), p) for p in self._compiled.outputs]
+        graph_inputs, graph_outputs = _graph_io_names(self.path)
+        self._inputs = {_port_name(p, graph_inputs): p for p in self._compiled.inputs}
+        self._outputs = [(_port_name(p, graph_outputs), p) for p in self._compiled.outputs]
         logger.debug(
             "OpenVINO session for %s: precision=%s, hint=%s",
             self.path,
@@ -294,9 +296,21 @@ class OpenVinoSession:
         return statistics.median(times)
 
 
-def _port_name(port: Any) -> str:
-    # The ONNX frontend gives each graph input and output its ONNX name (only).
-    names = sorted(port.get_names())
+def _graph_io_names(path: Path) -> tuple[set[str], set[str]]:
+    """The ONNX graph's input (initializers excluded) and output names (weights unread)."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    initializers = {t.name for t in graph.initializer}
+    return {i.name for i in graph.input if i.name not in initializers}, {o.name for o in graph.output}
+
+
+def _port_name(port: Any, graph_names: set[str]) -> str:
+    """The ONNX name of a port. OpenVINO gives a port every tensor name it merged into it (a
+    graph input read only by a Cast also carries the Cast's output name): the graph's own name
+    is the one to use."""
+    names = set(port.get_names())
+    own = sorted(names & graph_names)
+    if own:
+        return own[0]
     return str(port.get_any_name()) if names else ""
 
 
