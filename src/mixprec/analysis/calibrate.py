@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from mixprec.analysis.constants import is_constant
+from mixprec.analysis.constants import FLUSH_WORDS, is_constant
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.errors import InputError
 from mixprec.graphs import main_values
@@ -340,7 +340,7 @@ def range_evidence(rng: ValueRange, target: LowPrecision, margin: float = 2.0) -
     if rng.min_nonzero <= flush_threshold and rng.absmax * limits.eps < margin * flush_threshold:
         return (
             f"measured absmax {rng.absmax:.3g} with non-zero values down to {rng.min_nonzero:.3g}: "
-            f"values below {flush_threshold:.3g} flush to zero in {name}, beyond its rounding at "
-            f"this scale (margin {margin:g})"
+            f"values below {flush_threshold:.3g} {FLUSH_WORDS} in {name} (underflow), more than its "
+            f"rounding at this scale (margin {margin:g})"
         )
     return None

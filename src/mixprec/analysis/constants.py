@@ -18,6 +18,9 @@ from mixprec.graphs import is_default_domain
 
 _CHUNK_BYTES = 64 * 1024 * 1024
 _META_RANGE = "mixprec.constant_range"
+# How range evidence words an underflow, here and for measured values
+# (`mixprec.analysis.calibrate.range_evidence`): the planner tells a flush from an overflow by it.
+FLUSH_WORDS = "flush to zero"
 
 
 def constant_tensor(value: ir.Value) -> ir.TensorProtocol | None:
@@ -137,6 +140,9 @@ class ConstantRange:
         max_flushed: Largest magnitude among the flushed elements.
         significant_flush: Whether a flushed element matters relative to the tensor's own scale
             (it is larger than absmax times the 16-bit epsilon), e.g. an epsilon constant.
+
+    A flushed element is at most half the smallest subnormal: never more than the rounding error
+    of a 16-bit sum it is added to, so only its other uses (products, divisions) can feel it.
     """
 
     absmax: float
@@ -150,6 +156,11 @@ class ConstantRange:
         """True if storing the tensor in 16 bits changes no value beyond rounding."""
         return self.overflow == 0 and not self.significant_flush
 
+    @property
+    def only_flushes(self) -> bool:
+        """True if the tensor fits the 16-bit range and meaningful values flush to zero."""
+        return self.overflow == 0 and self.significant_flush
+
     def describe(self, target: LowPrecision) -> str:
         """Evidence for the report."""
         parts = []
@@ -160,8 +171,8 @@ class ConstantRange:
             )
         if self.significant_flush:
             parts.append(
-                f"{self.flushed} non-zero value(s) flush to zero in {target.short_name} "
-                f"(e.g. {self.max_flushed:.3g})"
+                f"{self.flushed} non-zero value(s) {FLUSH_WORDS} in {target.short_name} "
+                f"(underflow, e.g. {self.max_flushed:.3g})"
             )
         return "; ".join(parts) or "representable"
 
@@ -195,6 +206,13 @@ def constant_range(value: ir.Value, target: LowPrecision) -> ConstantRange | Non
     tensor = constant_tensor(value)
     if tensor is None or tensor.dtype != ir.DataType.FLOAT:
         return None
+    result = tensor_range(tensor, target)
+    value.meta[_META_RANGE] = {**(cache or {}), target: result}
+    return result
+
+
+def tensor_range(tensor: ir.TensorProtocol, target: LowPrecision) -> ConstantRange:
+    """Range analysis of a float32 tensor for `target` (read in chunks)."""
     limits = target.limits
     absmax = 0.0
     overflow = 0
@@ -202,6 +220,7 @@ def constant_range(value: ir.Value, target: LowPrecision) -> ConstantRange | Non
     max_flushed = 0.0
     half_subnormal = limits.smallest_subnormal / 2
     for chunk in iter_chunks(tensor):
+        chunk = chunk.astype(np.float32, copy=False)
         if chunk.size == 0:
             continue
         magnitude = np.abs(chunk)
@@ -224,12 +243,10 @@ def constant_range(value: ir.Value, target: LowPrecision) -> ConstantRange | Non
             flushed += int(lost.size)
             if lost.size:
                 max_flushed = max(max_flushed, float(lost.max()))
-    result = ConstantRange(
+    return ConstantRange(
         absmax=absmax,
         overflow=overflow,
         flushed=flushed,
         max_flushed=max_flushed,
         significant_flush=flushed > 0 and max_flushed > absmax * limits.eps,
     )
-    value.meta[_META_RANGE] = {**(cache or {}), target: result}
-    return result

@@ -8,8 +8,13 @@ FP32 values:
 * ``HIGH`` the value stays FP32;
 * ``WIDE`` the value stays FP32 and may hold values the 16-bit type cannot represent
   (out-of-range constants and what data movement makes of them): it is never narrowed;
-* ``TINY`` a constant whose meaningful values would flush to zero: its consumers compute in
-  FP32, but what they produce is an ordinary FP32 value;
+* ``TINY`` the value's meaningful values flush to zero in the 16-bit type (a constant, a value
+  measured on data, or data movement of those). A flushed element is at most half the smallest
+  subnormal, within the rounding of a 16-bit sum: a node that only adds it (the
+  ``additive_inputs`` op fact: a bias, a summand) converts as if it were not there. Any other
+  reader computes in FP32, and the FP32 ends there: data movement passes ``TINY`` on, and the
+  output of a product (``scaling_inputs``) of values that fit is small enough for its 16-bit
+  readers to take a Cast of it;
 * ``FLEX`` the value can be had in either type without extra error (constants, graph inputs,
   tensors generated from attributes, and follow ops over those): its consumers decide.
 
@@ -34,7 +39,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 import onnx_ir as ir
 
-from mixprec.analysis.constants import constant_range, is_constant, small_constant_array
+from mixprec.analysis.constants import (
+    FLUSH_WORDS,
+    constant_range,
+    is_constant,
+    small_constant_array,
+    tensor_range,
+)
 from mixprec.analysis.placement import min_cut_islands
 from mixprec.analysis.qdq import quantizes_float_chain
 from mixprec.analysis.decisions import (
@@ -59,7 +70,7 @@ from mixprec.graphs import (
 from mixprec.policy.conditions import CONDITIONS
 from mixprec.policy.runtime import RuntimeProfile, load_runtime
 from mixprec.policy.schemas import Signature, signature
-from mixprec.policy.opfacts import op_facts
+from mixprec.policy.opfacts import OpFacts, op_facts
 from mixprec.policy.table import OpClass, OpRule, Policy, format_op_name, normalize_domain
 
 __all__ = [
@@ -148,6 +159,12 @@ class _Planner:
         # with the evidence: they do not hold the follow ops they feed in FP32.
         self.bounded: dict[ir.Value, str] = dict(safe_values or {})
         self.flex_nodes: list[ir.Node] = []
+        # TINY values made from constants by data movement: like constants, their readers decide.
+        self.tiny_flex: set[ir.Value] = set()
+        # Values kept FP32 for carrying an input that must not be narrowed -> that input's origin.
+        self.carried: dict[ir.Value, ir.Value] = {}
+        # Evidence for generated values that flush to zero (a ConstantOfShape fill value).
+        self.fill_notes: dict[ir.Value, str] = {}
         self.main_outputs = frozenset(model.graph.outputs)
         self.sub_outputs: set[ir.Value] = set()
         self.order = all_nodes(model)
@@ -186,10 +203,18 @@ class _Planner:
         if not main:
             self.sub_outputs.update(v for v in graph.outputs if v is not None)
 
+    def _measured_state(self, value: ir.Value) -> State:
+        """WIDE or TINY for a value measured beyond the 16-bit range, by what its evidence says."""
+        return State.TINY if FLUSH_WORDS in self.wide_values[value] else State.WIDE
+
+    def _flexible(self, value: ir.Value) -> bool:
+        """Whether the value is a constant or made from constants by data movement alone."""
+        return value in self.tiny_flex or is_constant(value)
+
     def value_state(self, value: ir.Value) -> State:
         state = self.state.get(value)
         if state is not None:
-            return state if value not in self.wide_values else State.WIDE
+            return state if value not in self.wide_values else self._measured_state(value)
         # Outer-scope values not seen yet, values without a producer, unknown cases.
         if is_constant(value):
             state = self._constant_state(value)
@@ -353,14 +378,18 @@ class _Planner:
                 lowered = index == 0
             self.state[out] = State.LOW if lowered else State.HIGH
 
-    def _flex(self, node: ir.Node, facts: NodeFacts) -> None:
-        # Provisional: resolved by the backward pass.
+    def _flex(self, node: ir.Node, facts: NodeFacts, *, tiny: bool = False) -> None:
+        """Provisional: resolved by the backward pass. `tiny`: the outputs hold values that
+        flush to zero in 16 bits (a TINY constant or data movement of one)."""
         self.decisions[node] = self._decision(Precision.FP32, Category.CONSUMERS, "pending")
         self.lowered[node] = frozenset(facts.lowerable)
         self.flex_nodes.append(node)
         for index, out in enumerate(node.outputs):
             if is_fp32_tensor(out):
-                self.state[out] = State.FLEX if self._output_var_lowerable(facts, index) else State.HIGH
+                flexible = self._output_var_lowerable(facts, index)
+                self.state[out] = (State.TINY if tiny else State.FLEX) if flexible else State.HIGH
+                if flexible and tiny:
+                    self.tiny_flex.add(out)
 
     @staticmethod
     def _output_var_lowerable(facts: NodeFacts, index: int) -> bool:
@@ -410,7 +439,8 @@ class _Planner:
         wide_out = self._wide_output(node)
         if wide_out is not None:
             self._keep(
-                node, Category.DATA_RANGE, f"{wide_out.name}: {self.wide_values[wide_out]}", State.WIDE
+                node, Category.DATA_RANGE, f"{wide_out.name}: {self.wide_values[wide_out]}",
+                self._measured_state(wide_out),
             )
             return
         if rule.dtype_attribute is not None:
@@ -451,17 +481,38 @@ class _Planner:
             if index in facts.flexible or not is_fp32_tensor(value):
                 continue
             considered.append((index, value, var))
-        # Values that must not be narrowed pin their type variable to FP32.
-        wide_inputs = []
+        states = {id(v): self.value_state(v) for _, v, _ in considered}
+        fact = op_facts(node.domain, node.op_type)
+        # Data movement of constants that flush to zero stays flexible: its readers decide.
+        moves_tiny = (
+            op_class is OpClass.FOLLOW and fact.value_preserving
+            and any(states[id(v)] is State.TINY for _, v, _ in considered)
+            and all(
+                states[id(v)] is State.FLEX or (states[id(v)] is State.TINY and self._flexible(v))
+                for _, v, _ in considered
+            )
+        )
+        # Values that must not be narrowed pin their type variable to FP32; a value that only
+        # flushes to zero does not where the node adds it (within the rounding of the 16-bit sum).
+        wide_inputs: list[tuple[int, ir.Value, State]] = []
+        castable: dict[ir.Value, str] = {}  # unpinned TINY inputs read through a Cast
         for index, value, var in considered:
-            input_state = self.value_state(value)
+            input_state = states[id(value)]
             if input_state not in (State.WIDE, State.TINY):
                 continue
             if index in rule.saturate_inputs and is_constant(value):
                 self.saturated.add(value)
+                states[id(value)] = State.FLEX
+                continue
+            if input_state is State.TINY and (moves_tiny or (fact.adds(index) and not self._guards_zero(node))):
+                if self._flexible(value):
+                    states[id(value)] = State.FLEX
+                else:
+                    states[id(value)] = State.HIGH
+                    castable[value] = f"what flushes to zero is below the rounding of the {self.target.short_name} sum"
                 continue
             facts.lowerable.discard(var)
-            wide_inputs.append((value, input_state))
+            wide_inputs.append((index, value, input_state))
             evidence = self._wide_evidence(value)
             facts.pinned_evidence.append(f"{value.name}: {evidence}")
         if wide_inputs and self.runtime.needs_one_type(node.domain, node.op_type):
@@ -469,43 +520,99 @@ class _Planner:
             self._keep(node, Category.RUNTIME, reason, State.HIGH)
             return
         if wide_inputs and not self._has_lowered_output(node, facts):
-            # Data movement and elementwise ops pass large values on; tiny ones do not matter
-            # once the node computes in FP32.
-            carries_wide = op_class is OpClass.FOLLOW and any(st is State.WIDE for _, st in wide_inputs)
-            measured = any(v in self.wide_values for v, _ in wide_inputs)
-            self._keep(
-                node,
-                Category.DATA_RANGE if measured else Category.CONSTANT_RANGE,
-                "; ".join(facts.pinned_evidence),
-                State.WIDE if carries_wide else State.HIGH,
-            )
+            self._keep_for_range(node, fact, op_class, considered, states, wide_inputs)
             return
         considered = [(i, v, var) for i, v, var in considered if var in facts.lowerable]
         if op_class is OpClass.LOW:
             self._lower(node, facts, category, reason)
             return
-        states = {
-            id(v): State.FLEX if v in self.saturated and i in rule.saturate_inputs else self.value_state(v)
-            for i, v, _ in considered
-        }
         # An FP32 input whose values are bounded (a Cos, Sigmoid or Softmax output) does not hold
         # the node in FP32: a 16-bit copy of it costs no more accuracy than 16-bit compute, and
         # one Cast of it replaces casts around everything downstream.
+        safe = {**self.bounded, **castable} if castable else self.bounded
         high = [
             v for _, v, _ in considered
-            if states[id(v)] in (State.HIGH, State.WIDE, State.TINY) and v not in self.bounded
+            if states[id(v)] in (State.HIGH, State.WIDE, State.TINY) and v not in safe
         ]
         if high:
             self._keep(node, Category.FOLLOW, f"follows FP32 input {high[0].name!r}", State.HIGH)
             return
         if any(states[id(v)] is State.LOW for _, v, _ in considered):
             follow_reason = reason if category is Category.CONDITION else f"follows 16-bit inputs ({op_name})"
-            cast = [v for _, v, _ in considered if states[id(v)] is State.HIGH and v in self.bounded]
+            cast = [v for _, v, _ in considered if states[id(v)] is State.HIGH and v in safe]
             if cast:
-                follow_reason += f"; its FP32 input {cast[0].name!r} is cast to 16 bits ({self.bounded[cast[0]]})"
+                follow_reason += f"; its FP32 input {cast[0].name!r} is cast to 16 bits ({safe[cast[0]]})"
             self._lower(node, facts, category if category is Category.CONDITION else Category.FOLLOW, follow_reason)
             return
-        self._flex(node, facts)
+        if moves_tiny:
+            source = next(v for _, v, _ in considered if self.value_state(v) is State.TINY)
+            origin = self.carried.get(source, source)
+            self.carried.update({out: origin for out in node.outputs if is_fp32_tensor(out)})
+        self._flex(node, facts, tiny=moves_tiny)
+
+    @staticmethod
+    def _guards_zero(node: ir.Node, hops: int = 4) -> bool:
+        """Whether the node's output reaches an input where zero is a singularity (a divisor,
+        a logarithm) through ops that keep zeros or move values: an epsilon added there guards
+        against zero, and a flushed epsilon does not (``x / (norm + 1e-12)``)."""
+        frontier = [v for v in node.outputs if v is not None]
+        seen: set[ir.Node] = set()
+        for _ in range(hops):
+            reached = []
+            for value in frontier:
+                for use in value.uses():
+                    fact = op_facts(use.node.domain, use.node.op_type)
+                    if fact.singular(use.idx):
+                        return True
+                    if (fact.value_preserving or fact.keeps_zero) and use.node not in seen:
+                        seen.add(use.node)
+                        reached.extend(out for out in use.node.outputs if out is not None)
+            frontier = reached
+        return False
+
+    def _keep_for_range(
+        self,
+        node: ir.Node,
+        fact: OpFacts,
+        op_class: OpClass,
+        considered: list[tuple[int, ir.Value, str]],
+        states: Mapping[int, State],
+        wide_inputs: list[tuple[int, ir.Value, State]],
+    ) -> None:
+        """Keep a node FP32 for inputs that must not be narrowed; its outputs' state says what
+        they hold: data movement passes WIDE and TINY values on, an elementwise op WIDE ones, and
+        a product of a TINY factor with values that fit is an ordinary value a 16-bit reader may
+        take through a Cast (the FP32 ends at this node)."""
+        facts = self.facts[node]
+        measured = any(v in self.wide_values for _, v, _ in wide_inputs)
+        category = Category.DATA_RANGE if measured else Category.CONSTANT_RANGE
+        reason = "; ".join(facts.pinned_evidence)
+        wide = [v for _, v, st in wide_inputs if st is State.WIDE]
+        if wide and op_class is OpClass.FOLLOW:
+            carried: ir.Value | None = wide[0]
+            out_state = State.WIDE
+        elif not wide and fact.value_preserving:
+            carried, out_state = wide_inputs[0][1], State.TINY
+        else:
+            carried, out_state = None, State.HIGH
+        self._keep(node, category, reason, out_state)
+        fp32_outputs = [out for out in node.outputs if is_fp32_tensor(out)]
+        if carried is not None:
+            origin = self.carried.get(carried, carried)
+            self.carried.update(dict.fromkeys(fp32_outputs, origin))
+            return
+        pinned = {id(v) for _, v, _ in wide_inputs}
+        scaled = not wide and all(fact.scales(i) for i, _, _ in wide_inputs) and all(
+            states[id(v)] in (State.LOW, State.FLEX, State.TINY) or v in self.bounded
+            for _, v, _ in considered
+            if id(v) not in pinned
+        )
+        if scaled:
+            factor = wide_inputs[0][1].name
+            for out in fp32_outputs:
+                self.bounded.setdefault(
+                    out, f"scaled by {factor!r}, below the {self.target.short_name} normal range"
+                )
 
     def _wide_output(self, node: ir.Node) -> ir.Value | None:
         """The first output of `node` measured beyond the 16-bit range, if any."""
@@ -527,12 +634,20 @@ class _Planner:
         if note is not None:
             return note
         rng = constant_range(value, self.target)
+        carried = self.carried.get(value)
         if rng is not None:
             note = rng.describe(self.target)
+        elif carried is not None:
+            note = f"carries {carried.name!r}: {self._wide_evidence(carried)}"
+        elif value in self.fill_notes:
+            note = self.fill_notes[value]
         else:
             producer = value.producer()
             origin = producer.name or producer.op_type if producer is not None else "?"
-            note = f"may hold values beyond the {self.target.short_name} range (from {origin})"
+            if self.state.get(value) is State.TINY:
+                note = f"may hold values that {FLUSH_WORDS} in {self.target.short_name} (underflow, from {origin})"
+            else:
+                note = f"may hold values beyond the {self.target.short_name} range (from {origin})"
         self.constant_notes[value] = note
         return note
 
@@ -561,26 +676,27 @@ class _Planner:
             # e.g. a sparse_value Constant: nothing this rewrite can retype.
             self._keep(node, Category.UNKNOWN_TYPE, "Constant without a dense tensor value", State.HIGH)
             return
+        # A constant or fill value that flushes to zero stays flexible: its readers decide.
+        tiny = False
         if constant:
             rng = constant_range(out, self.target)
-            if rng is not None and not rng.representable:
+            if rng is not None and rng.overflow:
                 self.constant_notes[out] = rng.describe(self.target)
-                self._keep(
-                    node,
-                    Category.CONSTANT_RANGE,
-                    f"{out.name}: {self.constant_notes[out]}",
-                    State.WIDE if rng.overflow else State.TINY,
-                )
+                self._keep(node, Category.CONSTANT_RANGE, f"{out.name}: {self.constant_notes[out]}", State.WIDE)
                 return
+            tiny = rng is not None and rng.only_flushes
         elif rule.dtype_attribute == "value":
             tensor_attr = node.attributes.get("value")
             if tensor_attr is not None:
                 array = tensor_attr.as_tensor().numpy().astype("float32")
-                with np.errstate(over="ignore"):
-                    cast = array.astype(self.target.numpy_dtype).astype("float32")
-                if (abs(cast) > self.target.limits.max).any() or ((cast == 0) & (array != 0)).any():
-                    self._keep(node, Category.CONSTANT_RANGE, f"fill value {array.reshape(-1)[:1]} not representable", State.WIDE)
+                rng = tensor_range(ir.Tensor(array), self.target)
+                note = f"fill value {array.reshape(-1)[:1]}: {rng.describe(self.target)}"
+                if rng.overflow:
+                    self._keep(node, Category.CONSTANT_RANGE, note, State.WIDE)
                     return
+                tiny = rng.flushed > 0
+                if tiny:
+                    self.fill_notes[out] = note
         source = node.inputs[0] if node.inputs else None
         follows_input = (
             source is not None
@@ -595,10 +711,12 @@ class _Planner:
                 self._flex(node, facts)
                 return
             if state in (State.HIGH, State.WIDE, State.TINY):
-                out_state = State.WIDE if state is State.WIDE else State.HIGH
-                self._keep(node, Category.FOLLOW, f"follows FP32 input {source.name!r}", out_state)  # type: ignore[union-attr]
+                # An FP32 copy carries what its input holds.
+                self._keep(node, Category.FOLLOW, f"follows FP32 input {source.name!r}", state)  # type: ignore[union-attr]
+                if state is not State.HIGH:
+                    self.carried[out] = self.carried.get(source, source)  # type: ignore[arg-type]
                 return
-        self._flex(node, facts)
+        self._flex(node, facts, tiny=tiny)
 
     # -- backward pass ------------------------------------------------------------------
     def demands(self, value: ir.Value) -> set[State]:
@@ -629,7 +747,7 @@ class _Planner:
             facts = self.facts[node]
             wanted: set[State] = set()
             for index, out in enumerate(node.outputs):
-                if is_fp32_tensor(out) and self.state.get(out) is State.FLEX:
+                if is_fp32_tensor(out) and (self.state.get(out) is State.FLEX or out in self.tiny_flex):
                     wanted |= self.demands(out)
             op_name = format_op_name(node.domain, node.op_type)
             if wanted == {State.LOW}:
@@ -744,7 +862,7 @@ class _Planner:
 
     def _storage_for(self, value: ir.Value) -> Storage:
         wanted = self.demands(value)
-        if self.state.get(value) in (State.WIDE, State.TINY) and value not in self.saturated:
+        if self.state.get(value) is State.WIDE and value not in self.saturated:
             note = self._wide_evidence(value)
             self.constant_notes[value] = note
             return Storage.FP32

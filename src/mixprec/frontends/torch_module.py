@@ -3,10 +3,12 @@
 `export_module` runs ``torch.onnx.export(..., dynamo=True)``, whose result already holds an
 `onnx_ir.Model`: no serialize/parse round trip. The opset suits the target type (bfloat16
 needs 22 for Conv and pooling). When the dynamo exporter fails for another reason than
-data-dependent control flow, the TorchScript exporter is tried (the result says so); a
-data-dependent branch is an `ExportError` naming the module and the line, because tracing it
-would bake one branch into the graph silently. The exporter's own output (hundreds of lines on
-failure) goes to the log at debug level.
+data-dependent control flow, the TorchScript exporter is tried and exports what
+``torch.onnx.export(..., dynamo=False)`` exports (the result says so, and names the first of the
+tracer's warnings: a traced condition keeps the branch the example inputs take); a
+data-dependent branch the dynamo exporter finds is an `ExportError` naming the module and the
+line, because tracing it would bake one branch into the graph silently. The exporters' own
+output (hundreds of lines on failure) goes to the log at debug level.
 
 Node names become the module paths the exporter records (``/encoder/layers.0/self_attn/MatMul``),
 so reports and plan files read like the model's code.
@@ -23,8 +25,10 @@ import logging
 import re
 import time
 import traceback
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -106,6 +110,7 @@ def export_module(
     module.eval()
     start = time.perf_counter()
     notes: list[str] = []
+    dynamo_error: Exception | None = None
     try:
         program = _quietly(
             lambda: torch.onnx.export(
@@ -123,15 +128,23 @@ def export_module(
                 f"{name}: the exporter cannot follow data-dependent control flow ({branch}); "
                 "write the branch with torch.where or torch.cond, or export the module yourself"
             ) from None
-        model = _torchscript_export(
-            torch, module, args, kwargs, name, min(opset, _TORCHSCRIPT_MAX_OPSET), input_names, output_names, error
+        dynamo_error = error
+    if dynamo_error is not None:  # outside the handler: the fallback's errors do not chain to it
+        model, warned = _torchscript_export(
+            torch, module, args, kwargs, name, min(opset, _TORCHSCRIPT_MAX_OPSET), input_names, output_names,
+            dynamo_error,
         )
         exporter = "torchscript"
         notes.append(
-            f"the dynamo exporter failed ({_first_line(error)}); exported with the TorchScript exporter"
+            f"the dynamo exporter failed ({_first_line(dynamo_error)}); exported with the TorchScript exporter"
             + ("; its model has the example inputs' static shapes (dynamic_shapes apply to the dynamo exporter)"
                if dynamic_shapes is not None else "")
         )
+        if warned:
+            notes.append(
+                f"the TorchScript tracer warned {len(warned)} time(s), first at {warned[0]}: "
+                "a traced condition keeps the branch the example inputs take"
+            )
     seconds = time.perf_counter() - start
     renamed = _name_by_module_path(model)
     feeds = _feeds(model, args, kwargs, torch)
@@ -201,7 +214,7 @@ def _causes(error: BaseException) -> list[BaseException]:
     current: BaseException | None = error
     while current is not None and current not in chain:
         chain.append(current)
-        current = current.__cause__ or current.__context__
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
     return chain
 
 
@@ -224,10 +237,13 @@ def _data_dependent(error: BaseException) -> str | None:
 def _torchscript_export(
     torch: Any, module: Any, args: tuple, kwargs: dict, name: str, opset: int,
     input_names: Sequence[str] | None, output_names: Sequence[str] | None, dynamo_error: BaseException,
-) -> ir.Model:
+) -> tuple[ir.Model, list[str]]:
+    """Export as ``torch.onnx.export(..., dynamo=False)`` does; the model and where the tracer
+    warned (``file:line (message)``). Every warning goes to the debug log, none is raised."""
     buffer = io.BytesIO()
     try:
-        with warnings_as_errors(torch):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             _quietly(
                 lambda: torch.onnx.export(
                     module, args, buffer, kwargs=kwargs or None, dynamo=False, opset_version=opset,
@@ -236,27 +252,21 @@ def _torchscript_export(
             )
     except Exception as error:  # noqa: BLE001
         logger.debug("TorchScript export of %s failed:\n%s", name, "".join(traceback.format_exception(error)))
-        if type(error).__name__ == "TracerWarning":
-            raise ExportError(
-                f"{name}: the exporter cannot follow data-dependent control flow ({_first_line(error)}); "
-                "write the branch with torch.where or torch.cond, or export the module yourself"
-            ) from None
+        dynamo, torchscript = _first_line(dynamo_error), _first_line(error)
+        errors = (
+            f"both exporters: {dynamo}" if dynamo == torchscript
+            else f"dynamo exporter: {dynamo}; TorchScript exporter: {torchscript}"
+        )
         raise ExportError(
-            f"{name}: cannot export to ONNX: dynamo exporter: {_first_line(dynamo_error)}; TorchScript "
-            f"exporter: {_first_line(error)} (run with --verbose for the exporters' traces)"
+            f"{name}: cannot export to ONNX: {errors} (the exporters' traces are in the log at debug level)"
         ) from None
-    return ir.serde.deserialize_model(onnx.load_from_string(buffer.getvalue()))
-
-
-@contextlib.contextmanager
-def warnings_as_errors(torch: Any):  # noqa: ANN201
-    """The tracer's warning that a tensor became a Python bool (an `if` on data) is an error:
-    tracing would keep one branch only. Its other warnings stay warnings."""
-    import warnings  # noqa: PLC0415
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*Python boolean.*", category=torch.jit.TracerWarning)
-        yield
+    warned = []
+    for warning in caught:
+        where = f"{Path(warning.filename).name}:{warning.lineno} ({str(warning.message).split('. ')[0]})"
+        logger.debug("TorchScript export of %s: %s: %s", name, warning.category.__name__, where)
+        if issubclass(warning.category, torch.jit.TracerWarning):
+            warned.append(where)
+    return ir.serde.deserialize_model(onnx.load_from_string(buffer.getvalue())), warned
 
 
 def _first_line(error: BaseException) -> str:

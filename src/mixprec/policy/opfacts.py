@@ -14,7 +14,7 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 from mixprec.errors import PolicyError
 from mixprec.policy.toml_tables import shipped_table
@@ -46,6 +46,9 @@ INTERVAL_RULES = frozenset({
 FLOPS_FORMULAS = frozenset({"matmul", "gemm", "conv", "conv_transpose"})
 # Roles of the two ends of a QDQ pair (`quantization`).
 QUANTIZATION_ROLES = frozenset({"dequantize", "quantize"})
+# Input sets (`additive_inputs`, `scaling_inputs`): indices, or every input of a variadic op.
+ALL_INPUTS = "all"
+InputSet = tuple[int, ...] | Literal["all"]
 
 
 @dataclass(frozen=True)
@@ -69,19 +72,40 @@ class OpFacts:
     output_type_from: int | None = None
     norm_scale: int | None = None
     norm_bias: int | None = None
+    additive_inputs: InputSet = ()
+    scaling_inputs: InputSet = ()
+    singular_inputs: InputSet = ()
+    keeps_zero: bool = False
 
     @property
     def carries_floats(self) -> bool:
         """Whether float outputs carry the integers of the op's float inputs."""
         return self.carrier in FLOAT_CARRIERS
 
+    def adds(self, index: int) -> bool:
+        """Whether input `index` is a term added to the output (see `additive_inputs`)."""
+        return _selects(self.additive_inputs, index)
+
+    def scales(self, index: int) -> bool:
+        """Whether the output is proportional to input `index` (see `scaling_inputs`)."""
+        return _selects(self.scaling_inputs, index)
+
+    def singular(self, index: int) -> bool:
+        """Whether zero at input `index` is a singularity (see `singular_inputs`)."""
+        return _selects(self.singular_inputs, index)
+
+
+def _selects(inputs: InputSet, index: int) -> bool:
+    return inputs == ALL_INPUTS or index in inputs
+
 
 NO_FACTS = OpFacts()
 
-_FLAGS = ("shape_only", "comparison", "exact_use", "random", "value_preserving", "gathers", "bounded")
+_FLAGS = ("shape_only", "comparison", "exact_use", "random", "value_preserving", "gathers", "bounded", "keeps_zero")
 _NAMES = {"interval": INTERVAL_RULES, "flops": FLOPS_FORMULAS, "quantization": QUANTIZATION_ROLES}
 _INDICES = ("scale_input", "output_type_from", "norm_scale", "norm_bias")
-_KEYS = frozenset({*_FLAGS, *_NAMES, *_INDICES, "carrier", "integer_inputs", "dtype_attribute"})
+_INPUT_SETS = ("additive_inputs", "scaling_inputs", "singular_inputs")
+_KEYS = frozenset({*_FLAGS, *_NAMES, *_INDICES, *_INPUT_SETS, "carrier", "integer_inputs", "dtype_attribute"})
 
 
 def op_facts(domain: str, op_type: str) -> OpFacts:
@@ -145,7 +169,21 @@ def _parse_entry(entry: Mapping[str, Any], where: str) -> OpFacts:
         values["dtype_attribute"] = entry["dtype_attribute"]
     if "integer_inputs" in entry:
         values["integer_inputs"] = _integer_inputs(entry["integer_inputs"], where)
+    for key in _INPUT_SETS:
+        if key in entry:
+            values[key] = _input_set(entry[key], f"{where}: {key!r}")
     return OpFacts(**values)
+
+
+def _input_set(value: Any, where: str) -> InputSet:
+    if value == ALL_INPUTS:
+        return ALL_INPUTS
+    if (
+        not isinstance(value, list) or not value
+        or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in value)
+    ):
+        raise PolicyError(f"{where} must be a list of input indices or {ALL_INPUTS!r}, got {value!r}")
+    return tuple(sorted(set(value)))
 
 
 def _integer_inputs(value: Any, where: str) -> tuple[tuple[int, str], ...]:
