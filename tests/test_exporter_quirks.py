@@ -43,7 +43,7 @@ def _layer_norm(prefix: str, x: str, out: str, index: int, width: int) -> tuple[
     return nodes, tensors
 
 
-def _two_norm_encoder(opset: int) -> onnx.ModelProto:
+def _two_norm_encoder(opset: int, features: int | str = 16) -> onnx.ModelProto:
     width = 16
     rng = np.random.default_rng(0)
     nodes, tensors = [], []
@@ -55,7 +55,7 @@ def _two_norm_encoder(opset: int) -> onnx.ModelProto:
         tensors.append(w)
         nodes.append(helper.make_node("MatMul", [out, f"w{i}"], [f"h{i}"], name=f"p2o.MatMul.{i}"))
     graph = helper.make_graph(
-        nodes, "encoder", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, width])],
+        nodes, "encoder", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, features])],
         [helper.make_tensor_value_info("h1", TensorProto.FLOAT, [2, 5, width])], tensors,
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
@@ -74,10 +74,28 @@ def test_fused_normalizations_get_names_of_their_own(tmp_path, opset: int, targe
     assert len(fused) == 2, result.report.format_text()
     names = Counter(n.name for g in iter_graphs(converted.graph) for n in g.node if n.name)
     assert not [name for name, count in names.items() if count > 1]
+    read = {name for n in converted.graph.node for name in n.input}
+    assert [t.name for t in converted.graph.initializer if t.name not in read] == []  # the old affine constants go
     x = np.random.default_rng(1).normal(size=(2, 5, 16)).astype(np.float32)
     expected = run(model, {"x": x})[0]
     actual = run_low(converted, {"x": x}, target)[0]
     np.testing.assert_allclose(actual, expected, atol=0.05 * np.abs(expected).max(), rtol=0)
+
+
+def test_normalization_over_a_symbolic_width_fuses(tmp_path) -> None:
+    """The normalized axis is symbolic (Paddle2ONNX reshapes with computed shapes): the scale's
+    own shape gives the normalized shape, and the block fuses instead of staying an FP32 block
+    that onnxruntime's LayerNormFusion would fuse with mixed types."""
+    model = _two_norm_encoder(17, features="C")
+    source = tmp_path / "encoder.onnx"
+    onnx.save(model, source)
+    result = mixprec.convert(str(source), str(tmp_path / "out.onnx"), target_dtype="bfloat16", runtime="tensorrt")
+    assert "normalization block" not in result.report.fp32_by_category
+    assert result.report.low_by_op.get("LayerNormalization") == 2
+    converted = onnx.load(str(tmp_path / "out.onnx"))
+    x = np.random.default_rng(1).normal(size=(2, 5, 16)).astype(np.float32)
+    expected = run(model, {"x": x})[0]
+    np.testing.assert_allclose(run_low(converted, {"x": x}, "bfloat16")[0], expected, atol=0.05 * np.abs(expected).max(), rtol=0)
 
 
 def _wrong_output_shape() -> onnx.ModelProto:
@@ -125,3 +143,35 @@ def test_declared_output_shape_that_agrees_keeps_its_names(tmp_path) -> None:
     dims = [d.dim_param or d.dim_value for d in converted.graph.output[0].type.tensor_type.shape.dim]
     assert dims == [1, "rows", 4]
     assert not any("declared output shape" in note for note in result.report.notes)
+
+
+def test_runtime_repair_of_a_bfloat16_model_keeps_only_the_culprit(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """onnxruntime's CPU provider has no bfloat16 kernels: a trial that only lacks them loads
+    as far as the check goes, so the repair of a fusion that fails on one 16-bit node keeps
+    that node FP32 and nothing else (it once counted every bfloat16 trial as failing)."""
+    import mixprec.api  # noqa: PLC0415
+    import mixprec.validate.check  # noqa: PLC0415
+    from mixprec.runtime.isolated import RuntimeOutcome  # noqa: PLC0415
+
+    culprit = "p2o.MatMul.0"
+
+    def fake_runtime(path, feeds=None):  # type: ignore[no-untyped-def]
+        converted = onnx.load(str(path), load_external_data=False)
+        weights = {i.name: i.data_type for i in converted.graph.initializer}
+        if weights.get("w0") == TensorProto.BFLOAT16:  # the culprit MatMul computes in bfloat16
+            error = f"Type Error: Type parameter (T) bound to different types in node ({culprit}/SomeFusion/)."
+        elif TensorProto.BFLOAT16 in weights.values():
+            error = "NOT_IMPLEMENTED : Could not find an implementation for MatMul(13) node with name 'x'"
+        else:  # the FP32 reference
+            error = None
+        return RuntimeOutcome(loaded=False, ran=False, error=error, crashed=False, outputs=None, seconds=0.0)
+
+    monkeypatch.setattr(mixprec.validate.check, "run_isolated", fake_runtime)
+    monkeypatch.setattr(mixprec.api, "run_isolated", fake_runtime)
+    source = tmp_path / "encoder.onnx"
+    onnx.save(_two_norm_encoder(17), source)
+    result = mixprec.convert(str(source), str(tmp_path / "out.onnx"), target_dtype="bfloat16", runtime="tensorrt")
+    kept = [k.name for k in result.report.kept_fp32 if k.category == "runtime fails on it"]
+    assert kept == [culprit]
+    assert result.report.low_by_op.get("MatMul") == 1
+    assert any("kept 1 node(s) FP32" in note and ".mixprec-" not in note for note in result.report.notes)

@@ -23,13 +23,13 @@ from mixprec.analysis.plan import PrecisionPlan
 from mixprec.config import Config
 from mixprec.dtypes import LowPrecision
 from mixprec.errors import InputError, ValidationFailure
-from mixprec.io import check_output_path, save_model, wants_external_data
+from mixprec.io import check_output_path, save_model, wants_external_data, without_staging
 from mixprec.pipeline import Conversion, run
 from mixprec.policy.table import Policy, load_policy
 from mixprec.report import Report
 from mixprec.runtime.isolated import run_isolated
 from mixprec.tolerance import Tolerance
-from mixprec.validate.check import RuntimeRejection, output_errors
+from mixprec.validate.check import RuntimeRejection, loads_as_validated, output_errors
 from mixprec.validate.repair import find_culprits
 
 if TYPE_CHECKING:
@@ -240,26 +240,60 @@ def _repair(rejection: RuntimeRejection, output: str | os.PathLike | None, confi
     # The input passed its checks already; trials only plan and rewrite the typed model.
     prepared = prepare(source, config.with_options(progress=False, allow_invalid=True))
     what = "crashes on" if outcome.crashed else "fails on"
-    reason = f"onnxruntime (CPU provider, default options) {what} the model with this node in 16 bits: {outcome.error}"
+    error = without_staging(outcome.error or "")
+    reason = f"onnxruntime (CPU provider, default options) {what} the model with this node in 16 bits: {error}"
 
     def fails(kept: frozenset[str]) -> bool:
         model, _ = prepared.rewrite(dict.fromkeys(kept, (Category.RUNTIME_FAILURE, reason)))
         with tempfile.TemporaryDirectory(prefix="mixprec-repair-") as tmp:
             path = Path(tmp) / "trial.onnx"
             save_model(model, path, external_data=wants_external_data(model))
-            return not run_isolated(path, rejection.feeds).ok
+            return not loads_as_validated(run_isolated(path, rejection.feeds), config.ops.target)
 
     logger.warning("%s; searching for the nodes to keep FP32", rejection)
-    culprits = find_culprits(rejection.converted, fails)
+    near = _near_named_nodes(prepared.conversion.model, prepared.conversion.keys, outcome.error or "", rejection.converted)
+    if near and not fails(frozenset(near)):
+        # The runtime's error names a node: its neighbourhood held FP32 loads, so the culprits
+        # are among those few (the rest stays converted).
+        culprits = find_culprits(near, fails)
+    else:
+        culprits = find_culprits(rejection.converted, fails)
     if culprits.names is None:
         raise ValidationFailure(f"{rejection}; it fails even with every converted node FP32") from rejection
     result = _run(source, output, config, runtime_fp32=dict.fromkeys(culprits.names, reason))
     result.report.notes.append(
-        f"onnxruntime {what} the first conversion ({outcome.error}); kept {len(culprits.names)} node(s) "
+        f"onnxruntime {what} the first conversion ({error}); kept {len(culprits.names)} node(s) "
         f"FP32 after {culprits.trials} trial conversion(s): {', '.join(culprits.names[:5])}"
         + (" ..." if len(culprits.names) > 5 else "")
     )
     return result
+
+
+# Hops around a node the runtime's error names within which its culprits are looked for first.
+_NEAR_HOPS = 4
+
+
+def _near_named_nodes(model: ir.Model, keys: Mapping[ir.Node, str], error: str, converted: Sequence[str]) -> list[str]:
+    """The converted nodes (keys, in `converted`'s order) within a few edges of a main-graph
+    node whose name the runtime's error mentions (a failing fused node is named after the node
+    its pattern starts from); [] when it names none."""
+    named = [node for node in model.graph if len(node.name) >= 3 and node.name in error]
+    if not named:
+        return []
+    near: set[ir.Node] = set(named)
+    frontier = list(named)
+    for _ in range(_NEAR_HOPS):
+        reached = []
+        for node in frontier:
+            neighbours = [v.producer() for v in node.inputs if v is not None]
+            neighbours += [use.node for out in node.outputs for use in out.uses()]
+            for other in neighbours:
+                if other is not None and other not in near:
+                    near.add(other)
+                    reached.append(other)
+        frontier = reached
+    wanted = {keys[node] for node in near if node in keys}
+    return [key for key in converted if key in wanted]
 
 
 def convert_module(

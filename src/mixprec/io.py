@@ -436,6 +436,16 @@ def _remove_leftovers(destination: Path, keep: set[str]) -> None:
             entry.unlink(missing_ok=True)
 
 
+# A staging folder in a path: ".<name>.mixprec-<pid>-<token>-<random>/" (see `staged_save`).
+_STAGING_IN_TEXT = re.compile(r"\.([^/\s]+)\.mixprec-\d+-[0-9a-f]+-[^/\s]+/")
+
+
+def without_staging(text: str) -> str:
+    """`text` (a runtime's error about a staged model) with the staging folder taken out of its
+    paths: it names the output the user asked for, not a folder that is gone."""
+    return _STAGING_IN_TEXT.sub("", text)
+
+
 @contextlib.contextmanager
 def staged_save(
     model: ir.Model,

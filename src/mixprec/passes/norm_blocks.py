@@ -218,16 +218,33 @@ def find_norm_blocks(graph: ir.Graph) -> list[NormBlock]:
     return blocks
 
 
-def _affine_tensor(block: NormBlock, value: ir.Value | None, fill: float) -> np.ndarray | None:
-    """Scale/bias as the fused op wants them: of the normalized shape."""
+def _constant_array(value: ir.Value) -> np.ndarray | None:
+    return small_constant_array(value) if value.const_value is None else value.const_value.numpy()
+
+
+def _normalized_shape(block: NormBlock) -> tuple[int, ...] | None:
+    """The shape of the normalized axes: from the input's static dimensions, else from an
+    affine constant that spans every normalized axis (gamma [C] of a LayerNorm over the last
+    axis: the product with gamma fixes that size anyway)."""
     shape = block.input.shape
     dims = [shape[a] for a in block.axes] if shape is not None else []
-    if not dims or not all(isinstance(d, int) for d in dims):
+    if dims and all(isinstance(d, int) for d in dims):
+        return tuple(int(d) for d in dims)
+    for value in (block.scale, block.bias):
+        array = _constant_array(value) if value is not None else None
+        if array is not None and array.ndim == len(block.axes) and array.size > 1:
+            return tuple(array.shape)
+    return None
+
+
+def _affine_tensor(block: NormBlock, value: ir.Value | None, fill: float) -> np.ndarray | None:
+    """Scale/bias as the fused op wants them: of the normalized shape."""
+    normalized = _normalized_shape(block)
+    if normalized is None:
         return None
-    normalized = tuple(int(d) for d in dims)
     if value is None:
         return np.full(normalized, fill, dtype=np.float32)
-    array = small_constant_array(value) if value.const_value is None else value.const_value.numpy()
+    array = _constant_array(value)
     if array is None or array.dtype != np.float32:
         return None
     try:
@@ -283,9 +300,15 @@ def _fuse(graph: ir.Graph, block: NormBlock, index: int, names: tuple[FreshNames
         if value is not None and (producer := value.producer()) is not None
         and producer.op_type == "Constant" and producer not in block.nodes
     }
+    read = {value for node in block.nodes for value in node.inputs if value is not None}
     graph.remove(block.nodes, safe=True)
-    # Constants only the block read (epsilon, exponent, 1 of 1/x) are dead now.
+    # Constants only the block read (epsilon, exponent, 1 of 1/x, the old scale and bias) are
+    # dead now.
     graph.remove([c for c in constants if not any(out.uses() or out in graph.outputs for out in c.outputs)], safe=True)
+    for value in read:
+        if value.name in graph.initializers and graph.initializers[value.name] is value and not value.uses() \
+                and value not in graph.outputs and value not in graph.inputs:
+            del graph.initializers[value.name]
     return name
 
 

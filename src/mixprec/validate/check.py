@@ -26,7 +26,7 @@ import onnx_ir as ir
 from mixprec.dtypes import LowPrecision
 from mixprec.errors import InputError, MixprecError, RunError, ValidationFailure
 from mixprec.host import host_cpu
-from mixprec.io import graph_only_proto, uses_external_data
+from mixprec.io import graph_only_proto, uses_external_data, without_staging
 from mixprec.report import OutputError, Validation
 from mixprec.validate import compare
 from mixprec.runtime import sessions
@@ -54,7 +54,7 @@ class RuntimeRejection(ValidationFailure):
     """
 
     def __init__(self, outcome: RuntimeOutcome, feeds: Batch | None = None) -> None:
-        super().__init__(f"the converted model fails in onnxruntime (default session options): {outcome.error}")
+        super().__init__(f"the converted model fails in onnxruntime (default session options): {without_staging(outcome.error or '')}")
         self.outcome = outcome
         self.feeds = feeds
         self.reference: Path | None = None
@@ -131,6 +131,13 @@ def _load_check(path: Path, reference: Path | None, target: LowPrecision, result
         result.runtime = "loaded"
 
 
+def loads_as_validated(outcome: RuntimeOutcome, target: LowPrecision) -> bool:
+    """Whether the runtime check accepts the outcome: the model ran, or it is a bfloat16 model
+    whose graph resolved and only lacks CPU kernels (onnxruntime's CPU provider has no bfloat16
+    compute; the model is for another provider)."""
+    return outcome.ok or (outcome.missing_kernel and target is LowPrecision.BFLOAT16)
+
+
 def _runtime_check(
     path: Path, reference: Path | None, target: LowPrecision, result: Validation, *,
     feeds: Batch | None = None, weights_large: bool = False,
@@ -143,11 +150,11 @@ def _runtime_check(
     )
     if outcome.ok:
         return outcome
-    if outcome.missing_kernel and target is LowPrecision.BFLOAT16:
+    if loads_as_validated(outcome, target):
         result.runtime = "no cpu kernels"
         result.notes.append(
             "onnxruntime's CPU provider has no bfloat16 kernels: the graph resolved, but kernel "
-            f"assignment and its fused form were not checked ({(outcome.error or '').replace(str(path), path.name)})"
+            f"assignment and its fused form were not checked ({without_staging(outcome.error or '')})"
         )
         return outcome
     ref = reference
