@@ -189,6 +189,7 @@ def _run_tool(tool: str, src: Path, out: Path, meta: dict[str, Any]) -> dict[str
         result = mod["mixprec"].convert(src, out, target_dtype="float16", validate=validate)
         lap("convert_s")
         info["report"] = _jsonable(getattr(result, "report", None))
+        info["steps"] = {"seconds": result.report.seconds, "cpu_seconds": result.report.cpu_seconds}
     elif tool == "onnxconverter-common":
         float16 = mod["float16"]
         if large:  # The library's documented entry point for models over 2 GB.
@@ -480,6 +481,15 @@ def print_table(model: str, input_mib: float, nodes: int, results: Sequence[Tool
             f"{_ratio(rss, floor_ok.peak_rss_mib if floor_ok else None):>9} "
             f"{_ratio(rss, mix_ok.peak_rss_mib if mix_ok else None):>9} {load:>7}"
         )
+    for r in results:
+        report = r.extra.get("steps") if r.status == "ok" else None
+        if isinstance(report, dict) and report.get("seconds"):
+            cpu = report.get("cpu_seconds") or {}
+            steps = ", ".join(
+                f"{step} {wall:.2f}/{cpu[step]:.2f}" if step in cpu else f"{step} {wall:.2f}"
+                for step, wall in report["seconds"].items()
+            )
+            print(f"  {r.tool} steps (wall/cpu s of the conversion process): {steps}")
     for r in results:
         if r.error:
             print(f"  {r.tool}: {r.error.splitlines()[0][:300] if r.error.strip() else r.error}")

@@ -1,13 +1,27 @@
-"""QDQ models in 16 bits: the light CNNs shipped with `onnx` (seeded weights, opset 13) quantized
-with onnxruntime's `quantize_static` (QDQ format, calibration on generated images) two ways —
-the quantizer's defaults (int32 biases) and per channel with float biases — then converted for
-four targets. Per row: nodes in 16 bits / FP32, runtime casts, quantized ops with a 16-bit float
-side, the 16-bit share of the float ops outside quantized groups, the emulated output error
-against the quantized FP32 model (max |diff| / max |FP32|), whether onnxruntime (CPU, default
-options) ran it, and whether every Q/DQ node is still next to its op.
+"""QDQ models in 16 bits, judged against the INT8 + FP32 model run two ways.
 
-    python bench/bench_qdq.py                      # squeezenet shufflenet inception_v1 resnet50
-    python bench/bench_qdq.py densenet121 --out /tmp/qdq
+Models, quantized with onnxruntime's `quantize_static` (QDQ, per channel, int32 biases,
+calibration on generated inputs): the light SqueezeNet shipped with `onnx` (seeded weights, opset
+13), a PyTorch transformer encoder (TorchScript export, MatMul/Gemm quantized) and a PyTorch
+Conv1d + GRU speech encoder (skipped without torch); more light CNNs by name. Each is converted for
+several targets and runtime profiles, then run on several batches.
+
+The reference is the quantized FP32 model run **unfused** (onnxruntime with graph optimizations
+off: DequantizeLinear, the op and QuantizeLinear as written, the form a 16-bit runtime runs) and
+**fused** (default options: onnxruntime's CPU provider fuses groups into integer kernels). The
+`INT8+FP32 fused` row is the difference between the two references (integer kernels round
+differently); the converted
+model (16-bit numerics emulated in FP32, `mixprec.validate.emulate`) is compared with both, so
+conversion error and quantization noise are told apart. Agreement: top-1 (per row; per token for
+the transformer) and the smallest cosine similarity over the batches.
+
+Columns: groups (ops between DequantizeLinear and QuantizeLinear with a 16-bit float side), folded
+(constant DequantizeLinear folded into float constants), casts (runtime Casts; `adjacent`: none
+beside a Q/DQ node), ints (integer tensors byte-identical, folded ones aside), ort-cpu (float16:
+runs on onnxruntime's CPU provider with default options, and its agreement with the unfused model).
+
+    python bench/bench_qdq.py                        # squeezenet, transformer, speech
+    python bench/bench_qdq.py --cnn shufflenet --batches 8 --out /tmp/qdq
 """
 
 from __future__ import annotations
@@ -16,6 +30,8 @@ import argparse
 import logging
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,15 +39,22 @@ import onnx
 import onnx.version_converter
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGETS = [("fp16", "ort-cuda"), ("fp16", "tensorrt"), ("bf16", "onnx"), ("bf16", "ort-cuda")]
-VARIANTS = {
-    "default": {},
-    "per-channel, float bias": {"per_channel": True, "extra_options": {"QuantizeBias": False}},
-}
+TARGETS = [("fp16", "ort-cuda"), ("fp16", "tensorrt"), ("bf16", "tensorrt"), ("bf16", "onnx"), ("fp16", "ort-cpu")]
+Batch = dict[str, np.ndarray]
 
 
-def _quantized(name: str, folder: Path) -> dict[str, Path]:
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static  # noqa: PLC0415
+@dataclass
+class Case:
+    """A quantized model and how to feed and judge it."""
+
+    name: str
+    path: Path
+    batches: list[Batch]
+    per_token: bool = False  # top-1 over the last axis of every position
+
+
+def _cnn(name: str, folder: Path, count: int) -> Case:
+    from test_qdq import _quantize  # noqa: PLC0415
     from test_real_cnns import LIGHT, realistic_weights  # noqa: PLC0415
 
     model = onnx.version_converter.convert_version(realistic_weights(onnx.load(str(LIGHT / f"light_{name}.onnx"))), 13)
@@ -42,26 +65,112 @@ def _quantized(name: str, folder: Path) -> dict[str, Path]:
     source = folder / f"{name}.onnx"
     onnx.save(model, str(source))
     shape = [d.dim_value for d in inputs[0].type.tensor_type.shape.dim]
+    rng = np.random.default_rng(0)
+    calibration = [{inputs[0].name: rng.uniform(0, 1, shape).astype(np.float32)} for _ in range(2)]
+    ops = ["Conv", "MaxPool", "Concat", "GlobalAveragePool", "Add", "Gemm", "MatMul"]
+    _quantize(source, folder / f"{name}_qdq.onnx", calibration, op_types_to_quantize=ops, per_channel=True)
+    test = np.random.default_rng(1)
+    batches = [{inputs[0].name: test.uniform(0, 1, shape).astype(np.float32)} for _ in range(count)]
+    return Case(name, folder / f"{name}_qdq.onnx", batches)
 
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            rng = np.random.default_rng(0)
-            self.batches = iter([{inputs[0].name: rng.uniform(0, 1, shape).astype(np.float32)} for _ in range(2)])
 
-        def get_next(self) -> dict | None:
-            return next(self.batches, None)
+def _transformer(folder: Path, count: int) -> Case:
+    import torch_models  # noqa: PLC0415
+    from test_qdq import _quantize  # noqa: PLC0415
 
-    out = {}
-    for variant, options in VARIANTS.items():
-        path = folder / f"{name}_{variant.split(',')[0]}_qdq.onnx"
-        quantize_static(str(source), str(path), Reader(), quant_format=QuantFormat.QDQ, **options)
-        out[variant] = path
-    return out
+    fp32 = torch_models.export(torch_models.make_model(), folder / "encoder.onnx", dynamo=False)
+    rng = np.random.default_rng(0)
+
+    def batch() -> Batch:
+        return {
+            "input_ids": rng.integers(0, torch_models.VOCAB, (2, 6)).astype(np.int64),
+            "attention_mask": np.ones((2, 6), np.int64),
+        }
+
+    _quantize(fp32, folder / "encoder_qdq.onnx", [batch() for _ in range(4)], op_types_to_quantize=["MatMul", "Gemm"])
+    return Case("transformer", folder / "encoder_qdq.onnx", [batch() for _ in range(count)], per_token=True)
+
+
+def _speech(folder: Path, count: int) -> Case:
+    from test_qdq_fold import speech_encoder_qdq  # noqa: PLC0415
+
+    rng = np.random.default_rng(3)
+    return Case("speech", speech_encoder_qdq(folder), [{"x": rng.normal(0, 1, (1, 16, 50)).astype(np.float32)} for _ in range(count)])
+
+
+def _session(model: onnx.ModelProto | Path, fused: bool) -> Callable[[Batch], np.ndarray]:
+    import onnxruntime as ort  # noqa: PLC0415
+
+    options = ort.SessionOptions()
+    if not fused:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    inputs = {i.name: i.type for i in session.get_inputs()}
+
+    def run(feeds: Batch) -> np.ndarray:
+        prepared = {
+            k: v.astype(np.float16) if inputs[k] == "tensor(float16)" else v for k, v in feeds.items() if k in inputs
+        }
+        return np.asarray(session.run(None, prepared)[0], np.float32)
+
+    return run
+
+
+def _agreement(got: list[np.ndarray], expected: list[np.ndarray], per_token: bool) -> str:
+    """Top-1 agreement and the smallest cosine similarity over the batches."""
+    same = total = 0
+    cosine = 1.0
+    for g, e in zip(got, expected):
+        rows_g, rows_e = (g.reshape(-1, g.shape[-1]), e.reshape(-1, e.shape[-1])) if per_token else (g.reshape(1, -1), e.reshape(1, -1))
+        same += int((rows_g.argmax(-1) == rows_e.argmax(-1)).sum())
+        total += rows_g.shape[0]
+        a, b = g.reshape(-1).astype(np.float64), e.reshape(-1).astype(np.float64)
+        cosine = min(cosine, float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30)))
+    return f"{same}/{total} {cosine:.5f}"
+
+
+def _integers_kept(source: onnx.ModelProto, converted: onnx.ModelProto) -> bool:
+    """Whether every integer initializer still in the converted model is byte-identical."""
+    kept = {t.name: t for t in converted.graph.initializer}
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
+    return all(kept[t.name] == t for t in source.graph.initializer if t.data_type not in floats and t.name in kept)
+
+
+def _row(case: Case, target: str, runtime: str, folder: Path, references: dict[str, list[np.ndarray]]) -> str:
+    import mixprec  # noqa: PLC0415
+    from mixprec.validate.emulate import emulate_low_precision  # noqa: PLC0415
+    from test_qdq import assert_pairs_adjacent  # noqa: PLC0415
+
+    out = folder / "converted.onnx"
+    result = mixprec.convert(case.path, out, target_dtype=target, runtime=runtime, validate="run", overwrite=True)
+    report, source, converted = result.report, onnx.load(str(case.path)), onnx.load(str(out))
+    q = report.quantization
+    try:
+        assert_pairs_adjacent(source, converted, q.folded)
+        pairs = "adjacent"
+    except AssertionError:
+        pairs = "BROKEN"
+    emulated = _session(emulate_low_precision(converted), fused=False)
+    got = [emulated(feeds) for feeds in case.batches]
+    total = sum(q.quantized_ops.values())
+    groups = f"{q.quantized_low}/{total} {q.quantized_low / total:.0%}" if total else "-"
+    cpu = "-"
+    if target == "fp16":
+        real = _session(out, fused=True)
+        cpu = _agreement([real(feeds) for feeds in case.batches], references["unfused"], case.per_token)
+    return (
+        f"{case.name:<12} {target + ' ' + runtime:<14} {groups:>12} {len(q.folded):>6} {report.casts_runtime:>5} "
+        f"{pairs:<8} {'same' if _integers_kept(source, converted) else 'CHANGED':<7} {report.validation.checker:<7} "
+        f"{_agreement(got, references['unfused'], case.per_token):>16} {_agreement(got, references['fused'], case.per_token):>16} "
+        f"{cpu:>16}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("models", nargs="*", default=["squeezenet", "shufflenet", "inception_v1", "resnet50"])
+    parser.add_argument("--cnn", nargs="*", default=["squeezenet"], help="light CNNs shipped with onnx")
+    parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--out", type=Path, help="keep the quantized models here")
     options = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT / "tests"))
@@ -69,37 +178,34 @@ def main(argv: list[str] | None = None) -> int:
     import onnxruntime  # noqa: PLC0415
 
     onnxruntime.set_default_logger_severity(3)
-    import mixprec  # noqa: PLC0415
-    from test_qdq import assert_pairs_adjacent  # noqa: PLC0415
-
     with tempfile.TemporaryDirectory(prefix="bench_qdq_") as scratch:
         folder = options.out or Path(scratch)
         folder.mkdir(parents=True, exist_ok=True)
-        print(f"{'model':<13} {'quantization':<24} {'target':<14} {'16-bit':>6} {'fp32':>5} {'casts':>5} "
-              f"{'q-ops 16-bit':>12} {'outside':>8} {'error':>9}  runtime / pairs")
-        for name in options.models:
-            for variant, path in _quantized(name, folder).items():
-                source = onnx.load(str(path))
-                for target, runtime in TARGETS:
-                    converted = folder / "converted.onnx"
-                    result = mixprec.convert(path, converted, target_dtype=target, runtime=runtime, validate="run", overwrite=True)
-                    report = result.report
-                    q = report.quantization
-                    try:
-                        assert_pairs_adjacent(source, onnx.load(str(converted)))
-                        pairs = "adjacent"
-                    except AssertionError as e:
-                        pairs = f"BROKEN {e}"
-                    error = max((o.scaled_error or 0.0) for o in report.validation.outputs)
-                    share = f"{q.float_low_share:.0%}" if q.float_low_share is not None else "-"
-                    counts = report.nodes_by_precision
-                    print(
-                        f"{name:<13} {variant:<24} {target + ' ' + runtime:<14} {counts.get('low', 0):>6} "
-                        f"{counts.get('fp32', 0):>5} {report.casts_runtime:>5} "
-                        f"{f'{q.quantized_low}/{sum(q.quantized_ops.values())}':>12} {share:>8} {error:>9.2e}  "
-                        f"{report.validation.runtime} / {pairs}",
-                        flush=True,
-                    )
+        cases = [_cnn(name, folder, options.batches) for name in options.cnn]
+        try:
+            import torch  # noqa: F401, PLC0415
+        except ImportError:
+            print("torch is not installed: the transformer and speech models are skipped")
+        else:
+            cases += [_transformer(folder, options.batches), _speech(folder, options.batches)]
+        print(
+            f"{'model':<12} {'target':<14} {'groups 16-bit':>12} {'folded':>6} {'casts':>5} {'pairs':<8} {'ints':<7} "
+            f"{'checker':<7} {'vs unfused':>16} {'vs fused':>16} {'ort-cpu fp16':>16}   (top-1, min cosine over "
+            f"{options.batches} batches)"
+        )
+        for case in cases:
+            unfused, fused = _session(case.path, fused=False), _session(case.path, fused=True)
+            references = {
+                "unfused": [unfused(feeds) for feeds in case.batches],
+                "fused": [fused(feeds) for feeds in case.batches],
+            }
+            noise = _agreement(references["fused"], references["unfused"], case.per_token)
+            print(f"{case.name:<12} {'INT8+FP32 fused':<14} {'':>12} {'':>6} {'':>5} {'':<8} {'':<7} {'':<7} {noise:>16} {'-':>16}")
+            for target, runtime in TARGETS:
+                try:
+                    print(_row(case, target, runtime, folder, references), flush=True)
+                except Exception as e:  # noqa: BLE001 - a row reports its failure, the table goes on
+                    print(f"{case.name:<12} {target + ' ' + runtime:<14} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
     return 0
 
 

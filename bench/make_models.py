@@ -391,6 +391,19 @@ def make_llama(cfg: LlamaConfig, out_dir: Path, name: str, seed: int, chunk_mb: 
     return model_path
 
 
+# Nodes of one layer of `build_llama_graph` (RMSNorm written out, rotary, attention, SwiGLU MLP)
+# and of the graph around the layers.
+_DECODER_LAYER_NODES = 58
+_DECODER_OTHER_NODES = 11
+
+
+def decoder_config(n_nodes: int) -> LlamaConfig:
+    """The LLaMA-style decoder with tiny dimensions (hidden 16) and as many layers as make about
+    `n_nodes` nodes: a real architecture's graph shape at any node count."""
+    layers = max(1, round((n_nodes - _DECODER_OTHER_NODES) / _DECODER_LAYER_NODES))
+    return LlamaConfig(hidden=16, layers=layers, heads=2, kv_heads=1, mlp=32, vocab=64)
+
+
 def make_wide(n_nodes: int, out_dir: Path, seed: int, hidden: int = 16, seq: int = 8) -> Path:
     """Writes a graph with about ``n_nodes`` small nodes and returns its path."""
     rng = np.random.default_rng(seed)
@@ -502,6 +515,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="wide graph with ~N nodes (repeatable)",
     )
     ap.add_argument(
+        "--decoder",
+        action="append",
+        default=[],
+        type=int,
+        help="a LLaMA-style decoder with tiny dimensions and as many layers as give ~N nodes (repeatable)",
+    )
+    ap.add_argument(
         "--out", type=Path, default=Path(__file__).resolve().parent / "out", help="output directory"
     )
     ap.add_argument("--seed", type=int, default=0)
@@ -518,8 +538,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for flag in ("hidden", "layers", "heads", "kv-heads", "mlp", "vocab"):
         over.add_argument(f"--{flag}", type=int)
     args = ap.parse_args(argv)
-    if not args.llama and not args.nodes:
-        ap.error("nothing to do: give --llama and/or --nodes")
+    if not args.llama and not args.nodes and not args.decoder:
+        ap.error("nothing to do: give --llama, --nodes and/or --decoder")
     return args
 
 
@@ -549,6 +569,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         path = make_llama(cfg, args.out, name, args.seed, args.chunk_mb)
         rows.append((name, str(path), *_files_mb(path), time.perf_counter() - t0))
+    for n in args.decoder:
+        t0 = time.perf_counter()
+        path = make_llama(decoder_config(n), args.out, f"decoder_{n}", args.seed, args.chunk_mb)
+        nodes = len(onnx.load(path, load_external_data=False).graph.node)
+        rows.append((f"decoder_{n} ({nodes} nodes)", str(path), *_files_mb(path), time.perf_counter() - t0))
     for n in args.nodes:
         t0 = time.perf_counter()
         path = make_wide(n, args.out, args.seed)

@@ -1,4 +1,4 @@
-"""Cast placement by cost (`mixprec.analysis.placement`): the follow nodes of an island are
+"""Cast placement by cost (`mixprec.plan.placement`): the follow nodes of an island are
 decided together so that its Casts sit on the cheapest edges, within the numeric rules.
 
 Each graph moves a value through Unsqueeze -> Expand (x8) between a fixed 16-bit node (MatMul)
@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from mixprec.analysis import placement
+from mixprec.plan import placement
 from helpers import NodeSig, assert_matches_fp32, check_full, convert, parse, producer, random_feeds, sigs_of
 
 F, H, I = "float", "float16", "int64"

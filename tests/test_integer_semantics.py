@@ -19,9 +19,9 @@ from onnx import TensorProto, helper, numpy_helper
 import mixprec
 import mixprec.pipeline
 from mixprec.analysis.integer_semantics import integer_semantics
-from mixprec.analysis.plan import Category, Precision
 from mixprec.analysis.typeinfo import infer_types
 from mixprec.dtypes import LowPrecision
+from mixprec.plan.model import Category, Precision
 from mixprec.validate.emulate import emulate_low_precision
 
 FLOAT = TensorProto.FLOAT

@@ -323,4 +323,4 @@ def test_light_cnn_converts_cleanly_with_the_checks_on(
         LIGHT / "light_squeezenet.onnx", tmp_path / "out.onnx", target_dtype=target, validate="checker"
     )
     assert result.report.nodes_by_precision.get("low", 0) > 0
-    assert seen == ["upgrade", "type", "analyze", "plan", "rewrite", "save", "save (staged file)"]
+    assert seen == ["upgrade", "fold", "type", "analyze", "plan", "rewrite", "save", "save (staged file)"]

@@ -13,10 +13,10 @@ from onnx import TensorProto
 from onnx import helper as oh
 
 import mixprec
-from mixprec.analysis.plan import Category, Precision
 from mixprec.cli import main
 from mixprec.demo_models import small_cnn
-from mixprec.plan_file import PLAN_REASON, dumps_plan, load_plan, plan_to_dict, save_plan
+from mixprec.plan.file import PLAN_REASON, dumps_plan, load_plan, plan_to_dict, save_plan
+from mixprec.plan.model import Category, Precision
 
 
 @pytest.fixture(scope="module")

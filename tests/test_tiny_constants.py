@@ -23,9 +23,9 @@ from helpers import FLOAT, FLOAT16, NodeSig, check_full, convert, initializer_ty
 from onnx import numpy_helper
 
 import mixprec
-from mixprec.analysis import plan as plan_module
 from mixprec.analysis.constants import ConstantRange
 from mixprec.errors import PolicyError
+from mixprec.plan import planner as plan_module
 from mixprec.policy.opfacts import ALL_INPUTS, all_op_facts, op_facts, parse_op_facts
 from mixprec.validate.emulate import emulate_low_precision
 

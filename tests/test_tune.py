@@ -24,8 +24,8 @@ from onnx import numpy_helper as nh
 
 import mixprec
 from mixprec.cli import main
-from mixprec.plan_file import load_plan
 from mixprec.errors import InputError
+from mixprec.plan.file import load_plan
 from mixprec.tune import Tolerance, TuneResult, tune
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from mixprec.analysis.plan import Decision, Precision, PrecisionPlan, plan_precision
 from mixprec.analysis.typeinfo import infer_types
 from mixprec.api import ConversionResult, build_policy, convert, convert_module, convert_with_config
 from mixprec.config import Config
@@ -21,7 +20,9 @@ from mixprec.errors import (
 )
 from mixprec.io import load_model, save_model
 from mixprec.passes.rewrite import apply_plan
-from mixprec.plan_file import load_plan, save_plan
+from mixprec.plan.file import load_plan, save_plan
+from mixprec.plan.model import Decision, Precision, PrecisionPlan
+from mixprec.plan.planner import plan_precision
 from mixprec.policy.table import OpClass, Policy, load_policy
 from mixprec.report import Report
 from mixprec.tolerance import Tolerance

@@ -19,12 +19,12 @@ import onnx
 import onnx_ir as ir
 
 from mixprec.analysis.calibrate import RangeTable
-from mixprec.analysis.plan import PrecisionPlan
 from mixprec.config import Config
 from mixprec.dtypes import LowPrecision
 from mixprec.errors import InputError, ValidationFailure
 from mixprec.io import check_output_path, save_model, wants_external_data, without_staging
 from mixprec.pipeline import Conversion, run
+from mixprec.plan.model import PrecisionPlan
 from mixprec.policy.table import Policy, load_policy
 from mixprec.report import Report
 from mixprec.runtime.isolated import run_isolated
@@ -156,7 +156,7 @@ def convert(
             model is complete and checked).
         ranges: FP32 ranges measured before (`mixprec.analysis.calibrate.calibrate`): used
             instead of calibrating on `data`.
-        plan: A plan file (`mixprec.plan_file.save_plan`) or its dict: its `fp32` nodes are
+        plan: A plan file (`mixprec.plan.file.save_plan`) or its dict: its `fp32` nodes are
             kept FP32 ("set by plan"), its `low` nodes are left to the planner (a note lists
             those it keeps FP32). A node name absent from the model is an `InputError`.
 
@@ -230,7 +230,7 @@ def _check_output(model: object, output: str | os.PathLike, overwrite: bool) -> 
 
 def _repair(rejection: RuntimeRejection, output: str | os.PathLike | None, config: Config) -> ConversionResult:
     """Keep FP32 the fewest converted nodes that make onnxruntime load (and run) the model."""
-    from mixprec.analysis.plan import Category  # noqa: PLC0415
+    from mixprec.plan.model import Category  # noqa: PLC0415
     from mixprec.pipeline import prepare  # noqa: PLC0415
 
     source, outcome = rejection.reference, rejection.outcome

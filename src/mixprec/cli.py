@@ -205,7 +205,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         result = convert_with_config(args.input, args.output, _config(args))
     report = result.report
     if args.plan_out:
-        from mixprec.plan_file import save_plan  # noqa: PLC0415
+        from mixprec.plan.file import save_plan  # noqa: PLC0415
 
         save_plan(result.plan, args.plan_out)
     if args.report:

@@ -64,10 +64,14 @@ def _external_tensors(model: ir.Model) -> Iterator[tuple[str, ir.ExternalTensor]
 
 
 def _check_locations(tensors: list[tuple[str, ir.ExternalTensor]], path: Path) -> None:
-    """Refuse external data outside the model's folder, before any file of it is touched."""
+    """Refuse external data outside the model's folder, before any file of it is touched (each
+    distinct location is resolved once: thousands of tensors share one data file)."""
     root = os.path.realpath(path.parent)
+    checked: set[str] = set()
     for name, tensor in tensors:
         location = str(tensor.location)
+        if location in checked:
+            continue
         parts = PurePath(location).parts
         escapes = not location or "\0" in location or PurePath(location).is_absolute() or ".." in parts
         if not escapes:
@@ -78,23 +82,28 @@ def _check_locations(tensors: list[tuple[str, ir.ExternalTensor]], path: Path) -
                 f"{path}: tensor {name!r} keeps its data at {location!r}, outside the model's "
                 "folder; external data must lie in the model's folder (or below it)"
             )
+        checked.add(location)
 
 
 def _check_external_data(model: ir.Model, path: Path) -> None:
     tensors = list(_external_tensors(model))
     _check_locations(tensors, path)
+    sizes: dict[str, int | None] = {}  # data file -> its size (None: missing), looked up once
     for name, tensor in tensors:
-        data_path = Path(tensor.path)
-        if not data_path.is_file():
+        data_path = str(tensor.path)
+        if data_path not in sizes:
+            sizes[data_path] = os.path.getsize(data_path) if os.path.isfile(data_path) else None
+        size = sizes[data_path]
+        if size is None:
             raise ModelLoadError(
                 f"{path}: external data file {str(tensor.location)!r} for tensor "
-                f"{name!r} is missing (looked in {data_path.parent})"
+                f"{name!r} is missing (looked in {Path(data_path).parent})"
             )
         needed = (tensor.offset or 0) + (tensor.length or tensor.nbytes)
-        if data_path.stat().st_size < needed:
+        if size < needed:
             raise ModelLoadError(
                 f"{path}: external data file {data_path} is truncated: tensor "
-                f"{name!r} needs {needed} bytes, the file has {data_path.stat().st_size}"
+                f"{name!r} needs {needed} bytes, the file has {size}"
             )
 
 

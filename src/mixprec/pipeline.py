@@ -1,6 +1,6 @@
 """One conversion as a pipeline of named steps, each timed in the report.
 
-    load -> upgrade -> type -> analyze -> plan -> rewrite -> report -> save -> validate -> publish
+    load -> upgrade -> fold -> type -> analyze -> plan -> rewrite -> report -> save -> validate -> publish
 
 Data flows one way: every step reads what earlier steps left in the :class:`Conversion` and adds
 its own part. The model is typed once (one ONNX shape inference) and every later step works on
@@ -26,18 +26,20 @@ import onnx_ir as ir
 
 from mixprec.analysis.calibrate import RangeTable, measured_values
 from mixprec.analysis.integer_semantics import integer_semantics
-from mixprec.analysis.plan import Category, NodeMatcher, Precision, PrecisionPlan, plan_precision
 from mixprec.analysis.qdq import keep_pairs as keep_qdq_pairs
-from mixprec.analysis.plan import weights_only as weights_only_plan
-from mixprec.analysis.typeinfo import TypeInfo, assume_float_outputs, infer_types
+from mixprec.analysis.typeinfo import TypeInfo, assume_float_outputs, infer_types, retype_after_upgrade, untyped_values
 from mixprec.config import Config
 from mixprec.errors import InputError, ModelLoadError, RunError
 from mixprec.graphs import main_values, node_keys, walk_nodes
 from mixprec.io import load_model, staged_save, typed_values, uses_external_data, wants_external_data, weight_bytes
+from mixprec.passes.fold_dequantize import fold_constant_dequantizations
 from mixprec.passes.norm_blocks import fuse_norm_blocks, opset_for_fusion
 from mixprec.passes.norm_scales import FoldedScales, fold_norm_scales
-from mixprec.passes.opset import upgrade_for_target, upgrade_opset
+from mixprec.passes.opset import converter_keeps_every_node, set_default_opset, upgrade_for_target, upgrade_opset
 from mixprec.passes.rewrite import RewriteStats, apply_plan
+from mixprec.plan.model import Category, NodeMatcher, Precision, PrecisionPlan
+from mixprec.plan.planner import plan_precision
+from mixprec.plan.planner import weights_only as weights_only_plan
 from mixprec.policy.runtime import RuntimeProfile, load_runtime
 from mixprec.policy.schemas import op_exists
 from mixprec.policy.table import Policy, load_policy, parse_op_name
@@ -94,6 +96,7 @@ class Conversion:
     report: Report | None = None
     staged: Path | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)  # this process's CPU time per step
     cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     baseline: Baseline | None = None  # the source as loaded, when the steps are checked
 
@@ -150,6 +153,16 @@ def upgrade(c: Conversion) -> None:
         ir.save(c.model, c.reference_path, external_data="reference.onnx.data" if big else None)
 
 
+def fold(c: Conversion) -> None:
+    """Fold the constant dequantizations the runtime computes in float (QDQ models)."""
+    if c.config.ops.weights_only:
+        return
+    folded = fold_constant_dequantizations(c.model, c.profile, c.target)
+    if folded.nodes:
+        c.unchanged_source = None
+        c.notes.append(folded.note(c.profile.name, c.target))
+
+
 def type_model(c: Conversion) -> None:
     """Infer every value's type once; fuse decomposed normalizations; key the nodes."""
     c.declared = typed_values(c.model)
@@ -165,8 +178,14 @@ def type_model(c: Conversion) -> None:
     if version is not None:
         # Decomposed normalizations fuse (and compute in 16 bits with FP32 accumulation) only at
         # a newer opset: upgrade and type again, rather than keep each block FP32 with casts.
+        untyped = untyped_values(c.model)
         try:
-            upgraded = upgrade_opset(c.model, version)
+            if blocks.waiting is not None and converter_keeps_every_node(c.model, version, skip=frozenset(blocks.waiting)):
+                # Only the blocks would change, and they fuse: no conversion, no new types.
+                set_default_opset(c.model, version)
+                upgraded = c.model
+            else:
+                upgraded = upgrade_opset(c.model, version)
         except InputError as e:
             c.notes.append(f"normalizations stay FP32 blocks: upgrading to opset {version} failed ({e})")
         else:
@@ -175,7 +194,7 @@ def type_model(c: Conversion) -> None:
                 f"{' and '.join(sorted(blocks.needs_opset))} (pin a version with --opset)"
             )
             c.model, c.unchanged_source = upgraded, None
-            c.typeinfo = infer_types(c.model)
+            c.typeinfo = retype_after_upgrade(c.model, untyped, c.typeinfo)
             assume_float_outputs(c.model, c.policy.user_custom_ops())
             blocks = fuse_norm_blocks(c.model)
     c.keys = node_keys(c.model)
@@ -300,6 +319,7 @@ def validate(c: Conversion) -> None:
 STEPS: tuple[tuple[str, Callable[[Conversion], None]], ...] = (
     ("load", load),
     ("upgrade", upgrade),
+    ("fold", fold),
     ("type", type_model),
     ("analyze", analyze),
     ("plan", plan),
@@ -313,14 +333,15 @@ STEPS: tuple[tuple[str, Callable[[Conversion], None]], ...] = (
 def run(c: Conversion) -> Conversion:
     """Run the steps in order (up to `c.stop_after`), timing each; publish the staged output on
     success (step `publish`), discard it on failure."""
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     checked = steps_checked()
     try:
         with c.cleanup:  # on success publishes the staged model; on failure discards it
             for name, step in STEPS:
-                t = time.perf_counter()
+                t, cpu = time.perf_counter(), time.process_time()
                 step(c)
                 c.seconds[name] = time.perf_counter() - t
+                c.cpu_seconds[name] = time.process_time() - cpu
                 if checked:
                     _check_step(c, name)
                 if name == c.stop_after:
@@ -332,8 +353,10 @@ def run(c: Conversion) -> Conversion:
         if c.reference_dir is not None:  # unless a runtime rejection took it for its repair
             c.reference_dir.cleanup()
     c.seconds["total"] = time.perf_counter() - start
+    c.cpu_seconds["total"] = time.process_time() - cpu_start
     if c.report is not None:
         c.report.seconds = {k: round(v, 4) for k, v in c.seconds.items()}
+        c.report.cpu_seconds = {k: round(v, 4) for k, v in c.cpu_seconds.items()}
     return c
 
 
@@ -367,11 +390,11 @@ def make_plan(
 
     def planned(extra: Mapping[ir.Node, tuple[Category, str]] | None = None) -> PrecisionPlan:
         # Analyses' reasons (integer semantics) win over a plan file's; QDQ pairs stay cast-free.
-        return keep_qdq_pairs(plan_once, list(keys), policy.target, {**(extra or {}), **forced_nodes})
+        return keep_qdq_pairs(plan_once, list(keys), policy.target, {**(extra or {}), **forced_nodes}, profile.name)
 
     requested = None
     if config.nodes.plan is not None:
-        from mixprec.plan_file import load_plan  # noqa: PLC0415
+        from mixprec.plan.file import load_plan  # noqa: PLC0415
 
         requested = load_plan(config.nodes.plan)
         result = requested.apply(model, planned)
@@ -429,7 +452,7 @@ def prepare(source: object, config: Config) -> Prepared:
 # -- helpers -----------------------------------------------------------------------------------
 
 # The steps that change the model; `report` and `validate` only read it.
-_CHECKED_STEPS = frozenset({"upgrade", "type", "analyze", "plan", "rewrite", "save"})
+_CHECKED_STEPS = frozenset({"upgrade", "fold", "type", "analyze", "plan", "rewrite", "save"})
 # The staged file is loaded again for the check up to this size (its graph; weights stay unread).
 STAGED_RELOAD_MAX_BYTES = 64 << 20
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from mixprec.analysis.decisions import Category, Precision, PrecisionPlan
 from mixprec.graphs import is_default_domain
+from mixprec.plan.model import Category, Precision, PrecisionPlan
 from mixprec.policy.costs import RuntimeCost
 from mixprec.policy.opfacts import op_facts
 
@@ -25,7 +25,7 @@ from mixprec.policy.opfacts import op_facts
 SYMBOLIC_DIM = 128
 # Bytes per element: a Cast reads one type and writes the other (FP32 + 16-bit); an element a
 # memory-bound op reads or writes in FP32 instead of 16 bits moves this many more. The report's
-# cast bytes and the cast placement (mixprec.analysis.placement) price with them.
+# cast bytes and the cast placement (mixprec.plan.placement) price with them.
 CAST_BYTES_PER_ELEMENT = 4 + 2
 FP32_EXTRA_BYTES_PER_ELEMENT = 4 - 2
 LOW_BYTES_PER_ELEMENT, FP32_BYTES_PER_ELEMENT = 2, 4

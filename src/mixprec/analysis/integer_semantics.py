@@ -83,9 +83,9 @@ from mixprec.analysis.intervals import (
     from_elems,
     singletons_integral,
 )
-from mixprec.analysis.plan import Category
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.graphs import format_op_name, is_default_domain, subgraphs_of, walk_nodes
+from mixprec.plan.model import Category
 from mixprec.policy.opfacts import Carrier, OpFacts, op_facts
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,9 @@ its consumers compute in 16 bits and a QuantizeLinear when its producer does; th
 the rule that binds the two sides: where one side of such an edge is 16-bit and the other FP32
 (the schema or the runtime has no 16-bit DequantizeLinear, the op is kept FP32, a scale is too
 small for the 16-bit type), the 16-bit side is kept FP32 too, and the plan is made again, until
-no edge would need a Cast. Zero points and integer tensors are never touched.
+no edge would need a Cast. Zero points and integer tensors are never touched; constant
+dequantizations the runtime computes in float arrive here already folded into float constants
+(:mod:`mixprec.passes.fold_dequantize`), and the decisions of the ops reading them say so.
 
 It also counts what a report says of a quantized model: the Q/DQ nodes, the ops they wrap, and
 how much of the float compute outside them runs in 16 bits.
@@ -23,15 +25,19 @@ import numpy as np
 import onnx_ir as ir
 
 from mixprec.analysis.constants import is_constant
-from mixprec.analysis.decisions import Category, Precision, PrecisionPlan
+from mixprec.plan.model import Category, Decision, Precision, PrecisionPlan
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.policy.opfacts import op_facts
+from mixprec.policy.quantized_groups import quantized_groups
 
 __all__ = [
-    "QuantizedSummary", "broken_pairs", "keep_pairs", "quantized_summary", "quantizes_float_chain", "small_scales",
+    "FOLDED", "QuantizedSummary", "broken_pairs", "fp32_readers", "keep_pairs", "quantized_summary",
+    "quantizes_float_chain", "small_scales",
 ]
 
 Forced = dict[ir.Node, tuple[Category, str]]
+# Value meta key of a constant folded from a DequantizeLinear: that node's name.
+FOLDED = "mixprec.folded_dequantize"
 
 
 def role(node: ir.Node) -> str | None:
@@ -44,11 +50,13 @@ def has_qdq(nodes: list[ir.Node]) -> bool:
     return any(role(node) is not None for node in nodes)
 
 
-def quantizes_float_chain(node: ir.Node) -> bool:
-    """Whether the node quantizes a value computed by an op that is not a single-op QDQ group:
-    runtimes fuse DequantizeLinear -> op -> QuantizeLinear into one integer kernel (ONNX
-    Runtime's CPU provider even with 16-bit scales it cannot run, QLinearConcat), so such a
-    group gains nothing in 16 bits; graph inputs stay as they are."""
+def quantizes_float_chain(node: ir.Node, runtime: str | None = None, target: LowPrecision | None = None) -> bool:
+    """Whether the node quantizes a value computed by ops that may run in `target`: a chain
+    after the DequantizeLinear(s), or a single-op group (DequantizeLinear -> MaxPool / Relu ->
+    QuantizeLinear) where `runtime` runs such a group in `target` (`group_scales`, `fp32_groups`
+    in `policy/tables/quantized_groups.toml`). ONNX Runtime's CPU provider fuses a single-op group
+    into an integer kernel that takes FP32 scales only (QLinearConcat); graph inputs stay as
+    they are."""
     if role(node) != "quantize" or not node.inputs:
         return False
     x = node.inputs[0]
@@ -56,7 +64,10 @@ def quantizes_float_chain(node: ir.Node) -> bool:
     if producer is None:
         return False
     floats = [v for v in producer.inputs if v is not None and is_fp32_tensor(v) and not is_constant(v)]
-    return not floats or not all((p := v.producer()) is not None and role(p) == "dequantize" for v in floats)
+    chain = not floats or not all((p := v.producer()) is not None and role(p) == "dequantize" for v in floats)
+    return chain or (
+        target is not None and quantized_groups(runtime).runs_group_in(target, producer.domain, producer.op_type)
+    )
 
 
 def _pair_edges(plan: PrecisionPlan) -> Iterator[tuple[ir.Node, int, ir.Node, int]]:
@@ -128,11 +139,32 @@ def small_scales(nodes: list[ir.Node], target: LowPrecision) -> Forced:
     return found
 
 
+def fp32_readers(nodes: list[ir.Node], runtime: str | None) -> Forced:
+    """DequantizeLinear nodes read by an op that `runtime` runs only with an FP32 dequantized
+    input (`fp32_readers` in `policy/tables/quantized_groups.toml`)."""
+    facts = quantized_groups(runtime)
+    found: Forced = {}
+    for node in nodes:
+        if role(node) != "dequantize" or not node.outputs:
+            continue
+        reader = next(
+            (u.node for u in node.outputs[0].uses() if facts.reads_dequantized_in_fp32(u.node.domain, u.node.op_type)),
+            None,
+        )
+        if reader is not None:
+            found[node] = (
+                Category.RUNTIME,
+                f"{runtime} runs {reader.op_type} {reader.name or ''!r} only with an FP32 DequantizeLinear input",
+            )
+    return found
+
+
 def keep_pairs(
     plan: Callable[[Mapping[ir.Node, tuple[Category, str]]], PrecisionPlan],
     nodes: list[ir.Node],
     target: LowPrecision,
     forced: Mapping[ir.Node, tuple[Category, str]] | None = None,
+    runtime: str | None = None,
 ) -> PrecisionPlan:
     """Plan with `plan(forced)`, keeping more nodes FP32 until no QDQ edge needs a Cast.
 
@@ -142,14 +174,30 @@ def keep_pairs(
     extra: Forced = dict(forced or {})
     if not has_qdq(nodes):
         return plan(extra)
-    for node, finding in small_scales(nodes, target).items():
+    for node, finding in (*small_scales(nodes, target).items(), *fp32_readers(nodes, runtime).items()):
         extra.setdefault(node, finding)
     while True:
         result = plan(extra)
         broken = {node: finding for node, finding in broken_pairs(result).items() if node not in extra}
         if not broken:
+            _explain_folds(result)
             return result
         extra.update(broken)
+
+
+def _explain_folds(plan: PrecisionPlan) -> None:
+    """Add to the decision of each op that reads a folded dequantization where it came from."""
+    for node in plan.order:
+        folded = [v for v in node.inputs if v is not None and FOLDED in v.meta]
+        if not folded:
+            continue
+        d = plan.decisions[node]
+        inputs = ", ".join(f"{v.name!r} (DequantizeLinear {v.meta[FOLDED]!r})" for v in folded)
+        plan.decisions[node] = Decision(
+            d.precision, d.category,
+            f"{d.reason}; constant input(s) {inputs} folded: the runtime dequantizes them in float, "
+            "so they were computed once in FP32",
+        )
 
 
 @dataclass
@@ -165,6 +213,8 @@ class QuantizedSummary:
         float_fp32: Float ops outside quantized groups kept FP32.
         fp32_ops: The FP32 ones among those, by op type.
         float_low_share: float_low / (float_low + float_fp32); None without such ops.
+        folded: The constant DequantizeLinear nodes folded into float constants (the runtime
+            dequantizes them in float), by name.
     """
 
     qdq_nodes: dict[str, int] = field(default_factory=dict)
@@ -174,6 +224,7 @@ class QuantizedSummary:
     float_fp32: int = 0
     fp32_ops: dict[str, int] = field(default_factory=dict)
     float_low_share: float | None = None
+    folded: list[str] = field(default_factory=list)
 
     def format_line(self, target: str) -> str:
         """One line for the terminal report."""
@@ -184,9 +235,10 @@ class QuantizedSummary:
             f"{self.float_low} of {total} in {target} ({self.float_low_share:.1%})"
             if self.float_low_share is not None else "none"
         )
+        folded = f"; {len(self.folded)} constant DequantizeLinear folded into float constants" if self.folded else ""
         return (
             f"  quantized: {qdq}; ops between them: {wrapped} ({self.quantized_low} with a "
-            f"{target} float side); float ops outside them: {outside}"
+            f"{target} float side); float ops outside them: {outside}{folded}"
         )
 
 
@@ -206,9 +258,10 @@ def _quantized(node: ir.Node) -> bool:
 
 def quantized_summary(plan: PrecisionPlan) -> QuantizedSummary | None:
     """Counts for the report; None for a model without QuantizeLinear/DequantizeLinear."""
-    if not has_qdq(plan.order):
+    folded = [value.meta[FOLDED] for graph in plan.graphs for value in graph.initializers.values() if FOLDED in value.meta]
+    if not has_qdq(plan.order) and not folded:
         return None
-    summary = QuantizedSummary()
+    summary = QuantizedSummary(folded=folded)
     qdq: Counter[str] = Counter()
     wrapped: Counter[str] = Counter()
     fp32: Counter[str] = Counter()

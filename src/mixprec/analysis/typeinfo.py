@@ -179,6 +179,33 @@ def infer_types(model: ir.Model, source: Path | None = None) -> TypeInfo:
     return TypeInfo(inferred=inferred, unknown=unknown, warning=warning, corrected=tuple(corrected))
 
 
+def untyped_values(model: ir.Model) -> set[str]:
+    """Names of the node outputs (main graph and subgraphs) whose type or shape is unknown."""
+    return {
+        out.name for node in walk_nodes(model.graph) for out in node.outputs
+        if out.name and (out.dtype is None or out.shape is None)
+    }
+
+
+def retype_after_upgrade(model: ir.Model, untyped_before: set[str], previous: TypeInfo) -> TypeInfo:
+    """Types for a model the opset upgrade rebuilt from a typed one: the values keep theirs
+    (the converted file carries them), so only the constants the converter added (attributes
+    that became inputs) need one, from their tensors; full inference only when anything else
+    lost its type."""
+    nodes = walk_nodes(model.graph)
+    _fill_constant_types(model, nodes)
+    for node in nodes:
+        if node.op_type == "Constant" and node.outputs and node.outputs[0].shape is None:
+            tensor = constant_node_tensor(node)
+            if tensor is not None:
+                node.outputs[0].shape = ir.Shape(tensor.shape)
+    lost = any(
+        (out.dtype is None or out.shape is None) and out.name not in untyped_before
+        for node in nodes for out in node.outputs
+    )
+    return infer_types(model) if lost else previous
+
+
 def _forget_output_shapes(graph: onnx.GraphProto) -> None:
     """Drop the declared shapes of the graph outputs (subgraphs included) from the copy that
     inference reads, so that what it infers for them is what the model computes."""

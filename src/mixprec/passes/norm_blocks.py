@@ -75,6 +75,9 @@ class NormBlocks:
     kept: dict[ir.Node, str]
     # Fused op -> the opset it needs, for blocks kept FP32 only because the model's is older.
     needs_opset: dict[str, int] = field(default_factory=dict)
+    # The nodes of those blocks (they go when the blocks fuse after an upgrade); None when one
+    # of them could not fuse even then (its affine constants are not static).
+    waiting: set[ir.Node] | None = field(default_factory=set)
 
 
 def _sole_consumer(value: ir.Value, graph_outputs: set[ir.Value]) -> ir.Node | None:
@@ -348,6 +351,11 @@ def fuse_norm_blocks(model: ir.Model) -> NormBlocks:
                 reason = f"decomposed {what} kept FP32 as one block: its normalized shape or affine constants are not static"
             else:
                 result.needs_opset[op_type] = since
+                if result.waiting is not None:
+                    fusable = _affine_tensor(block, block.scale, 1.0) is not None and (
+                        block.bias is None or _affine_tensor(block, block.bias, 0.0) is not None
+                    )
+                    result.waiting = result.waiting | set(block.nodes) if fusable else None
                 reason = (
                     f"decomposed {what} kept FP32 as one block (no mixed types for runtime fusions); "
                     f"fusing it into {op_type} needs opset {since} (--opset {since})"

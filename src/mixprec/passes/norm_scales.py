@@ -26,7 +26,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mixprec.analysis.constants import ScaledTensor, constant_range, replace_constant, small_constant_array
-from mixprec.analysis.decisions import PrecisionPlan, Storage
+from mixprec.plan.model import PrecisionPlan, Storage
 from mixprec.dtypes import is_fp32_tensor
 from mixprec.graphs import is_default_domain
 from mixprec.policy.opfacts import op_facts

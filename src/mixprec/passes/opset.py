@@ -7,8 +7,11 @@ being read; the original, still lazy, tensors are put back afterwards.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import onnx
 import onnx.defs
+import onnx.numpy_helper
 import onnx.version_converter
 import onnx_ir as ir
 
@@ -80,9 +83,16 @@ def required_opset(
 def upgrade_opset(model: ir.Model, opset: int) -> ir.Model:
     """Upgrade the default-domain opset with the ONNX version converter, weights untouched.
 
+    When the converter leaves every kind of node the model has as it is (the versions in
+    between only add types or optional attributes), only the opset import changes: the model
+    is not serialized, converted and read back (:func:`_converter_keeps_every_node`).
+
     Raises:
         InputError: The converter cannot upgrade the model (naming the versions and its error).
     """
+    if converter_keeps_every_node(model, opset):
+        set_default_opset(model, opset)
+        return model
     current = default_opset(model)
     graph = model.graph
     inputs = {v.name for v in graph.inputs}
@@ -112,6 +122,89 @@ def upgrade_opset(model: ir.Model, opset: int) -> ir.Model:
         new_graph.inputs.clear()
         new_graph.inputs.extend(remaining)
     return result
+
+
+# A constant attribute tensor larger than this stands in the sample model as one element of
+# its type and rank (adapters read attributes' presence and types, not large values).
+_SAMPLE_TENSOR_BYTES = 1 << 16
+
+
+def _kind(node: ir.Node) -> tuple:
+    """What the version converter's adapters can depend on: the op, its attributes (tensors by
+    type and shape), its inputs' and outputs' arity, element types and ranks."""
+    attributes = []
+    for name, attr in sorted(node.attributes.items()):
+        if attr.type == ir.AttributeType.TENSOR:
+            tensor = attr.as_tensor()
+            attributes.append((name, "tensor", tensor.dtype, tuple(tensor.shape)))
+        else:
+            attributes.append((name, attr.type, repr(attr.value)))
+    def signature(values: Sequence[ir.Value | None]) -> tuple:
+        return tuple(
+            None if v is None else (v.dtype, None if v.shape is None else len(v.shape)) for v in values
+        )
+    return (node.domain, node.op_type, node.version, tuple(attributes), signature(node.inputs), signature(node.outputs))
+
+
+def _sample_value(value: ir.Value, name: str) -> onnx.ValueInfoProto:
+    dims = None if value.shape is None else [d if isinstance(d, int) else None for d in value.shape]
+    return onnx.helper.make_tensor_value_info(name, int(value.dtype) if value.dtype is not None else 0, dims)
+
+
+def set_default_opset(model: ir.Model, opset: int) -> None:
+    """Declare another default-domain opset (nothing else changes)."""
+    model.opset_imports["" if "" in model.opset_imports or "ai.onnx" not in model.opset_imports else "ai.onnx"] = opset
+
+
+def converter_keeps_every_node(model: ir.Model, opset: int, skip: frozenset[ir.Node] = frozenset()) -> bool:
+    """Whether the ONNX version converter, from the model's opset to `opset`, leaves each kind of
+    node of the model (see :func:`_kind`; nodes in `skip` aside) exactly as it is: it converts a
+    sample model with one node of each kind, with the same attributes and input types. Models
+    with subgraphs or functions, and nodes of unknown types, take the converter's own way."""
+    current = default_opset(model)
+    if current is None or model.functions:
+        return False
+    if current == opset:
+        return True
+    samples: dict[tuple, ir.Node] = {}
+    for node in model.graph:
+        if normalize_domain(node.domain) != "" or node in skip:
+            continue
+        if any(attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for attr in node.attributes.values()):
+            return False
+        if any(v is not None and v.dtype is None for v in (*node.inputs, *node.outputs)):
+            return False
+        samples.setdefault(_kind(node), node)
+    nodes, inputs, outputs = [], [], []
+    for index, node in enumerate(samples.values()):
+        proto = ir.serde.serialize_node(node)
+        proto.name = f"n{index}"
+        for position, value in enumerate(node.inputs):
+            if value is not None:
+                proto.input[position] = f"i{index}_{position}"
+                inputs.append(_sample_value(value, proto.input[position]))
+        for position, value in enumerate(node.outputs):
+            proto.output[position] = f"o{index}_{position}"
+            outputs.append(_sample_value(value, proto.output[position]))
+        for attr in proto.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR and attr.t.ByteSize() > _SAMPLE_TENSOR_BYTES:
+                array = onnx.numpy_helper.to_array(attr.t)
+                attr.t.CopyFrom(onnx.numpy_helper.from_array(array.reshape(-1)[:1].reshape([1] * array.ndim)))
+        nodes.append(proto)
+    graph = onnx.helper.make_graph(nodes, "sample", inputs, outputs)
+    sample = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", current)])
+    sample.ir_version = model.ir_version
+    try:
+        converted = onnx.version_converter.convert_version(sample, opset)
+    except Exception:  # noqa: BLE001 - the full conversion reports the converter's errors
+        return False
+    if len(converted.graph.node) != len(nodes):
+        return False
+    return all(
+        (a.op_type, a.domain, list(a.input), list(a.output)) == (b.op_type, b.domain, list(b.input), list(b.output))
+        and sorted(x.SerializeToString() for x in a.attribute) == sorted(x.SerializeToString() for x in b.attribute)
+        for a, b in zip(nodes, converted.graph.node)
+    )
 
 
 def upgrade_for_target(

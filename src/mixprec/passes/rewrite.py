@@ -1,4 +1,4 @@
-"""Apply a :class:`~mixprec.analysis.plan.PrecisionPlan` to the model it was made for.
+"""Apply a :class:`~mixprec.plan.model.PrecisionPlan` to the model it was made for.
 
 Rewrite rules, in the order they run:
 
@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_tensor, is_constant, iter_chunks
 from mixprec.analysis.cost import estimated_elements, guessed_elements, tensor_elements
-from mixprec.analysis.plan import Precision, PrecisionPlan, Storage
+from mixprec.plan.model import Precision, PrecisionPlan, Storage
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.graphs import FreshNames
 

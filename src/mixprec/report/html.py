@@ -258,7 +258,9 @@ def _quantization_card(report: Report) -> list[str]:
         f'<div class="big">{share}</div>',
         f'<div class="note">of the {q.float_low + q.float_fp32} float ops outside quantized groups in '
         f"{esc(report.target)}; {qdq}; ops between them: {wrapped} ({q.quantized_low} with a "
-        f"{esc(report.target)} float side)</div></div>",
+        f"{esc(report.target)} float side)"
+        + (f"; {len(q.folded)} constant DequantizeLinear folded into float constants" if q.folded else "")
+        + "</div></div>",
     ]
 
 

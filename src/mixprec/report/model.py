@@ -16,10 +16,10 @@ import onnx_ir as ir
 
 from mixprec.analysis.cost import CAST_BYTES_PER_ELEMENT, SYMBOLIC_DIM, estimate_plan
 from mixprec.analysis.qdq import QuantizedSummary, quantized_summary
-from mixprec.analysis.plan import Category, Precision, PrecisionPlan
 from mixprec.graphs import has_subgraphs, walk_nodes
 from mixprec.passes.rewrite import RewriteStats
 from mixprec.passes.opset import first_opset_admitting
+from mixprec.plan.model import Category, Precision, PrecisionPlan
 from mixprec.policy.costs import runtime_cost
 from mixprec.policy.runtime import RuntimeProfile
 from mixprec.policy.table import normalize_domain
@@ -142,6 +142,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     validation: Validation = field(default_factory=Validation)
     seconds: dict[str, float] = field(default_factory=dict)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)  # CPU time of this process per step
     # Per-node listing for drawing; left out of to_dict()/to_json() unless asked for.
     graph: NodeGraph | None = field(default=None, repr=False, compare=False)
     # Estimates of the cost model (mixprec.analysis.cost): bytes the casts move per inference

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from mixprec.analysis.plan import Precision, PrecisionPlan
+from mixprec.plan.model import Precision, PrecisionPlan
 
 _FLOAT_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
 _EXACT_DTYPES = frozenset(

@@ -13,8 +13,8 @@ import onnx.shape_inference
 import onnx_ir as ir
 
 from mixprec.analysis.cost import BOUNDARIES, float_elements, flops_of, node_time
-from mixprec.analysis.plan import Precision, PrecisionPlan
 from mixprec.graphs import node_keys
+from mixprec.plan.model import Precision, PrecisionPlan
 from mixprec.policy.costs import RuntimeCost
 
 logger = logging.getLogger(__name__)

@@ -10,9 +10,9 @@ from typing import Any
 
 import onnx_ir as ir
 
-from mixprec.analysis.plan import PrecisionPlan
 from mixprec.dtypes import LowPrecision
-from mixprec.plan_file import plan_to_dict, save_plan
+from mixprec.plan.file import plan_to_dict, save_plan
+from mixprec.plan.model import PrecisionPlan
 from mixprec.report import Report
 from mixprec.tolerance import Tolerance
 
@@ -52,7 +52,7 @@ class TuneResult:
     Attributes:
         met: Whether the chosen plan meets the tolerance (and metric).
         target: The 16-bit type.
-        plan: The final plan (save it with `save_plan` or `mixprec.plan_file.save_plan`):
+        plan: The final plan (save it with `save_plan` or `mixprec.plan.file.save_plan`):
             the smallest passing one, or when none passes the most accurate one tried.
         model: The converted model of that plan.
         output_path: Where it was written (only when `met` and an output was given).

@@ -22,7 +22,7 @@ from mixprec.dtypes import LowPrecision
 from mixprec.errors import InputError, MixprecError
 from mixprec.io import wants_external_data
 from mixprec.pipeline import Prepared, prepare
-from mixprec.plan_file import PlanFile, fp32_plan, load_plan
+from mixprec.plan.file import PlanFile, fp32_plan, load_plan
 from mixprec.policy.costs import runtime_cost
 from mixprec.tolerance import Tolerance
 from mixprec.tune.batches import read_batches

@@ -23,6 +23,8 @@ Details of the rewrite:
   op facts: ``Reshape``, ``Concat``, ``Relu``, ``Max`` and similar), of control flow
   (``If``/``Loop``/``Scan``: their bodies round) and 16-bit sequence/optional values are
   retyped but not re-rounded: their values are already exactly representable.
+* QuantizeLinear / DequantizeLinear forms the CPU provider lacks (the opset-28 schema, say)
+  become forms it has (:mod:`mixprec.validate.qdq_forms`).
 * Model-local functions are inlined first (onnxruntime inlines them too): ONNX
   functions are untyped, so their 16-bit values are only known after inlining.
 
@@ -47,6 +49,7 @@ from mixprec.errors import InputError, ModelLoadError, RunError
 from mixprec.graphs import FreshNames, default_domain_version, forget_structure, is_default_domain, model_names
 from mixprec.io import weight_free_proto
 from mixprec.policy.opfacts import NO_FACTS, op_facts
+from mixprec.validate.qdq_forms import cpu_quantization_forms
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +192,8 @@ def _emulate_in_place(model: ir.Model) -> None:
         )
     if rounded and default_domain_version(model.opset_imports) is None:
         model.opset_imports[""] = 13
-    logger.info("emulation: %d values rounded through 16-bit", rounded)
+    forms = cpu_quantization_forms(model)
+    logger.info("emulation: %d values rounded through 16-bit, %d Q/DQ nodes in CPU forms", rounded, forms)
 
 
 def _infer_types(model: ir.Model) -> None:

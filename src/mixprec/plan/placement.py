@@ -24,6 +24,7 @@ one, so the cut never trades a Cast for compute.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import onnx_ir as ir
@@ -36,13 +37,13 @@ from mixprec.analysis.cost import (
     guessed_elements,
 )
 from mixprec.analysis.qdq import role as qdq_role
-from mixprec.analysis.decisions import Category, Precision
 from mixprec.dtypes import is_fp32_tensor
+from mixprec.plan.model import Category, Precision, PrecisionPlan
 from mixprec.policy.costs import runtime_cost
 from mixprec.policy.opfacts import op_facts
 from mixprec.policy.table import OpClass
 
-__all__ = ["Island", "min_cut_islands"]
+__all__ = ["Island", "PlannerView", "min_cut_islands"]
 
 _INF = 1 << 256  # beyond any sum of byte costs (Python integers do not overflow)
 _CAST_BYTES = CAST_BYTES_PER_ELEMENT
@@ -204,12 +205,36 @@ def _free_values(node: ir.Node, fact) -> tuple[list[ir.Value], list[ir.Value]] |
     return inputs, outputs
 
 
+@dataclass(frozen=True)
+class PlannerView:
+    """What the cast placement reads of the planner after its forward and backward passes.
+
+    Attributes:
+        plan: The decisions so far.
+        model_inputs: The main graph's inputs.
+        main_outputs: The main graph's outputs.
+        sub_outputs: The outputs of subgraphs and function bodies (returned as they are, FP32).
+        op_types: The (op type, domain) pairs the model uses.
+        runtime: The runtime profile's name (its costs price a Cast).
+        is_weight_heavy: Whether a node was lowered for the large constant it reads (kept as
+            decided).
+    """
+
+    plan: PrecisionPlan
+    model_inputs: frozenset[ir.Value]
+    main_outputs: frozenset[ir.Value]
+    sub_outputs: frozenset[ir.Value]
+    op_types: frozenset[tuple[str, str]]
+    runtime: str
+    is_weight_heavy: Callable[[ir.Node], bool]
+
+
 class _Islands:
     """The free nodes of a planner, their islands, and each island as plain data."""
 
-    def __init__(self, planner) -> None:  # noqa: ANN001
+    def __init__(self, planner: PlannerView) -> None:
         self.planner = planner
-        self.view = planner.view()
+        self.view = planner.plan
         self.free: dict[ir.Node, int] = {}
         # Free nodes the forward pass kept FP32 for an FP32 input that may not fit the 16-bit type
         # (an output of an FP32 node neither bounded nor measured, or what such nodes compute
@@ -218,10 +243,10 @@ class _Islands:
         self.inputs: dict[ir.Node, list[ir.Value]] = {}
         self.outputs: dict[ir.Node, list[ir.Value]] = {}
         self._elements: dict[int, int] = {}  # id(shape) -> elements (the values keep their shapes alive)
-        self.model_inputs = frozenset(planner.model.graph.inputs)
-        facts, decisions = planner.facts, planner.decisions
-        self.quantized = any(op_facts(domain, op).quantization for op, domain in planner.op_types())
-        for node in planner.order:
+        self.model_inputs = planner.model_inputs
+        facts, decisions = planner.plan.facts, planner.plan.decisions
+        self.quantized = any(op_facts(domain, op).quantization for op, domain in planner.op_types)
+        for node in planner.plan.order:
             decision = decisions[node]
             if decision.category not in _FREE_CATEGORIES or decision.precision is Precision.NONE:
                 continue
@@ -300,86 +325,92 @@ class _Islands:
         or -1 / -2 for a fixed 16-bit / FP32 producer, free reader indices, a fixed reader wants
         16 bits, a fixed reader wants FP32).
         """
-        planner, facts = self.planner, self.planner.facts
-        input_is_lowered, output_is_lowered = self.view.input_is_lowered, self.view.output_is_lowered
-        keep_io_types, main_outputs, sub_outputs = planner.keep_io_types, planner.main_outputs, planner.sub_outputs
         ids = {node: i for i, node in enumerate(nodes)}
         values: dict[ir.Value, None] = {}
         for node in nodes:
             values.update(dict.fromkeys(self.inputs[node]))
             values.update(dict.fromkeys(self.outputs[node]))
-        elements = self.elements
-        described: list[tuple] = []
-        needs_cast = False
-        for value in values:
-            producer = value.producer()
-            if producer in ids:
-                origin = ids[producer]
-            elif producer is None:
-                origin = -2 if keep_io_types or value not in self.model_inputs else -1
-            else:
-                origin = -1 if output_is_lowered(producer, producer.outputs.index(value)) else -2
-            free_readers: set[int] = set()
-            wants_low = wants_high = False
-            for use in value.uses():
-                consumer, index = use.node, use.idx
-                fact = facts.get(consumer)
-                if fact is not None and index in fact.flexible:
-                    continue  # read as it is (Shape, CastLike's input): no Cast either way
-                j = ids.get(consumer)
-                if j is not None:
-                    free_readers.add(j)
-                elif input_is_lowered(consumer, index):
-                    wants_low = True
-                else:
-                    wants_high = True
-            if value in sub_outputs:
-                wants_high = True  # a subgraph returns it as it is, in FP32
-            if value in main_outputs:
-                if keep_io_types:
-                    wants_high = True
-                else:
-                    wants_low = True
-            readers = tuple(sorted(free_readers))
-            needs_cast = needs_cast or _value_casts(origin, readers, wants_low, wants_high, greedy) > 0
-            described.append((value, origin, readers, wants_low, wants_high))
-        if not needs_cast:
+        described = [self._describe(value, ids) for value in values]
+        if not any(_value_casts(*rest, greedy) > 0 for _, *rest in described):
             return None  # sized only where there is something to improve
-        value_specs = [(elements(value), *rest) for value, *rest in described]
+        value_specs = [(self.elements(value), *rest) for value, *rest in described]
         before = _casts(value_specs, greedy)
-        specs = []
-        for node in nodes:
-            inputs, outputs = self.inputs[node], self.outputs[node]
-            touched = sum(elements(v) for v in inputs) + sum(elements(v) for v in outputs)
-            if node not in self.reads_tainted:
-                specs.append((touched, 0, ()))
-            elif not op_facts(node.domain, node.op_type).value_preserving:
-                specs.append((touched, 1, ()))
-            else:
-                readers: set[int] = set()
-                for value in outputs:
-                    for use in value.uses():
-                        fact = facts.get(use.node)
-                        if fact is not None and use.idx in fact.flexible:
-                            continue
-                        j = ids.get(use.node)
-                        readers.add(j if j is not None else (-1 if not input_is_lowered(use.node, use.idx) else -3))
-                    if (value in main_outputs and keep_io_types) or value in sub_outputs:
-                        readers.add(-1)
-                readers.discard(-3)  # fixed 16-bit readers allow it
-                specs.append((touched, 2, tuple(sorted(readers))))
+        specs = [self._node_spec(node, ids) for node in nodes]
         return (tuple(specs), tuple(value_specs)), before
 
+    def _describe(self, value: ir.Value, ids: dict[ir.Node, int]) -> tuple:
+        """(value, producer index or -1 / -2 for a fixed 16-bit / FP32 producer, free reader
+        indices, a fixed reader wants 16 bits, a fixed reader wants FP32)."""
+        planner, facts = self.planner, self.view.facts
+        input_is_lowered, output_is_lowered = self.view.input_is_lowered, self.view.output_is_lowered
+        keep_io_types, main_outputs, sub_outputs = self.view.keep_io_types, planner.main_outputs, planner.sub_outputs
+        producer = value.producer()
+        if producer in ids:
+            origin = ids[producer]
+        elif producer is None:
+            origin = -2 if keep_io_types or value not in self.model_inputs else -1
+        else:
+            origin = -1 if output_is_lowered(producer, producer.outputs.index(value)) else -2
+        free_readers: set[int] = set()
+        wants_low = wants_high = False
+        for use in value.uses():
+            consumer, index = use.node, use.idx
+            fact = facts.get(consumer)
+            if fact is not None and index in fact.flexible:
+                continue  # read as it is (Shape, CastLike's input): no Cast either way
+            j = ids.get(consumer)
+            if j is not None:
+                free_readers.add(j)
+            elif input_is_lowered(consumer, index):
+                wants_low = True
+            else:
+                wants_high = True
+        if value in sub_outputs:
+            wants_high = True  # a subgraph returns it as it is, in FP32
+        if value in main_outputs:
+            if keep_io_types:
+                wants_high = True
+            else:
+                wants_low = True
+        return value, origin, tuple(sorted(free_readers)), wants_low, wants_high
 
-def min_cut_islands(planner) -> list[tuple[Island, dict[ir.Node, bool], tuple[int, int], tuple[int, int]]]:  # noqa: ANN001
-    """Decide the free nodes of `planner` (a `mixprec.analysis.plan._Planner` after its forward
-    and backward passes) by minimum cut. Returns, per island whose assignment changes, the
+    def _node_spec(self, node: ir.Node, ids: dict[ir.Node, int]) -> tuple:
+        """(elements it reads and writes, constraint, readers): constraint 0 free, 1 FP32 (an
+        FP32 input that may not fit), 2 16-bit only when all `readers` are."""
+        elements, facts = self.elements, self.view.facts
+        inputs, outputs = self.inputs[node], self.outputs[node]
+        touched = sum(elements(v) for v in inputs) + sum(elements(v) for v in outputs)
+        if node not in self.reads_tainted:
+            return touched, 0, ()
+        if not op_facts(node.domain, node.op_type).value_preserving:
+            return touched, 1, ()
+        keep_io_types = self.view.keep_io_types
+        main_outputs, sub_outputs = self.planner.main_outputs, self.planner.sub_outputs
+        readers: set[int] = set()
+        for value in outputs:
+            for use in value.uses():
+                fact = facts.get(use.node)
+                if fact is not None and use.idx in fact.flexible:
+                    continue
+                j = ids.get(use.node)
+                readers.add(j if j is not None else (-1 if not self.view.input_is_lowered(use.node, use.idx) else -3))
+            if (value in main_outputs and keep_io_types) or value in sub_outputs:
+                readers.add(-1)
+        readers.discard(-3)  # fixed 16-bit readers allow it
+        return touched, 2, tuple(sorted(readers))
+
+
+def min_cut_islands(
+    planner: PlannerView,
+) -> list[tuple[Island, dict[ir.Node, bool], tuple[int, int], tuple[int, int]]]:
+    """Decide the free nodes of `planner` (the planner after its forward and backward passes)
+    by minimum cut. Returns, per island whose assignment changes, the
     island, the new assignment (node -> 16-bit) and the (casts, bytes) before and after."""
     islands = _Islands(planner)
     if not islands.free:
         return []
-    decisions = planner.decisions
-    launch = round(runtime_cost(planner.runtime.name).launch_bytes)
+    decisions = planner.plan.decisions
+    launch = round(runtime_cost(planner.runtime).launch_bytes)
     changes = []
     # Repeated layers give equal problems: each is solved once. A cut priced with launches that
     # trades cast bytes for fewer casts is not kept (cast bytes may not grow); the cut priced by

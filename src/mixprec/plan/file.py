@@ -39,11 +39,11 @@ from typing import Any
 
 import onnx_ir as ir
 
-from mixprec.analysis.plan import Category, Precision, PrecisionPlan
 from mixprec.dtypes import LowPrecision, parse_low_precision
 from mixprec.errors import InputError
 from mixprec.graphs import node_keys
 from mixprec.io import write_text_atomic
+from mixprec.plan.model import Category, Precision, PrecisionPlan
 from mixprec.version import __version__
 
 logger = logging.getLogger(__name__)

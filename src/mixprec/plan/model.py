@@ -1,6 +1,7 @@
 """What a precision plan is made of: per-node decisions with a category and a reason, the
 value states of the planner's lattice, the plan itself, and the matcher of excluded node names
-(the planner that makes plans is :mod:`mixprec.analysis.plan`)."""
+(the rules that decide nodes are in :mod:`mixprec.plan.rules`, the planner that applies them in
+:mod:`mixprec.plan.planner`)."""
 
 from __future__ import annotations
 
@@ -86,23 +87,35 @@ class Storage(enum.Enum):
     BOTH = "both"  # kept FP32, with a 16-bit copy for the consumers that compute in 16 bits
 
 
-@dataclass
+@dataclass(frozen=True)
 class NodeFacts:
-    """What the planner knows about one node before deciding it."""
+    """What the planner knows about one node before deciding it.
+
+    Attributes:
+        rule: The policy rule (None for ops the policy does not know).
+        sig: The schema binding of the node's inputs and outputs (None without a schema).
+        float_vars: Type variables bound to FP32 values.
+        lowerable: Type variables the node would compute in the 16-bit type.
+        pinned_evidence: Why inputs that must not be narrowed pinned their type variables.
+        flexible: Input indices the node takes as they are (Shape's input, ...).
+        runtime_blocked: Type variables the runtime has no 16-bit kernel for.
+        runtime_reason: Why, naming the kernel and provider.
+    """
 
     rule: OpRule | None
     sig: Signature | None
     float_vars: frozenset[str] = frozenset()
-    lowerable: set[str] = field(default_factory=set)
-    pinned_evidence: list[str] = field(default_factory=list)
+    lowerable: frozenset[str] = frozenset()
+    pinned_evidence: tuple[str, ...] = ()
     flexible: frozenset[int] = frozenset()
     runtime_blocked: frozenset[str] = frozenset()
     runtime_reason: str | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrecisionPlan:
-    """Per-node precision decisions and what they imply for values and constants.
+    """Per-node precision decisions and what they imply for values and constants (built once by
+    the planner; a different plan is a new object, see `dataclasses.replace`).
 
     Attributes:
         target: The 16-bit type.

@@ -1,0 +1,569 @@
+"""Precision planning: decide, for every node, whether it computes in the 16-bit type.
+
+The planner is pure analysis: it reads a typed model (see :mod:`mixprec.analysis.typeinfo`) and
+returns a :class:`PrecisionPlan`; it never edits the model. Decisions follow a small lattice over
+FP32 values:
+
+* ``LOW``  the value is produced in the 16-bit type;
+* ``HIGH`` the value stays FP32;
+* ``WIDE`` the value stays FP32 and may hold values the 16-bit type cannot represent
+  (out-of-range constants and what data movement makes of them): it is never narrowed;
+* ``TINY`` the value's meaningful values flush to zero in the 16-bit type (a constant, a value
+  measured on data, or data movement of those). A flushed element is at most half the smallest
+  subnormal, within the rounding of a 16-bit sum: a node that only adds it (the
+  ``additive_inputs`` op fact: a bias, a summand) converts as if it were not there. Any other
+  reader computes in FP32, and the FP32 ends there: data movement passes ``TINY`` on, and the
+  output of a product (``scaling_inputs``) of values that fit is small enough for its 16-bit
+  readers to take a Cast of it;
+* ``FLEX`` the value can be had in either type without extra error (constants, graph inputs,
+  tensors generated from attributes, and follow ops over those): its consumers decide.
+
+A forward pass in topological order (subgraphs before the node that owns them) decides every
+node from the states of its inputs by the first of the rules of :mod:`mixprec.plan.rules` that
+decides it, so decisions do not depend on visit order; a backward pass then resolves ``FLEX``
+producers from what their consumers need; the cast placement (:mod:`mixprec.plan.placement`)
+then re-decides the follow nodes of each FP32 island by cast cost.
+
+Each node's schema binds its inputs and outputs to type variables; converting a node lowers the
+type variables that are FP32 and admit the 16-bit type at the node's opset, except pinned ones.
+
+The plan's data types are in :mod:`mixprec.plan.model`, what the planner knows of ops in
+:mod:`mixprec.plan.templates`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+import onnx_ir as ir
+
+from mixprec.analysis.constants import FLUSH_WORDS, ConstantRange, constant_range, is_constant
+from mixprec.analysis.qdq import quantizes_float_chain
+from mixprec.dtypes import is_fp32_tensor
+from mixprec.graphs import (
+    all_nodes,
+    default_domain_version,
+    function_graphs,
+    is_default_domain,
+    subgraphs_of,
+    unique_names,
+)
+from mixprec.plan.model import Category, Decision, NodeFacts, NodeMatcher, Precision, PrecisionPlan, State, Storage
+from mixprec.plan.placement import PlannerView, min_cut_islands
+from mixprec.plan.readings import Inputs, PolicyClass, classify, read_inputs, weight_heavy
+from mixprec.plan.rules import Action, Ruling, decide
+from mixprec.plan.templates import OpTemplate, node_facts, op_template
+from mixprec.policy.opfacts import op_facts
+from mixprec.policy.runtime import RuntimeProfile, load_runtime
+from mixprec.policy.table import Policy, format_op_name, normalize_domain
+
+__all__ = ["plan_precision", "weights_only"]
+
+class Planner:
+    """The planner's state over one model: value states, decisions so far, evidence.
+
+    It is the context the rules read (:class:`mixprec.plan.rules.PlanContext`).
+    """
+
+    def __init__(
+        self,
+        model: ir.Model,
+        policy: Policy,
+        exclude: NodeMatcher,
+        keep_io_types: bool,
+        forced: Mapping[ir.Node, tuple[Category, str]] | None = None,
+        wide_values: Mapping[ir.Value, str] | None = None,
+        runtime: RuntimeProfile | None = None,
+        keys: Mapping[ir.Node, str] | None = None,
+        safe_values: Mapping[ir.Value, str] | None = None,
+    ) -> None:
+        self.model = model
+        self.runtime = runtime if runtime is not None else load_runtime("onnx")
+        self.forced = dict(forced or {})
+        self.wide_values = dict(wide_values or {})
+        self.policy = policy
+        self.target = policy.target
+        self.exclude = exclude
+        self.keep_io_types = keep_io_types
+        self.state: dict[ir.Value, State] = {}
+        self.decisions: dict[ir.Node, Decision] = {}
+        self.lowered: dict[ir.Node, frozenset[str]] = {}
+        self.facts: dict[ir.Node, NodeFacts] = {}
+        self.storage: dict[ir.Value, Storage] = {}
+        self.constant_notes: dict[ir.Value, str] = {}
+        self.saturated: set[ir.Value] = set()
+        # FP32 values a 16-bit copy holds safely (bounded op outputs, ranges measured on data),
+        # with the evidence: they do not hold the follow ops they feed in FP32.
+        self.bounded: dict[ir.Value, str] = dict(safe_values or {})
+        self.flex_nodes: list[ir.Node] = []
+        # TINY values made from constants by data movement: like constants, their readers decide.
+        self.tiny_flex: set[ir.Value] = set()
+        # Values kept FP32 for carrying an input that must not be narrowed -> that input's origin.
+        self.carried: dict[ir.Value, ir.Value] = {}
+        # Evidence for generated values that flush to zero (a ConstantOfShape fill value).
+        self.fill_notes: dict[ir.Value, str] = {}
+        self.main_outputs = frozenset(model.graph.outputs)
+        self.sub_outputs: set[ir.Value] = set()
+        self.order = all_nodes(model)
+        self.keys = dict(keys) if keys is not None else unique_names(self.order)
+        self.graphs = [model.graph, *function_graphs(model)]
+        self.owners: set[ir.Node] = set()  # nodes with subgraphs (control flow)
+        for node in self.order:
+            subgraphs = subgraphs_of(node) if node.attributes else []
+            if subgraphs:
+                self.owners.add(node)
+                self.graphs.extend(subgraphs)
+        self.opsets = dict(model.opset_imports)
+        self._templates: dict[tuple, OpTemplate] = {}
+        # Per node being decided: its policy class and what its inputs hold (read once).
+        self._classes: dict[ir.Node, PolicyClass] = {}
+        self._inputs: dict[ir.Node, Inputs] = {}
+        # Decisions are immutable and repeat across nodes: one shared object per distinct one.
+        self._decisions: dict[tuple[Precision, Category, str], Decision] = {}
+
+    # -- states ---------------------------------------------------------------------------
+    def constant_range(self, value: ir.Value) -> ConstantRange | None:
+        """The range of a constant's values against the 16-bit type."""
+        return constant_range(value, self.target)
+
+    def _constant_state(self, value: ir.Value) -> State:
+        rng = self.constant_range(value)
+        if rng is not None and rng.overflow:
+            return State.WIDE
+        if rng is not None and rng.significant_flush:
+            return State.TINY
+        return State.FLEX
+
+    def _init_graph(self, graph: ir.Graph, *, main: bool) -> None:
+        for value in graph.inputs:
+            if is_fp32_tensor(value):
+                if main and not self.keep_io_types:
+                    self.state[value] = State.LOW
+                else:
+                    self.state[value] = State.FLEX
+        for value in graph.initializers.values():
+            if is_fp32_tensor(value) and value not in self.state:
+                self.state[value] = self._constant_state(value)
+        if not main:
+            self.sub_outputs.update(v for v in graph.outputs if v is not None)
+
+    def measured_state(self, value: ir.Value) -> State:
+        """WIDE or TINY for a value measured beyond the 16-bit range, by what its evidence says."""
+        return State.TINY if FLUSH_WORDS in self.wide_values[value] else State.WIDE
+
+    def is_flexible(self, value: ir.Value) -> bool:
+        """Whether the value is a constant or made from constants by data movement alone."""
+        return value in self.tiny_flex or is_constant(value)
+
+    def value_state(self, value: ir.Value) -> State:
+        """The lattice state of an FP32 value (outer-scope and unseen values on first use)."""
+        state = self.state.get(value)
+        if state is not None:
+            return state if value not in self.wide_values else self.measured_state(value)
+        # Outer-scope values not seen yet, values without a producer, unknown cases.
+        if is_constant(value):
+            state = self._constant_state(value)
+        else:
+            state = State.HIGH
+        self.state[value] = state
+        return state
+
+    # -- facts --------------------------------------------------------------------------
+    def _opset(self, node: ir.Node) -> int | None:
+        if node.version is not None:
+            return node.version
+        graph = node.graph
+        opsets = getattr(graph, "opset_imports", None) or self.opsets
+        domain = normalize_domain(node.domain)
+        version = default_domain_version(opsets) if domain == "" else opsets.get(domain)
+        if version is None:
+            version = self.opsets.get(domain)
+        return version
+
+    def _template(self, node: ir.Node, opset: int | None) -> OpTemplate:
+        """The op's template (cached per op, opset and arity)."""
+        key = (node.op_type, node.domain, opset, len(node.inputs), len(node.outputs))
+        template = self._templates.get(key)
+        if template is None:
+            template = self._templates[key] = op_template(node, opset, self.policy, self.runtime)
+        return template
+
+    def is_control_flow(self, node: ir.Node) -> bool:
+        """Whether the node owns subgraphs."""
+        return node in self.owners
+
+    def is_function_call(self, node: ir.Node) -> bool:
+        """Whether the node calls a function of the model."""
+        return (node.domain, node.op_type, node.overload) in self.model.functions
+
+    def touches_fp32(self, node: ir.Node) -> bool:
+        """Whether the node reads or writes FP32 values (inputs it takes as they are aside)."""
+        facts = self.facts.get(node)
+        flexible = facts.flexible if facts is not None else frozenset()
+        for value in node.outputs:
+            if is_fp32_tensor(value):
+                return True
+        for index, value in enumerate(node.inputs):
+            if is_fp32_tensor(value) and index not in flexible:
+                return True
+        return False
+
+    # -- forward pass -------------------------------------------------------------------
+    def start(self) -> None:
+        """Prepare the name matcher and the states of graph inputs and constants."""
+        names = {node.name for node in self.order if node.name} if self.exclude.patterns else set()
+        self.exclude.prepare(names)
+        self._init_graph(self.model.graph, main=True)
+        for graph in self.graphs[1:]:
+            # Subgraphs and function bodies keep their signatures: inputs are flexible, outputs
+            # stay FP32.
+            self._init_graph(graph, main=False)
+
+    def run(self) -> PrecisionPlan:
+        """Plan the model: forward pass, backward resolution, cast placement, storage."""
+        self.start()
+        for node in self.order:
+            self.decide(node)
+        self._resolve_flex()
+        self._place_casts()
+        self._decide_storage()
+        return self.view()
+
+    def _decision(self, precision: Precision, category: Category, reason: str) -> Decision:
+        key = (precision, category, reason)
+        decision = self._decisions.get(key)
+        if decision is None:
+            decision = self._decisions[key] = Decision(precision, category, reason)
+        return decision
+
+    def node_facts(self, node: ir.Node) -> NodeFacts:
+        """The node's facts before the rules (recorded for the rules that read neighbours')."""
+        facts = node_facts(node, self._template(node, self._opset(node)))
+        self.facts[node] = facts
+        return facts
+
+    def classify(self, node: ir.Node, facts: NodeFacts) -> PolicyClass:
+        """The node's policy class (see `readings.classify`), evaluated once per node."""
+        found = self._classes.get(node)
+        if found is None:
+            found = self._classes[node] = classify(node, facts)
+        return found
+
+    def inputs(self, node: ir.Node, facts: NodeFacts) -> Inputs:
+        """What the node's inputs hold (see `readings.read_inputs`), read once per node; constants
+        that saturate are recorded."""
+        found = self._inputs.get(node)
+        if found is None:
+            found = self._inputs[node] = read_inputs(node, facts, self, self._wide_evidence)
+            self.saturated.update(found.saturated)
+        return found
+
+    def decide(self, node: ir.Node) -> Ruling:
+        """Decide one node by the first rule that decides it, and record what it implies."""
+        facts = self.node_facts(node)
+        ruling = decide(node, facts, self)
+        self._classes.pop(node, None)
+        inputs = self._inputs.pop(node, None)
+        if ruling.facts is not None:
+            facts = ruling.facts
+        elif inputs is not None:
+            facts = inputs.facts
+        self.facts[node] = facts
+        self._apply(node, facts, ruling)
+        return ruling
+
+    def _apply(self, node: ir.Node, facts: NodeFacts, ruling: Ruling) -> None:
+        for value, note in ruling.evidence:
+            self.constant_notes[value] = note
+        for value, note in ruling.fill:
+            self.fill_notes[value] = note
+        if ruling.action is Action.KEEP:
+            self._keep(node, ruling.category, ruling.reason, ruling.state)
+        elif ruling.action is Action.LOWER:
+            self._lower(node, facts, ruling.category, ruling.reason)
+        else:
+            self._flex(node, facts, tiny=ruling.tiny)
+        if ruling.carries is None and ruling.scaled is None:
+            return
+        fp32_outputs = [out for out in node.outputs if is_fp32_tensor(out)]
+        if ruling.carries is not None:
+            origin = self.carried.get(ruling.carries, ruling.carries)
+            self.carried.update(dict.fromkeys(fp32_outputs, origin))
+        if ruling.scaled is not None:
+            for out in fp32_outputs:
+                self.bounded.setdefault(out, ruling.scaled)
+
+    def _keep(self, node: ir.Node, category: Category, reason: str, out_state: State) -> None:
+        touches = self.touches_fp32(node)
+        precision = Precision.FP32 if touches else Precision.NONE
+        if not touches:
+            category, reason = Category.NO_FLOAT, "no FP32 values"
+        self.decisions[node] = self._decision(precision, category, reason)
+        self.lowered[node] = frozenset()
+        bounded = out_state is State.HIGH and is_default_domain(node.domain) and op_facts("", node.op_type).bounded
+        for out in node.outputs:
+            if is_fp32_tensor(out):
+                self.state[out] = out_state
+                if bounded:
+                    self.bounded[out] = f"{node.op_type} output: within a fixed small interval"
+
+    def _lower(self, node: ir.Node, facts: NodeFacts, category: Category, reason: str) -> None:
+        self.decisions[node] = self._decision(Precision.LOW, category, reason)
+        self.lowered[node] = frozenset(facts.lowerable)
+        for index, out in enumerate(node.outputs):
+            if not is_fp32_tensor(out):
+                continue
+            var = facts.sig.output_vars[index] if facts.sig and index < len(facts.sig.output_vars) else None
+            lowered = var in facts.lowerable if var is not None else False
+            if facts.rule is not None and facts.rule.dtype_attribute is not None:
+                lowered = index == 0
+            self.state[out] = State.LOW if lowered else State.HIGH
+
+    def _flex(self, node: ir.Node, facts: NodeFacts, *, tiny: bool = False) -> None:
+        """Provisional: resolved by the backward pass. `tiny`: the outputs hold values that
+        flush to zero in 16 bits (a TINY constant or data movement of one)."""
+        self.decisions[node] = self._decision(Precision.FP32, Category.CONSUMERS, "pending")
+        self.lowered[node] = frozenset(facts.lowerable)
+        self.flex_nodes.append(node)
+        for index, out in enumerate(node.outputs):
+            if is_fp32_tensor(out):
+                flexible = self._output_var_lowerable(facts, index)
+                self.state[out] = (State.TINY if tiny else State.FLEX) if flexible else State.HIGH
+                if flexible and tiny:
+                    self.tiny_flex.add(out)
+
+    @staticmethod
+    def _output_var_lowerable(facts: NodeFacts, index: int) -> bool:
+        if facts.rule is not None and facts.rule.dtype_attribute is not None:
+            return index == 0
+        if facts.sig is None or index >= len(facts.sig.output_vars):
+            return False
+        var = facts.sig.output_vars[index]
+        return var is not None and var in facts.lowerable
+
+    def _wide_evidence(self, value: ir.Value) -> str:
+        note = self.constant_notes.get(value) or self.wide_values.get(value)
+        if note is not None:
+            return note
+        rng = self.constant_range(value)
+        carried = self.carried.get(value)
+        if rng is not None:
+            note = rng.describe(self.target)
+        elif carried is not None:
+            note = f"carries {carried.name!r}: {self._wide_evidence(carried)}"
+        elif value in self.fill_notes:
+            note = self.fill_notes[value]
+        else:
+            producer = value.producer()
+            origin = producer.name or producer.op_type if producer is not None else "?"
+            if self.state.get(value) is State.TINY:
+                note = f"may hold values that {FLUSH_WORDS} in {self.target.short_name} (underflow, from {origin})"
+            else:
+                note = f"may hold values beyond the {self.target.short_name} range (from {origin})"
+        self.constant_notes[value] = note
+        return note
+
+
+    # -- backward pass ------------------------------------------------------------------
+    def demands(self, value: ir.Value) -> set[State]:
+        """What the consumers of an FP32 value need: LOW and/or HIGH."""
+        wanted: set[State] = set()
+        for use in value.uses():
+            consumer, index = use.node, use.idx
+            facts = self.facts.get(consumer)
+            if facts is None:
+                wanted.add(State.HIGH)
+                continue
+            if index in facts.flexible:
+                continue
+            decision = self.decisions[consumer]
+            if decision.precision is Precision.LOW:
+                var = facts.sig.input_vars[index] if facts.sig and index < len(facts.sig.input_vars) else None
+                wanted.add(State.LOW if var is not None and var in self.lowered[consumer] else State.HIGH)
+            else:
+                wanted.add(State.HIGH)
+        if value in self.main_outputs:
+            wanted.add(State.HIGH if self.keep_io_types else State.LOW)
+        if value in self.sub_outputs:
+            wanted.add(State.HIGH)
+        return wanted
+
+    def _resolve_flex(self) -> None:
+        for node in reversed(self.flex_nodes):
+            facts = self.facts[node]
+            wanted: set[State] = set()
+            for index, out in enumerate(node.outputs):
+                if is_fp32_tensor(out) and (self.state.get(out) is State.FLEX or out in self.tiny_flex):
+                    wanted |= self.demands(out)
+            op_name = format_op_name(node.domain, node.op_type)
+            if wanted == {State.LOW}:
+                self._lower(node, facts, Category.CONSUMERS, f"{op_name}: all consumers compute in {self.target.short_name}")
+            elif not wanted and quantizes_float_chain(node, self.runtime.name, self.target):
+                # A QuantizeLinear has no float output: in 16 bits it lets the ops before it
+                # (back to their DequantizeLinear) convert without a Cast.
+                self._lower(node, facts, Category.CONSUMERS, f"{op_name}: reads a chain of ops computed in {self.target.short_name}")
+            elif weight_heavy(node, facts):
+                self._lower(
+                    node,
+                    facts,
+                    Category.CONSUMERS,
+                    f"{op_name}: reads a large constant, stored in {self.target.short_name}; "
+                    "its output is cast for FP32 consumers",
+                )
+            else:
+                why = "some consumers compute in FP32" if State.HIGH in wanted else "no 16-bit consumer"
+                self._keep(node, Category.CONSUMERS, f"{op_name}: {why}", State.HIGH)
+
+    # -- cast placement -----------------------------------------------------------------
+    def view(self) -> PrecisionPlan:
+        """The decisions so far as a plan (shares the planner's dictionaries)."""
+        return PrecisionPlan(
+            target=self.target, keep_io_types=self.keep_io_types, decisions=self.decisions,
+            lowered_vars=self.lowered, facts=self.facts, storage=self.storage,
+            constant_notes=self.constant_notes, saturated=self.saturated, order=self.order,
+            graphs=self.graphs, keys=self.keys,
+        )
+
+    def _placement_view(self) -> PlannerView:
+        """What the cast placement reads of the planner."""
+        return PlannerView(
+            plan=self.view(),
+            model_inputs=frozenset(self.model.graph.inputs),
+            main_outputs=self.main_outputs,
+            sub_outputs=frozenset(self.sub_outputs),
+            op_types=frozenset((key[0], key[1]) for key in self._templates),
+            runtime=self.runtime.name,
+            is_weight_heavy=lambda node: weight_heavy(node, self.facts[node]),
+        )
+
+    def _place_casts(self) -> None:
+        """Re-decide the follow-class nodes of each FP32 island by cast cost (minimum cut)."""
+        changed = False
+        for island, assignment, before, after in min_cut_islands(self._placement_view()):
+            anchor = self.keys.get(island.nodes[0]) or island.nodes[0].op_type
+            why = (
+                f"the cheapest cast placement for the {len(island.nodes)} follow node(s) around "
+                f"{anchor!r}: {before[0]} -> {after[0]} casts, {before[1]:,} -> {after[1]:,} bytes per inference"
+            )
+            for node in island.nodes:
+                low = assignment[node]
+                if low == (self.decisions[node].precision is Precision.LOW):
+                    continue
+                facts = self.facts[node]
+                op_name = format_op_name(node.domain, node.op_type)
+                if low:
+                    for out in node.outputs:
+                        self.bounded.pop(out, None)
+                    self._lower(node, facts, Category.CAST_COST, f"{op_name} in {self.target.short_name}: {why}")
+                else:
+                    self._keep(node, Category.CAST_COST, f"{op_name} in FP32: {why}", State.HIGH)
+            changed = True
+        if changed:
+            self._settle_constants()
+
+    def _settle_constants(self) -> None:
+        """Constant nodes decided 16-bit before the placement keep FP32 where a reader now
+        computes in FP32 (their FP32 value serves it; 16-bit readers get a stored copy)."""
+        for node in self.order:
+            if node.op_type != "Constant" or self.decisions[node].precision is not Precision.LOW:
+                continue
+            if any(State.HIGH in self.demands(out) for out in node.outputs if is_fp32_tensor(out)):
+                op_name = format_op_name(node.domain, node.op_type)
+                self._keep(node, Category.CONSUMERS, f"{op_name}: some consumers compute in FP32", State.HIGH)
+
+    def _decide_storage(self) -> None:
+        for graph in self.graphs:
+            for value in graph.initializers.values():
+                if not is_fp32_tensor(value) or value.is_graph_input():
+                    continue
+                self.storage[value] = self._storage_for(value)
+        for node in self.order:
+            if node.op_type == "Constant" and is_default_domain(node.domain) and node.outputs:
+                out = node.outputs[0]
+                if is_fp32_tensor(out) and self.decisions[node].precision is not Precision.LOW:
+                    wanted = self.demands(out)
+                    if State.LOW in wanted and self.state.get(out) not in (State.WIDE, State.TINY):
+                        self.storage[out] = Storage.BOTH
+
+    def _storage_for(self, value: ir.Value) -> Storage:
+        wanted = self.demands(value)
+        if self.state.get(value) is State.WIDE and value not in self.saturated:
+            note = self._wide_evidence(value)
+            self.constant_notes[value] = note
+            return Storage.FP32
+        if wanted == {State.LOW}:
+            return Storage.LOW
+        if State.LOW in wanted:
+            return Storage.BOTH
+        return Storage.FP32
+
+
+def plan_precision(
+    model: ir.Model,
+    policy: Policy,
+    *,
+    exclude_nodes: Sequence[str] | NodeMatcher = (),
+    keep_io_types: bool = True,
+    forced_fp32: Mapping[ir.Node, tuple[Category, str]] | None = None,
+    wide_values: Mapping[ir.Value, str] | None = None,
+    runtime: RuntimeProfile | None = None,
+    keys: Mapping[ir.Node, str] | None = None,
+    safe_values: Mapping[ir.Value, str] | None = None,
+) -> PrecisionPlan:
+    """Decide the precision of every node of a typed model.
+
+    Args:
+        model: The FP32 model, with types filled in (see `infer_types`). Not modified.
+        policy: The op policy for the target type.
+        exclude_nodes: Node names or regular expressions (`re.search`) of nodes kept FP32.
+        keep_io_types: Keep the model's FP32 inputs and outputs in FP32.
+        forced_fp32: Nodes that analyses (integer semantics, ...) keep FP32, with category and
+            evidence.
+        wide_values: FP32 values known (e.g. measured on data) to leave the 16-bit range, with
+            evidence: they are never narrowed, and nodes producing them stay FP32.
+        runtime: The runtime profile whose kernels the converted nodes must have (default: the
+            ONNX schema alone).
+        keys: The nodes' stable keys, when already known (default: `node_keys(model)`).
+        safe_values: FP32 values known (e.g. measured on data) to fit the 16-bit type, with
+            evidence: like bounded op outputs, they do not hold the follow ops they feed in FP32.
+
+    Returns:
+        The plan.
+    """
+    matcher = exclude_nodes if isinstance(exclude_nodes, NodeMatcher) else NodeMatcher(exclude_nodes)
+    return Planner(model, policy, matcher, keep_io_types, forced_fp32, wide_values, runtime, keys, safe_values).run()
+
+
+# Weights-only storage skips tensors smaller than this: a Cast node costs more than it saves.
+_WEIGHTS_ONLY_MIN_ELEMENTS = 1024
+
+
+def weights_only(plan: PrecisionPlan) -> PrecisionPlan:
+    """The plan that stores weights in the 16-bit type and computes everything in FP32.
+
+    Every FP32 initializer of at least 1,024 elements whose values the 16-bit type represents
+    is stored in 16 bits and cast back to FP32 once where it is read (runtimes fold that Cast
+    into a constant when loading): half the file, FP32 arithmetic.
+    """
+    keep = Decision(Precision.FP32, Category.WEIGHTS_ONLY, "weights-only conversion: computes in FP32")
+    decisions = {
+        node: keep if d.precision is Precision.LOW else d for node, d in plan.decisions.items()
+    }
+    storage: dict[ir.Value, Storage] = {}
+    for graph in plan.graphs:
+        for value in graph.initializers.values():
+            tensor = value.const_value
+            if not is_fp32_tensor(value) or value.is_graph_input() or tensor is None:
+                continue
+            if tensor.size < _WEIGHTS_ONLY_MIN_ELEMENTS or not value.uses():
+                continue
+            rng = constant_range(value, plan.target)
+            storage[value] = Storage.LOW if rng is None or rng.representable else Storage.FP32
+    return replace(
+        plan,
+        decisions=decisions,
+        lowered_vars={node: frozenset() for node in plan.lowered_vars},
+        storage=storage,
+        saturated=set(),
+    )

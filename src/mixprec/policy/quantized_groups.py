@@ -1,0 +1,113 @@
+"""How each runtime runs quantized groups (`tables/quantized_groups.toml`): the constant
+dequantizations it computes in float at run time, and the scale types of its one-op groups."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import onnx_ir as ir
+
+from mixprec.dtypes import LowPrecision
+from mixprec.errors import PolicyError
+from mixprec.graphs import normalize_domain, parse_op_name
+from mixprec.policy.toml_tables import shipped_table
+
+__all__ = ["QuantizedGroups", "parse_quantized_groups", "quantized_groups"]
+
+_SOURCE = "quantized_groups.toml"
+_KEYS = ("float_dequantize", "group_scales", "fp32_groups", "fp32_readers", "source")
+_FLOAT_NAMES = {"float": "FLOAT", "float16": "FLOAT16", "bfloat16": "BFLOAT16"}
+
+
+@dataclass(frozen=True)
+class QuantizedGroups:
+    """One runtime's way with quantized groups.
+
+    Attributes:
+        runtime: The profile the facts are for ("default" for unlisted ones).
+        float_dequantize: Integer types of constant DequantizeLinear inputs the runtime
+            dequantizes to float at run time inside a quantized group.
+        group_scales: Float types the runtime runs a one-op group in.
+        fp32_groups: (domain, op) of the one-op groups that stay FP32 all the same.
+        fp32_readers: (domain, op) of the ops the runtime runs only with an FP32
+            DequantizeLinear input.
+        source: Where the facts come from.
+    """
+
+    runtime: str
+    float_dequantize: frozenset[ir.DataType]
+    group_scales: frozenset[ir.DataType]
+    fp32_groups: frozenset[tuple[str, str]]
+    fp32_readers: frozenset[tuple[str, str]]
+    source: str
+
+    def dequantizes_in_float(self, dtype: ir.DataType | None) -> bool:
+        """Whether a constant DequantizeLinear of `dtype` runs as a float computation."""
+        return dtype in self.float_dequantize
+
+    def runs_group_in(self, target: LowPrecision, domain: str, op_type: str) -> bool:
+        """Whether a one-op group (DQ -> op -> Q) of this op runs in `target` on this runtime."""
+        return target.ir_dtype in self.group_scales and (normalize_domain(domain), op_type) not in self.fp32_groups
+
+    def reads_dequantized_in_fp32(self, domain: str, op_type: str) -> bool:
+        """Whether the op runs on this runtime only with an FP32 DequantizeLinear input."""
+        return (normalize_domain(domain), op_type) in self.fp32_readers
+
+
+def quantized_groups(runtime: str | None) -> QuantizedGroups:
+    """The facts of `runtime` (a profile name; None or unlisted: the default ones)."""
+    table = _shipped()
+    return table.get(runtime or "default", table["default"])
+
+
+@functools.lru_cache(maxsize=1)
+def _shipped() -> Mapping[str, QuantizedGroups]:
+    return parse_quantized_groups(shipped_table(_SOURCE), _SOURCE)
+
+
+def parse_quantized_groups(document: Mapping[str, Any], source: str) -> dict[str, QuantizedGroups]:
+    """Build the table from a parsed document; `source` names it in errors."""
+    if "default" not in document:
+        raise PolicyError(f"{source}: a [default] table is required")
+    table: dict[str, QuantizedGroups] = {}
+    for runtime, entry in document.items():
+        where = f"{source}: [{runtime}]"
+        if not isinstance(entry, Mapping):
+            raise PolicyError(f"{where}: expected a table, got {entry!r}")
+        unknown = sorted(set(entry) - set(_KEYS))
+        missing = [key for key in _KEYS if key not in entry]
+        if unknown or missing:
+            raise PolicyError(f"{where}: {'unknown' if unknown else 'missing'} key {(unknown or missing)[0]!r}")
+        if not isinstance(entry["source"], str) or not entry["source"].strip():
+            raise PolicyError(f"{where}: 'source' must be a non-empty string")
+        integers = _types(entry["float_dequantize"], f"{where}: 'float_dequantize'")
+        if any(t.is_floating_point() for t in integers):
+            raise PolicyError(f"{where}: 'float_dequantize' lists integer types only")
+        scales = _types(entry["group_scales"], f"{where}: 'group_scales'", _FLOAT_NAMES)
+        groups, readers = (_ops(entry[key], f"{where}: {key!r}") for key in ("fp32_groups", "fp32_readers"))
+        table[runtime] = QuantizedGroups(runtime, integers, scales, groups, readers, entry["source"])
+    return table
+
+
+def _types(listed: object, where: str, names: Mapping[str, str] | None = None) -> frozenset[ir.DataType]:
+    """ONNX element type names (`int8`, `float16`) as data types; `names` restricts and maps them."""
+    if not isinstance(listed, list) or not all(isinstance(name, str) for name in listed):
+        raise PolicyError(f"{where} must be a list of type names, got {listed!r}")
+    types = set()
+    for name in listed:
+        key = names.get(name) if names is not None else name.upper()
+        dtype = getattr(ir.DataType, key, None) if key is not None else None
+        if not isinstance(dtype, ir.DataType):
+            raise PolicyError(f"{where}: unknown type {name!r}")
+        types.add(dtype)
+    return frozenset(types)
+
+
+def _ops(listed: object, where: str) -> frozenset[tuple[str, str]]:
+    """Op names (`Op`, `domain::Op`) as (domain, op) pairs."""
+    if not isinstance(listed, list) or not all(isinstance(op, str) and op for op in listed):
+        raise PolicyError(f"{where} must be a list of op names, got {listed!r}")
+    return frozenset(parse_op_name(op) for op in listed)

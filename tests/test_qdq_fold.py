@@ -1,0 +1,479 @@
+"""INT8 + 16-bit where the runtime runs quantized groups in float: constant dequantizations folded,
+one-op groups converted, activation scales judged pair by pair, and the emulation of every Q/DQ
+form the converter writes.
+
+Golden graphs pin each rule on a quantized Conv (int8 per-channel weights, an int32 bias whose
+scale is input scale x weight scale, below float16's normal range); real models are quantized
+with onnxruntime's `quantize_static` and checked against the INT8 + FP32 model run unfused
+(onnxruntime with graph optimizations off: the form a 16-bit runtime runs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto
+from onnx import helper as oh
+from onnx import numpy_helper as nh
+
+import mixprec
+from helpers import BFLOAT16, FLOAT, FLOAT16, check_full, convert, initializer_types, run
+from mixprec.errors import PolicyError
+from mixprec.passes.fold_dequantize import dequantize
+from mixprec.policy.quantized_groups import parse_quantized_groups, quantized_groups
+from mixprec.policy.runtime import load_runtime
+from mixprec.runtime.kernels import cpu_has_kernel
+from mixprec.runtime.openvino import openvino_available
+from mixprec.validate.emulate import emulate_low_precision
+from test_qdq import _quantize, assert_pairs_adjacent, quantized_squeezenet  # noqa: F401 - a fixture
+
+C_IN, C_OUT, SIZE = 4, 6, 8
+X_SCALE, Y_SCALE = 0.005, 0.05  # the bias scale, X_SCALE x weight scale, is ~2e-5
+LOW = {"fp16": (FLOAT16, np.float16), "bf16": (BFLOAT16, ml_dtypes.bfloat16)}
+
+
+def qdq_conv(opset: int = 21, *, x_scale: float = X_SCALE, int4_block: bool = False, seed: int = 0) -> onnx.ModelProto:
+    """x -> Q -> DQ -> Conv(DQ(int8 W, per channel), DQ(int32 bias)) -> Q -> DQ -> MaxPool -> Q -> DQ
+    -> Conv(DQ(int8 W2), float bias) -> Q -> DQ -> y; with `int4_block` also a MatMul on a
+    block-quantized int4 weight (opset 21+)."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(0, 0.2, (C_OUT, C_IN, 3, 3)).astype(np.float32)
+    w_scale = (np.abs(w).reshape(C_OUT, -1).max(1) / 127).astype(np.float32)
+    w_q = np.clip(np.round(w / w_scale[:, None, None, None]), -127, 127).astype(np.int8)
+    bias = rng.normal(0, 0.3, C_OUT).astype(np.float32)
+    b_scale = (np.float32(x_scale) * w_scale).astype(np.float32)
+    b_q = np.round(bias / b_scale).astype(np.int32)
+    w2 = rng.normal(0, 0.2, (C_OUT, C_OUT, 1, 1)).astype(np.float32)
+    w2_scale = (np.abs(w2).reshape(C_OUT, -1).max(1) / 127).astype(np.float32)
+    w2_q = np.clip(np.round(w2 / w2_scale[:, None, None, None]), -127, 127).astype(np.int8)
+    initializers = [
+        nh.from_array(np.array(x_scale, np.float32), "x_scale"), nh.from_array(np.array(0, np.int8), "x_zp"),
+        nh.from_array(w_q, "w_q"), nh.from_array(w_scale, "w_scale"), nh.from_array(np.zeros(C_OUT, np.int8), "w_zp"),
+        nh.from_array(b_q, "b_q"), nh.from_array(b_scale, "b_scale"), nh.from_array(np.zeros(C_OUT, np.int32), "b_zp"),
+        nh.from_array(np.array(Y_SCALE, np.float32), "y_scale"), nh.from_array(np.array(0, np.int8), "y_zp"),
+        nh.from_array(w2_q, "w2_q"), nh.from_array(w2_scale, "w2_scale"), nh.from_array(np.zeros(C_OUT, np.int8), "w2_zp"),
+        nh.from_array(rng.normal(0, 0.1, C_OUT).astype(np.float32), "b2"),
+    ]
+    nodes = [
+        oh.make_node("QuantizeLinear", ["x", "x_scale", "x_zp"], ["x_q"], name="q_x"),
+        oh.make_node("DequantizeLinear", ["x_q", "x_scale", "x_zp"], ["x_dq"], name="dq_x"),
+        oh.make_node("DequantizeLinear", ["w_q", "w_scale", "w_zp"], ["w_dq"], name="dq_w", axis=0),
+        oh.make_node("DequantizeLinear", ["b_q", "b_scale", "b_zp"], ["b_dq"], name="dq_b", axis=0),
+        oh.make_node("Conv", ["x_dq", "w_dq", "b_dq"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        oh.make_node("QuantizeLinear", ["c", "y_scale", "y_zp"], ["c_q"], name="q_c"),
+        oh.make_node("DequantizeLinear", ["c_q", "y_scale", "y_zp"], ["c_dq"], name="dq_c"),
+        oh.make_node("MaxPool", ["c_dq"], ["p"], name="pool", kernel_shape=[2, 2], strides=[2, 2]),
+        oh.make_node("QuantizeLinear", ["p", "y_scale", "y_zp"], ["p_q"], name="q_p"),
+        oh.make_node("DequantizeLinear", ["p_q", "y_scale", "y_zp"], ["p_dq"], name="dq_p"),
+        oh.make_node("DequantizeLinear", ["w2_q", "w2_scale", "w2_zp"], ["w2_dq"], name="dq_w2", axis=0),
+        oh.make_node("Conv", ["p_dq", "w2_dq", "b2"], ["d"], name="conv2"),
+        oh.make_node("QuantizeLinear", ["d", "y_scale", "y_zp"], ["d_q"], name="q_d"),
+        oh.make_node("DequantizeLinear", ["d_q", "y_scale", "y_zp"], ["y"], name="dq_y"),
+    ]
+    half = SIZE // 2
+    outputs = [oh.make_tensor_value_info("y", FLOAT, [1, C_OUT, half, half])]
+    if int4_block:
+        k, n, block = C_OUT * half * half, 8, 16
+        q4 = rng.integers(-8, 8, (k, n)).astype(ml_dtypes.int4)
+        initializers += [
+            nh.from_array(q4, "w4_q"),
+            nh.from_array(rng.uniform(0.005, 0.02, (k // block, n)).astype(np.float32), "w4_scale"),
+            nh.from_array(np.array([1, k], np.int64), "flat"),
+        ]
+        nodes += [
+            oh.make_node("DequantizeLinear", ["w4_q", "w4_scale"], ["w4"], name="dq_w4", axis=0, block_size=block),
+            oh.make_node("Reshape", ["y", "flat"], ["y_flat"], name="flatten"),
+            oh.make_node("MatMul", ["y_flat", "w4"], ["z"], name="matmul_int4"),
+        ]
+        outputs.append(oh.make_tensor_value_info("z", FLOAT, [1, n]))
+    graph = oh.make_graph(
+        nodes, "qdq_conv", [oh.make_tensor_value_info("x", FLOAT, [1, C_IN, SIZE, SIZE])], outputs, initializers
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", opset)])
+    model.ir_version = 10
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _feeds(seed: int = 1, scale: float = 0.6) -> dict[str, np.ndarray]:
+    return {"x": (np.random.default_rng(seed).uniform(-1, 1, (1, C_IN, SIZE, SIZE)) * scale).astype(np.float32)}
+
+
+def run_unfused(model: onnx.ModelProto | str | Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Run with every graph optimization off: Q, DQ and the ops between them as written."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    names = {i.name for i in session.get_inputs()}
+    return [np.asarray(o, np.float32) for o in session.run(None, {k: v for k, v in feeds.items() if k in names})]
+
+
+def _initializer(model: onnx.ModelProto, name: str) -> onnx.TensorProto:
+    return next(t for t in model.graph.initializer if t.name == name)
+
+
+def _decisions(result: mixprec.ConversionResult) -> dict[str, tuple[str, str]]:
+    return {k.name: (k.category, k.reason) for k in result.report.kept_fp32}
+
+
+# -- constant dequantizations --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("target", "runtime", "folded"),
+    [("fp16", "ort-cuda", ["dq_b", "dq_w", "dq_w2"]), ("fp16", "tensorrt", ["dq_b"]), ("bf16", "tensorrt", ["dq_b"])],
+)
+def test_int32_bias_folds_where_the_runtime_dequantizes_it_in_float(target: str, runtime: str, folded: list[str]) -> None:
+    source = qdq_conv()
+    result, out = convert(source, target_dtype=target, runtime=runtime)
+    check_full(out)
+    report = result.report
+    assert sorted(report.quantization.folded) == folded
+    assert_pairs_adjacent(source, out, folded)
+    assert any(n.startswith(f"folded {len(folded)} constant DequantizeLinear") and runtime in n for n in report.notes)
+    # Both Conv groups, the MaxPool group between them, and their Q/DQ nodes convert: no scale
+    # below the 16-bit normal range is left.
+    assert report.quantization.quantized_low == 3 and report.low_by_op["Conv"] == 2
+    assert report.casts_runtime == 0  # the graph input enters a QuantizeLinear, the output leaves one
+    # The bias is computed once in FP32 (int32 x FP32 scale) and rounded once.
+    low_type, low_numpy = LOW[target]
+    b_q, b_scale = (nh.to_array(_initializer(source, n)) for n in ("b_q", "b_scale"))
+    bias = nh.to_array(_initializer(out, "b_dq"))
+    assert initializer_types(out)["b_dq"] == low_type
+    np.testing.assert_array_equal(bias, (b_q.astype(np.float32) * b_scale).astype(low_numpy))
+    # Integer tensors that stay are byte-identical; the folded ones left the model.
+    kept = {t.name: t for t in out.graph.initializer}
+    for t in source.graph.initializer:
+        if t.data_type in (TensorProto.INT8, TensorProto.INT32) and t.name in kept:
+            assert kept[t.name] == t
+    assert ("w_q" in kept) == ("dq_w" not in folded) and "b_q" not in kept
+    # The plan says why the Conv converts with a constant bias.
+    reasons = {node.name: d.reason for node, d in result.plan.decisions.items()}
+    assert "'b_dq' (DequantizeLinear 'dq_b')" in reasons["conv"] and "computed once in FP32" in reasons["conv"]
+    # Where the bias stays a DequantizeLinear (no statement for the runtime), its scale keeps
+    # the group FP32.
+    unfolded, _ = convert(source, target_dtype=target, runtime="onnx")
+    if target == "fp16":
+        assert "below the smallest normal fp16" in _decisions(unfolded)["dq_b"][1]
+        assert _decisions(unfolded)["conv"][0] == "quantized pair"
+    emulated = emulate_low_precision(out)
+    for seed in range(3):
+        feeds = _feeds(seed)
+        expected = run_unfused(source, feeds)[0]
+        np.testing.assert_allclose(run(emulated, feeds)[0], expected, atol=2 * Y_SCALE)
+
+
+@pytest.mark.parametrize("runtime", ["ort-cpu", "ort-dml", "onnx"])
+def test_integer_form_kept_where_the_runtime_reads_it(runtime: str) -> None:
+    # ONNX Runtime's CPU and DirectML providers fuse the group into QLinearConv, which reads the
+    # int8 weights and the int32 bias; a runtime without a statement keeps them too.
+    source = qdq_conv()
+    result, out = convert(source, target_dtype="fp16", runtime=runtime)
+    assert result.report.quantization.folded == []
+    assert not any("folded" in n for n in result.report.notes)
+    assert_pairs_adjacent(source, out)
+    kept = {t.name: t for t in out.graph.initializer}
+    for name in ("w_q", "b_q", "w2_q", "w_zp", "b_zp"):
+        assert kept[name] == _initializer(source, name)
+    assert "conv" in _decisions(result)  # FP32: no 16-bit kernel, or the bias scale
+
+
+def test_weight_only_dequantization_keeps_its_integers() -> None:
+    # A DequantizeLinear of int8 weights read by an op with a float activation is weight-only
+    # quantization (memory): it is no quantized group, and stays.
+    rng = np.random.default_rng(0)
+    w_q = rng.integers(-127, 127, (16, 8)).astype(np.int8)
+    graph = oh.make_graph(
+        [
+            oh.make_node("DequantizeLinear", ["w_q", "w_scale"], ["w"], name="dq_w", axis=1),
+            oh.make_node("MatMul", ["a", "w"], ["y"], name="matmul"),
+        ],
+        "weight_only", [oh.make_tensor_value_info("a", FLOAT, [2, 16])], [oh.make_tensor_value_info("y", FLOAT, [2, 8])],
+        [nh.from_array(w_q, "w_q"), nh.from_array(np.full(8, 0.01, np.float32), "w_scale")],
+    )
+    source = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    result, out = convert(source, target_dtype="fp16", runtime="ort-cuda")
+    assert result.report.quantization.folded == []
+    assert _initializer(out, "w_q") == _initializer(source, "w_q")
+    assert result.report.low_by_op == {"DequantizeLinear": 1, "MatMul": 1}
+
+
+def test_small_weight_scale_no_longer_blocks_a_group_once_folded() -> None:
+    # A per-channel weight scale below float16's normal range keeps its pair FP32 where the
+    # DequantizeLinear stays (TensorRT reads int8 weights); folded, it never exists at run time.
+    source = qdq_conv()
+    tiny = next(t for t in source.graph.initializer if t.name == "w2_scale")
+    tiny.CopyFrom(nh.from_array(np.full(C_OUT, 2e-6, np.float32), "w2_scale"))
+    trt, _ = convert(source, target_dtype="fp16", runtime="tensorrt")
+    assert "below the smallest normal fp16" in _decisions(trt)["dq_w2"][1]
+    assert _decisions(trt)["conv2"][0] == "quantized pair"
+    cuda, out = convert(source, target_dtype="fp16", runtime="ort-cuda")
+    assert "conv2" not in _decisions(cuda) and "dq_w2" in cuda.report.quantization.folded
+    check_full(out)
+
+
+# -- activation scales ----------------------------------------------------------------------------
+
+
+def test_activation_scale_below_the_normal_range_keeps_only_its_pair_fp32() -> None:
+    # The input's per-tensor scale (3e-5) is below float16's smallest normal (6.1e-5): the first
+    # group stays FP32; the next ones, with scales in the normal range, convert.
+    source = qdq_conv(x_scale=3e-5)
+    result, out = convert(source, target_dtype="fp16", runtime="ort-cuda")
+    check_full(out)
+    assert_pairs_adjacent(source, out, result.report.quantization.folded)
+    kept = _decisions(result)
+    assert "scale 'x_scale' holds 3e-05, below the smallest normal fp16" in kept["dq_x"][1]
+    assert kept["conv"][0] == "quantized pair" and "q_c" in kept
+    assert not {"dq_c", "pool", "q_p", "dq_p", "conv2", "q_d"} & set(kept)
+    feeds = _feeds(scale=3e-3)
+    np.testing.assert_allclose(run(emulate_low_precision(out), feeds)[0], run_unfused(source, feeds)[0], atol=2 * Y_SCALE)
+
+
+# -- one-op groups --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("runtime", "converts"), [("ort-cuda", True), ("tensorrt", True), ("ort-cpu", False), ("onnx", False)])
+def test_one_op_group_converts_where_the_runtime_runs_it_in_16_bits(runtime: str, converts: bool) -> None:
+    result, out = convert(qdq_conv(), target_dtype="fp16", runtime=runtime)
+    kept = _decisions(result)
+    assert ("pool" not in kept) == converts and ("dq_c" not in kept) == converts and ("q_p" not in kept) == converts
+    check_full(out)
+
+
+def test_concat_group_stays_fp32_for_onnxruntimes_cpu_provider() -> None:
+    # onnxruntime's CPU provider fuses DQ -> Concat -> Q into QLinearConcat whatever the scale
+    # type, and QLinearConcat takes FP32 scales only: the group stays FP32, the model loads.
+    rng = np.random.default_rng(0)
+    graph = oh.make_graph(
+        [
+            oh.make_node("QuantizeLinear", ["a", "s", "z"], ["a_q"], name="q_a"),
+            oh.make_node("DequantizeLinear", ["a_q", "s", "z"], ["a_dq"], name="dq_a"),
+            oh.make_node("QuantizeLinear", ["b", "s", "z"], ["b_q"], name="q_b"),
+            oh.make_node("DequantizeLinear", ["b_q", "s", "z"], ["b_dq"], name="dq_b"),
+            oh.make_node("Concat", ["a_dq", "b_dq"], ["c"], name="concat", axis=1),
+            oh.make_node("QuantizeLinear", ["c", "s", "z"], ["c_q"], name="q_c"),
+            oh.make_node("DequantizeLinear", ["c_q", "s", "z"], ["c_dq"], name="dq_c"),
+            oh.make_node("MatMul", ["c_dq", "w"], ["y"], name="matmul"),
+        ],
+        "concat", [oh.make_tensor_value_info(n, FLOAT, [2, 4]) for n in ("a", "b")],
+        [oh.make_tensor_value_info("y", FLOAT, [2, 3])],
+        [nh.from_array(np.array(0.02, np.float32), "s"), nh.from_array(np.array(0, np.int8), "z"),
+         nh.from_array(rng.normal(0, 0.3, (8, 3)).astype(np.float32), "w")],
+    )
+    source = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    result, out = convert(source, target_dtype="fp16", runtime="ort-cuda", validate="run")
+    assert "concat" in _decisions(result) and "matmul" not in _decisions(result)
+    assert result.report.validation.runtime.startswith("ran")
+    assert not any("onnxruntime fails" in n for n in result.report.notes)  # no repair was needed
+
+
+# -- the emulation of every Q/DQ form -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+@pytest.mark.parametrize("opset", [13, 17, 19, 21, 23, 25, 28])
+def test_emulation_runs_every_qdq_form(opset: int, target: str) -> None:
+    # onnxruntime's CPU provider has no DequantizeLinear/QuantizeLinear for the opset-28 schema:
+    # the emulation maps those to forms it has. The reference is the same model at opset 21.
+    source = qdq_conv(opset, int4_block=opset >= 21)
+    reference = qdq_conv(21, int4_block=opset >= 21)
+    for runtime in ("onnx", "ort-cuda", "tensorrt"):
+        result, out = convert(source, target_dtype=target, runtime=runtime)
+        assert_pairs_adjacent(source, out, result.report.quantization.folded)
+        emulated = emulate_low_precision(out)
+        if opset == 28:  # no CPU kernel for the opset-28 schema: contrib ops, folded constants
+            domains = {n.domain for n in emulated.graph.node if "Quantize" in n.op_type}
+            assert domains == {"com.microsoft"}, domains
+        for seed in range(2):
+            feeds = _feeds(seed)
+            got, expected = run_unfused(emulated, feeds), run_unfused(reference, feeds)
+            for g, e in zip(got, expected):
+                np.testing.assert_allclose(g, e, atol=2 * Y_SCALE + 0.02 * np.abs(e).max(), err_msg=runtime)
+
+
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+def test_model_upgraded_to_opset_28_validates_by_emulation(target: str, tmp_path: Path) -> None:
+    # onnxruntime 1.32 has no CPU kernel for DequantizeLinear/QuantizeLinear of the opset-28
+    # schema: a bfloat16 model at opset 28 is checked by emulation (the CPU provider runs no
+    # bfloat16 anyway) against the opset-21 source; a float16 one fails the real run, and the
+    # conversion says so.
+    path = tmp_path / "source.onnx"
+    onnx.save(qdq_conv(21), str(path))
+    if target == "bf16":
+        result = mixprec.convert(path, None, target_dtype=target, runtime="tensorrt", validate="run", opset=28)
+        validation = result.report.validation
+        assert validation.runtime == "emulated" and validation.outputs
+        assert validation.outputs[0].max_abs_error < 2 * Y_SCALE
+    else:
+        with pytest.raises(mixprec.ValidationFailure, match=r"QuantizeLinear\(28\)"):
+            mixprec.convert(path, None, target_dtype=target, runtime="tensorrt", validate="run", opset=28)
+
+
+def test_cpu_kernel_registry_is_read_with_onnxruntimes_matching_rule() -> None:
+    # An open-ended kernel serves its own schema version only (DequantizeLinear: 25+ in 1.32).
+    assert cpu_has_kernel("", "DequantizeLinear", 25, {"T1": "tensor(int32)", "T2": "tensor(float)"})
+    assert cpu_has_kernel("", "DequantizeLinear", 21, {"T1": "tensor(int32)", "T2": "tensor(float)"})
+    assert not cpu_has_kernel("", "DequantizeLinear", 21, {"T1": "tensor(int8)", "T2": "tensor(bfloat16)"})
+    if onnx.defs.onnx_opset_version() >= 28 and not cpu_has_kernel("", "DequantizeLinear", 28, {"T1": "tensor(int8)"}):
+        with pytest.raises(Exception, match="NOT_IMPLEMENTED"):
+            run_unfused(qdq_conv(28), _feeds())
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scale_shape", "axis", "block"),
+    [(np.int8, (), 1, 0), (np.int32, (6,), 0, 0), (np.uint8, (4,), 1, 0), (ml_dtypes.int4, (2, 4), 0, 4), (np.int16, (6,), -2, 0)],
+)
+def test_folded_values_are_bit_identical_to_onnxruntimes_dequantize(dtype: type, scale_shape: tuple, axis: int, block: int) -> None:
+    rng = np.random.default_rng(0)
+    info = np.iinfo(np.int8 if dtype is ml_dtypes.int4 else dtype)
+    low, high = (-8, 8) if dtype is ml_dtypes.int4 else (max(info.min, -100000), min(info.max, 100000))
+    x = rng.integers(low, high, (6, 4)).astype(dtype)
+    scale = rng.uniform(1e-6, 0.1, scale_shape).astype(np.float32)
+    zero_point = rng.integers(0, 3, scale_shape).astype(dtype)
+    attributes = {"axis": axis} | ({"block_size": block} if block else {})
+    graph = oh.make_graph(
+        [oh.make_node("DequantizeLinear", ["x", "s", "z"], ["y"], **attributes)], "dq", [],
+        [oh.make_tensor_value_info("y", FLOAT, [6, 4])],
+        [nh.from_array(x, "x"), nh.from_array(scale, "s"), nh.from_array(zero_point, "z")],
+    )
+    expected = run_unfused(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)]), {})[0]
+    np.testing.assert_array_equal(dequantize(x, scale, zero_point, axis, block), expected)
+
+
+# -- the runtime table ---------------------------------------------------------------------------------
+
+
+def test_quantized_groups_table_agrees_with_the_runtime_profiles() -> None:
+    # TensorRT folds exactly the integer types its DequantizeLinear does not read; ONNX Runtime
+    # CUDA folds the ones it dequantizes in float, int16/int32 which its kernel lacks included.
+    trt = load_runtime("tensorrt").kernel("", "DequantizeLinear", 21)
+    assert trt is not None
+    read = {t for types in trt.types.values() for t in types}
+    for dtype in quantized_groups("tensorrt").float_dequantize:
+        assert f"tensor({dtype.name.lower()})" not in read
+    assert "tensor(int8)" in read
+    cuda = load_runtime("ort-cuda").kernel("", "DequantizeLinear", 21)
+    assert cuda is not None and "tensor(int32)" not in cuda.types["T1"]
+    assert {ir.DataType.INT32, ir.DataType.INT8} <= quantized_groups("ort-cuda").float_dequantize
+    assert quantized_groups("ort-cpu").float_dequantize == frozenset()
+    assert quantized_groups("onnx") is quantized_groups("no-such-runtime")  # the default
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"float_dequantize": [], "group_scales": ["float"], "fp32_groups": [], "source": "x"}, "missing key 'fp32_readers'"),
+        ({"float_dequantize": ["float"], "group_scales": ["float"], "fp32_groups": [], "fp32_readers": [], "source": "x"}, "integer types only"),
+        ({"float_dequantize": [], "group_scales": ["int8"], "fp32_groups": [], "fp32_readers": [], "source": "x"}, "unknown type 'int8'"),
+        ({"float_dequantize": [], "group_scales": [], "fp32_groups": [], "fp32_readers": [], "source": "x", "extra": 1}, "unknown key 'extra'"),
+    ],
+)
+def test_quantized_groups_table_is_parsed_strictly(entry: dict, message: str) -> None:
+    with pytest.raises(PolicyError, match=message):
+        parse_quantized_groups({"default": entry}, "t.toml")
+
+
+# -- real models -------------------------------------------------------------------------------------
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.reshape(-1).astype(np.float64), b.reshape(-1).astype(np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
+
+
+@pytest.mark.parametrize(("target", "runtime"), [("fp16", "ort-cuda"), ("fp16", "tensorrt"), ("bf16", "tensorrt")])
+def test_quantized_cnn_groups_in_16_bits(
+    quantized_squeezenet: tuple[Path, Path], target: str, runtime: str, tmp_path: Path  # noqa: F811
+) -> None:
+    int32_bias, _ = quantized_squeezenet
+    source = onnx.load(str(int32_bias))
+    out_path = tmp_path / "out.onnx"
+    result = mixprec.convert(int32_bias, out_path, target_dtype=target, runtime=runtime, validate="run")
+    out = onnx.load(str(out_path))
+    check_full(out)
+    q = result.report.quantization
+    assert_pairs_adjacent(source, out, q.folded)
+    assert result.report.casts_runtime == 0
+    # Every group converts but the Concat ones (onnxruntime's CPU provider); every int32 bias is
+    # folded, and on ort-cuda the int8 weights too.
+    assert q.quantized_low == sum(q.quantized_ops.values()) - q.quantized_ops["Concat"]
+    assert len(q.folded) == (52 if runtime == "ort-cuda" else 26)
+    kept = {t.name: t for t in out.graph.initializer}
+    for t in source.graph.initializer:
+        if t.data_type in (TensorProto.INT8, TensorProto.UINT8, TensorProto.INT32) and t.name in kept:
+            assert kept[t.name] == t
+    emulated = emulate_low_precision(out)
+    rng = np.random.default_rng(5)
+    for _ in range(4):
+        feeds = {"data_0": rng.uniform(0, 1, (1, 3, 224, 224)).astype(np.float32)}
+        expected = run_unfused(source, feeds)[0]
+        got = run_unfused(emulated, feeds)[0]
+        assert got.argmax() == expected.argmax() and _cosine(got, expected) > 0.999
+        if target == "fp16" and runtime == "ort-cuda":  # for real on the CPU provider, default options
+            real = run(out, feeds)[0]
+            assert real.argmax() == expected.argmax() and _cosine(real, expected) > 0.999
+
+
+def speech_encoder_qdq(folder: Path, opset: int = 17) -> Path:
+    """A Conv1d + GRU + Linear speech encoder from PyTorch (TorchScript export), quantized with
+    `quantize_static` (QDQ, per channel, int32 biases)."""
+    torch = pytest.importorskip("torch")
+    from torch import nn  # noqa: PLC0415
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv1d(16, 32, 3, padding=1)
+            self.conv2 = nn.Conv1d(32, 32, 3, padding=1)
+            self.gru = nn.GRU(32, 24, batch_first=True)
+            self.out = nn.Linear(24, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.conv2(torch.relu(self.conv(x))))
+            y, _ = self.gru(h.transpose(1, 2))
+            return torch.sigmoid(self.out(y))
+
+    torch.manual_seed(0)
+    fp32 = folder / "speech.onnx"
+    torch.onnx.export(
+        Encoder().eval(), (torch.randn(1, 16, 50),), str(fp32), dynamo=False, opset_version=opset,
+        input_names=["x"], output_names=["y"],
+    )
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.normal(0, 1, (1, 16, 50)).astype(np.float32)} for _ in range(4)]
+    _quantize(fp32, folder / "speech_qdq.onnx", feeds, per_channel=True)
+    return folder / "speech_qdq.onnx"
+
+
+def test_quantized_speech_encoder_validates_on_every_onnxruntime_and_tensorrt_profile(tmp_path: Path) -> None:
+    path = speech_encoder_qdq(tmp_path)
+    source = onnx.load(str(path))
+    rng = np.random.default_rng(3)
+    batches = [{"x": rng.normal(0, 1, (1, 16, 50)).astype(np.float32)} for _ in range(3)]
+    for runtime in ("onnx", "ort-cpu", "ort-cuda", "ort-dml", "tensorrt"):
+        for target in ("bf16", "fp16"):
+            result = mixprec.convert(path, tmp_path / "out.onnx", target_dtype=target, runtime=runtime,
+                                     validate="run", overwrite=True)
+            out = onnx.load(str(tmp_path / "out.onnx"))
+            assert_pairs_adjacent(source, out, result.report.quantization.folded)
+            emulated = emulate_low_precision(out)
+            for feeds in batches:
+                got, expected = run_unfused(emulated, feeds)[0], run_unfused(source, feeds)[0]
+                assert _cosine(got, expected) > 0.999, (runtime, target)
+    for target in ("bf16", "fp16"):
+        result = mixprec.convert(path, None, target_dtype=target, runtime="ort-cuda" if target == "fp16" else "tensorrt")
+        q = result.report.quantization
+        assert q.quantized_low == sum(q.quantized_ops.values())  # Conv, Transpose, MatMul, Add, Sigmoid
+    if openvino_available():
+        # OpenVINO compiles GRU only with an FP32 dequantized input: that pair stays FP32.
+        result = mixprec.convert(path, None, target_dtype="fp16", runtime="openvino", validate="run")
+        gru = next(k for k in result.report.kept_fp32 if k.name == "/gru/GRU")
+        assert gru.category == "quantized pair" and "only with an FP32 DequantizeLinear input" in gru.reason
