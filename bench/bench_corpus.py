@@ -202,7 +202,7 @@ def failures(rows: list[dict[str, Any]], fp32: dict[str, str], cache: Path) -> l
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mixprec.policy.runtime import RUNTIMES
+    from mixprec.policy.profiles import RUNTIMES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", help="comma-separated corpus models (default: all)")

@@ -51,6 +51,7 @@ class Case:
     path: Path
     batches: list[Batch]
     per_token: bool = False  # top-1 over the last axis of every position
+    judge: Callable[[list[np.ndarray], list[np.ndarray]], str] | None = None  # task agreement (detectors)
 
 
 def _cnn(name: str, folder: Path, count: int) -> Case:
@@ -98,6 +99,81 @@ def _speech(folder: Path, count: int) -> Case:
     return Case("speech", speech_encoder_qdq(folder), [{"x": rng.normal(0, 1, (1, 16, 50)).astype(np.float32)} for _ in range(count)])
 
 
+# Real-model corpus detectors (bench/corpus.py): their own inputs, calibration on the corpus's
+# inputs, further inputs of the same kind for the test batches.
+DETECTOR_TEXTS = ("拼图验证", "点选文字", "天地玄黄", "宇宙洪荒", "日月盈昃", "辰宿列张", "寒来暑往", "秋收冬藏",
+                  "闰余成岁", "律吕调阳", "云腾致雨", "露结为霜")
+
+
+NOISE = 0.5 / 255  # input noise of the `INT8+FP32 noisy` row: half a grey level, relative to the input's range
+
+
+def _detector_inputs(name: str, count: int) -> tuple[list[Batch], list[Batch]]:
+    """(calibration inputs: the corpus's own, test inputs: `count` of the same kind)."""
+    import corpus  # noqa: PLC0415
+
+    if name == "ddddocr_det":
+        texts = [DETECTOR_TEXTS[k % len(DETECTOR_TEXTS)] for k in range(count)]
+        return corpus._ddddocr_det_samples(), corpus._ddddocr_det_samples(texts)  # noqa: SLF001
+    if name == "nudenet_320n":
+        return corpus._nudenet_samples(), corpus._nudenet_samples(range(count))  # noqa: SLF001
+    raise SystemExit(f"--corpus: no detector inputs for {name!r} (ddddocr_det, nudenet_320n)")
+
+
+def _boxes_judge(name: str) -> Callable[[list[np.ndarray], list[np.ndarray]], str]:
+    """Boxes decoded as the corpus decodes them: `k/n I -m+e`: k of n inputs whose boxes all
+    match (same class, IoU >= 0.9, same count; nudenet without boxes: raw output at cosine >=
+    0.999), I the smallest IoU of a reference box with its best same-class box (those at IoU >=
+    0.5: the same object), m reference boxes with no such box, e boxes with no reference."""
+    import corpus  # noqa: PLC0415
+
+    task = corpus.task_for(name)
+
+    def decode(raw: np.ndarray):  # noqa: ANN202
+        return task.decode(lambda _feeds: {"output": raw}, None)
+
+    def judge(got: list[np.ndarray], expected: list[np.ndarray]) -> str:
+        same, smallest, missing, extra = 0, 1.0, 0, 0
+        for g, e in zip(got, expected):
+            dg, de = decode(g), decode(e)
+            same += bool(task.agree(de, dg)[0])
+            boxes_g, boxes_e = (dg[0], de[0]) if isinstance(dg, tuple) else (dg, de)
+            matched = 0
+            for r in boxes_e:
+                best = max((corpus.iou(np.array(r[:4]), np.array(b[:4])) for b in boxes_g if b[4] == r[4]), default=0.0)
+                if best >= 0.5:  # the same object: how well its box agrees
+                    smallest, matched = min(smallest, best), matched + 1
+            missing += len(boxes_e) - matched
+            extra += max(0, len(boxes_g) - matched)
+        return f"{same}/{len(got)} {smallest:.2f} -{missing}+{extra}"
+
+    return judge
+
+
+def _detector(name: str, folder: Path, count: int) -> Case:
+    """A corpus detector quantized with `quantize_static` (QDQ, per channel, MinMax on the
+    corpus's inputs; opset 13 at least, which per-channel DequantizeLinear needs)."""
+    import corpus  # noqa: PLC0415
+    from test_qdq import _quantize  # noqa: PLC0415
+
+    source = corpus.model_path(name)
+    if not source.exists():
+        raise SystemExit(f"--corpus {name}: {source} is missing (python bench/corpus.py build)")
+    model = onnx.load(str(source))
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+    if opset < 13:
+        model = onnx.version_converter.convert_version(model, 13)
+    weights = {t.name for t in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in weights]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    fp32 = folder / f"{name}.onnx"
+    onnx.save(model, str(fp32))
+    calibration, batches = _detector_inputs(name, count)
+    _quantize(fp32, folder / f"{name}_qdq.onnx", calibration, per_channel=True)
+    return Case(name, folder / f"{name}_qdq.onnx", batches, judge=_boxes_judge(name))
+
+
 def _session(model: onnx.ModelProto | Path, fused: bool) -> Callable[[Batch], np.ndarray]:
     import onnxruntime as ort  # noqa: PLC0415
 
@@ -130,6 +206,17 @@ def _agreement(got: list[np.ndarray], expected: list[np.ndarray], per_token: boo
     return f"{same}/{total} {cosine:.5f}"
 
 
+def _agree(case: Case, got: list[np.ndarray], expected: list[np.ndarray]) -> str:
+    return case.judge(got, expected) if case.judge else _agreement(got, expected, case.per_token)
+
+
+def _casts_beside_qdq(model: onnx.ModelProto) -> int:
+    """Casts that read a DequantizeLinear's output or feed a QuantizeLinear (main graph)."""
+    dq_outputs = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    q_inputs = {n.input[0] for n in model.graph.node if n.op_type == "QuantizeLinear"}
+    return sum(n.op_type == "Cast" and (n.input[0] in dq_outputs or n.output[0] in q_inputs) for n in model.graph.node)
+
+
 def _integers_kept(source: onnx.ModelProto, converted: onnx.ModelProto) -> bool:
     """Whether every integer initializer still in the converted model is byte-identical."""
     kept = {t.name: t for t in converted.graph.initializer}
@@ -158,18 +245,58 @@ def _row(case: Case, target: str, runtime: str, folder: Path, references: dict[s
     cpu = "-"
     if target == "fp16":
         real = _session(out, fused=True)
-        cpu = _agreement([real(feeds) for feeds in case.batches], references["unfused"], case.per_token)
+        cpu = _agree(case, [real(feeds) for feeds in case.batches], references["unfused"])
     return (
         f"{case.name:<12} {target + ' ' + runtime:<14} {groups:>12} {len(q.folded):>6} {report.casts_runtime:>5} "
         f"{pairs:<8} {'same' if _integers_kept(source, converted) else 'CHANGED':<7} {report.validation.checker:<7} "
-        f"{_agreement(got, references['unfused'], case.per_token):>16} {_agreement(got, references['fused'], case.per_token):>16} "
+        f"{_agree(case, got, references['unfused']):>16} {_agree(case, got, references['fused']):>16} "
         f"{cpu:>16}"
+    )
+
+
+def _converter_common_row(case: Case, folder: Path, references: dict[str, list[np.ndarray]]) -> str:
+    """onnxconverter-common's float16 conversion of the same QDQ model (keep_io_types=True): the
+    checker, casts beside Q/DQ, integer tensors, and the real float16 run on onnxruntime's CPU
+    provider, optimizations off (`vs unfused`, `vs fused`) and default options (`ort-cpu`)."""
+    from onnxconverter_common import float16  # noqa: PLC0415
+
+    source = onnx.load(str(case.path))
+    converted = float16.convert_float_to_float16(onnx.load(str(case.path)), keep_io_types=True)
+    out = folder / "onnxconverter_common.onnx"
+    onnx.save(converted, str(out))
+    try:
+        onnx.checker.check_model(converted, full_check=True)
+        checker = "passed"
+    except Exception:  # noqa: BLE001 - the row reports it
+        checker = "failed"
+    beside = _casts_beside_qdq(converted)
+    casts = sum(n.op_type == "Cast" for n in converted.graph.node)
+    runs = {}
+    for key, fused in (("unfused", False), ("fused", True)):
+        try:
+            session = _session(out, fused=fused)
+            runs[key] = [session(feeds) for feeds in case.batches]
+        except Exception as e:  # noqa: BLE001 - a model onnxruntime rejects
+            runs[key] = f"no load: {type(e).__name__}"
+    unfused = runs["unfused"] if isinstance(runs["unfused"], str) else None
+    cols = [
+        unfused or _agree(case, runs["unfused"], references["unfused"]),
+        unfused or _agree(case, runs["unfused"], references["fused"]),
+        runs["fused"] if isinstance(runs["fused"], str) else _agree(case, runs["fused"], references["unfused"]),
+    ]
+    pairs = "adjacent" if beside == 0 else f"{beside} beside"
+    return (
+        f"{case.name:<12} {'fp16 onnxconverter-common':<14} {'-':>12} {'-':>6} {casts:>5} {pairs:<8} "
+        f"{'same' if _integers_kept(source, converted) else 'CHANGED':<7} {checker:<7} "
+        f"{cols[0][:16]:>16} {cols[1][:16]:>16} {cols[2][:16]:>16}"
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cnn", nargs="*", default=["squeezenet"], help="light CNNs shipped with onnx")
+    parser.add_argument("--corpus", nargs="*", default=[], help="corpus detectors: ddddocr_det, nudenet_320n (bench/corpus.py)")
+    parser.add_argument("--no-torch", action="store_true", help="skip the transformer and speech models")
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--out", type=Path, help="keep the quantized models here")
     options = parser.parse_args(argv)
@@ -182,12 +309,14 @@ def main(argv: list[str] | None = None) -> int:
         folder = options.out or Path(scratch)
         folder.mkdir(parents=True, exist_ok=True)
         cases = [_cnn(name, folder, options.batches) for name in options.cnn]
+        cases += [_detector(name, folder, options.batches) for name in options.corpus]
         try:
             import torch  # noqa: F401, PLC0415
         except ImportError:
             print("torch is not installed: the transformer and speech models are skipped")
         else:
-            cases += [_transformer(folder, options.batches), _speech(folder, options.batches)]
+            if not options.no_torch:
+                cases += [_transformer(folder, options.batches), _speech(folder, options.batches)]
         print(
             f"{'model':<12} {'target':<14} {'groups 16-bit':>12} {'folded':>6} {'casts':>5} {'pairs':<8} {'ints':<7} "
             f"{'checker':<7} {'vs unfused':>16} {'vs fused':>16} {'ort-cpu fp16':>16}   (top-1, min cosine over "
@@ -199,13 +328,27 @@ def main(argv: list[str] | None = None) -> int:
                 "unfused": [unfused(feeds) for feeds in case.batches],
                 "fused": [fused(feeds) for feeds in case.batches],
             }
-            noise = _agreement(references["fused"], references["unfused"], case.per_token)
+            noise = _agree(case, references["fused"], references["unfused"])
             print(f"{case.name:<12} {'INT8+FP32 fused':<14} {'':>12} {'':>6} {'':>5} {'':<8} {'':<7} {'':<7} {noise:>16} {'-':>16}")
+            if case.judge:  # how sensitive the task output is: the unfused model on inputs with imperceptible noise
+                rng = np.random.default_rng(7)
+                noisy = [
+                    {k: v + rng.normal(0, NOISE * float(v.max() - v.min()), v.shape).astype(v.dtype) for k, v in feeds.items()}
+                    for feeds in case.batches
+                ]
+                jitter = _agree(case, [unfused(feeds) for feeds in noisy], references["unfused"])
+                print(f"{case.name:<12} {'INT8+FP32 noisy':<14} {'':>12} {'':>6} {'':>5} {'':<8} {'':<7} {'':<7} {jitter:>16} {'-':>16}")
             for target, runtime in TARGETS:
                 try:
                     print(_row(case, target, runtime, folder, references), flush=True)
                 except Exception as e:  # noqa: BLE001 - a row reports its failure, the table goes on
                     print(f"{case.name:<12} {target + ' ' + runtime:<14} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+            try:
+                print(_converter_common_row(case, folder, references), flush=True)
+            except ImportError:
+                print(f"{case.name:<12} onnxconverter-common is not installed")
+            except Exception as e:  # noqa: BLE001
+                print(f"{case.name:<12} {'fp16 onnxconverter-common':<14} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
     return 0
 
 

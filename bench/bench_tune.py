@@ -9,7 +9,7 @@ onnxconverter-common as its `validate_fn`). For each tool the table shows:
   onnxconverter-common the calls of `validate_fn`, less its initial self-check;
 * ``wall s``: wall time of the whole call;
 * ``fp32`` / ``16-bit``: compute nodes (casts aside) touching only FP32 / only 16-bit floats in
-  the result (`mixprec.summary.summarize_model`);
+  the result (`mixprec.inspection.summarize_model`);
 * ``own``: whether the tool reports success;
 * ``emulated`` / ``ort-cpu``: the result re-checked here against the FP32 model, on the emulated
   model (every 16-bit value rounded, as a GPU computes; `mixprec.validate.emulate`) and by a real
@@ -181,7 +181,7 @@ def _check(path: Path, reference: Mapping[str, np.ndarray], batch: Batch, atol: 
 
 
 def _node_counts(path: Path) -> tuple[int, int]:
-    from mixprec.summary import summarize_model  # noqa: PLC0415
+    from mixprec.inspection import summarize_model  # noqa: PLC0415
 
     counts = summarize_model(path).nodes_by_precision
     return counts.get("fp32", 0), counts.get("fp16", 0) + counts.get("bf16", 0)

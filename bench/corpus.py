@@ -630,9 +630,10 @@ def _ddddocr_decode(run: Runner, sample: Any) -> list[int]:
     return ctc_greedy(out[:, 0, :].argmax(-1) if out.ndim == 3 else out.reshape(-1))
 
 
-def _ddddocr_det_samples() -> list[Any]:
+def _ddddocr_det_samples(texts: Sequence[str] = ("拼图验证", "点选文字", "天地玄黄")) -> list[Any]:
+    """Captcha-like images, one per 4-character text (sample k draws its background from seed 10 + k)."""
     out = []
-    for k, text in enumerate(["拼图验证", "点选文字", "天地玄黄"]):
+    for k, text in enumerate(texts):
         from PIL import Image, ImageDraw
 
         rng = np.random.default_rng(10 + k)
@@ -785,9 +786,9 @@ def _scene(seed: int, size=(480, 360)) -> Any:
     return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8))
 
 
-def _nudenet_samples() -> list[Any]:
+def _nudenet_samples(seeds: Sequence[int] = range(3)) -> list[Any]:
     out = []
-    for seed in range(3):
+    for seed in seeds:
         img = _scene(seed)
         rgb = np.asarray(img, dtype=np.uint8)
         m = max(rgb.shape[:2])

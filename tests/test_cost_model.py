@@ -1,4 +1,4 @@
-"""The cost model (`mixprec.analysis.cost`) on the per-runtime figures of `policy/tables/costs.toml`:
+"""The cost model (`mixprec.analysis.cost_model`) on the per-runtime figures of `policy/tables/costs.toml`:
 the table is checked strictly, an op costs the larger of its traffic and its arithmetic, and the
 report and the accuracy search price with the runtime's figures."""
 
@@ -10,10 +10,10 @@ import pytest
 from onnx import numpy_helper
 
 from helpers import convert
-from mixprec.analysis.cost import cast_time, node_time
+from mixprec.analysis.cost_model import cast_time, node_time
 from mixprec.errors import PolicyError
 from mixprec.policy.costs import parse_costs, runtime_cost
-from mixprec.policy.runtime import RUNTIMES
+from mixprec.policy.profiles import RUNTIMES
 from mixprec.report.html import render_html_report
 from mixprec.tune.flops import node_costs
 

@@ -150,7 +150,7 @@ def test_runtime_repair_of_a_bfloat16_model_keeps_only_the_culprit(tmp_path, mon
     as far as the check goes, so the repair of a fusion that fails on one 16-bit node keeps
     that node FP32 and nothing else (it once counted every bfloat16 trial as failing)."""
     import mixprec.api  # noqa: PLC0415
-    import mixprec.validate.check  # noqa: PLC0415
+    import mixprec.validate.staged  # noqa: PLC0415
     from mixprec.runtime.isolated import RuntimeOutcome  # noqa: PLC0415
 
     culprit = "p2o.MatMul.0"
@@ -166,7 +166,7 @@ def test_runtime_repair_of_a_bfloat16_model_keeps_only_the_culprit(tmp_path, mon
             error = None
         return RuntimeOutcome(loaded=False, ran=False, error=error, crashed=False, outputs=None, seconds=0.0)
 
-    monkeypatch.setattr(mixprec.validate.check, "run_isolated", fake_runtime)
+    monkeypatch.setattr(mixprec.validate.staged, "run_isolated", fake_runtime)
     monkeypatch.setattr(mixprec.api, "run_isolated", fake_runtime)
     source = tmp_path / "encoder.onnx"
     onnx.save(_two_norm_encoder(17), source)

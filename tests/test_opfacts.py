@@ -16,7 +16,7 @@ from mixprec.policy.opfacts import (
     op_facts,
     parse_op_facts,
 )
-from mixprec.policy.runtime import load_runtime
+from mixprec.policy.profiles import load_runtime
 from mixprec.policy.table import load_policy, parse_policy
 
 FACTS = all_op_facts()
@@ -66,7 +66,7 @@ def test_integer_input_roles_are_the_schema_input_names() -> None:
 
 def test_named_rules_are_implemented() -> None:
     from mixprec.analysis import integer_semantics  # noqa: PLC0415
-    from mixprec.analysis import cost  # noqa: PLC0415
+    from mixprec.analysis import cost_model as cost  # noqa: PLC0415
 
     assert set(integer_semantics._INTERVAL_RULES) == INTERVAL_RULES
     assert set(cost._FORMULAS) == FLOPS_FORMULAS

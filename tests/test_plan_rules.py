@@ -18,7 +18,7 @@ from mixprec.plan import rules
 from mixprec.plan.model import Category, Decision, NodeMatcher, Precision, State
 from mixprec.plan.planner import Planner
 from mixprec.plan.rules import Action, Ruling
-from mixprec.policy.runtime import load_runtime
+from mixprec.policy.profiles import load_runtime
 from mixprec.policy.table import load_policy
 
 F32 = TensorProto.FLOAT

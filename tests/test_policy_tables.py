@@ -10,7 +10,7 @@ import pytest
 from mixprec.dtypes import LowPrecision
 from mixprec.errors import PolicyError
 from mixprec.policy.conditions import CONDITIONS
-from mixprec.policy.runtime import load_runtime
+from mixprec.policy.profiles import load_runtime
 from mixprec.policy.schemas import signature
 from mixprec.policy.table import OpClass, load_policy, parse_policy
 

@@ -27,7 +27,7 @@ from helpers import BFLOAT16, FLOAT, FLOAT16, check_full, convert, initializer_t
 from mixprec.errors import PolicyError
 from mixprec.passes.fold_dequantize import dequantize
 from mixprec.policy.quantized_groups import parse_quantized_groups, quantized_groups
-from mixprec.policy.runtime import load_runtime
+from mixprec.policy.profiles import load_runtime
 from mixprec.runtime.kernels import cpu_has_kernel
 from mixprec.runtime.openvino import openvino_available
 from mixprec.validate.emulate import emulate_low_precision

@@ -29,7 +29,7 @@ from mixprec.policy.table import Policy, load_policy
 from mixprec.report import Report
 from mixprec.runtime.isolated import run_isolated
 from mixprec.tolerance import Tolerance
-from mixprec.validate.check import RuntimeRejection, loads_as_validated, output_errors
+from mixprec.validate.staged import RuntimeRejection, loads_as_validated, output_errors
 from mixprec.validate.repair import find_culprits
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ def convert(
         opset: Upgrade the model to this default-domain opset first (with the ONNX version
             converter). Default: upgrade only when the model's compute-bound ops admit the
             target type at a newer opset (bfloat16 Conv and pooling: 22).
-        runtime: The runtime the model is deployed to (`mixprec.policy.runtime.RUNTIMES`,
+        runtime: The runtime the model is deployed to (`mixprec.policy.profiles.RUNTIMES`,
             default `ort-cuda`): a node converts only where the runtime has a 16-bit kernel
             for it; `onnx` lets the ONNX schema alone decide.
         weights_only: Store the weights in the 16-bit type and compute everything in FP32 (for
@@ -334,7 +334,7 @@ def convert_module(
     """
     from mixprec.frontends.torch_module import ExportedModule, export_module  # noqa: PLC0415
 
-    from mixprec.policy.runtime import load_runtime  # noqa: PLC0415
+    from mixprec.policy.profiles import load_runtime  # noqa: PLC0415
 
     config = (config or Config()).with_options(**options)
     supported = load_runtime(config.runtime).opset_range

@@ -24,7 +24,7 @@ from pathlib import Path
 from mixprec.config import Config
 from mixprec.io import write_text_atomic
 from mixprec.errors import InputError, InvariantError, MixprecError, ModelLoadError, PolicyError, ValidationFailure
-from mixprec.policy.runtime import DEFAULT_RUNTIME, RUNTIMES
+from mixprec.policy.profiles import DEFAULT_RUNTIME, RUNTIMES
 
 logger = logging.getLogger("mixprec")
 
@@ -320,7 +320,7 @@ def _check_outputs(source: str, outputs: dict[str, str | None]) -> None:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from mixprec.summary import summarize_model  # noqa: PLC0415
+    from mixprec.inspection import summarize_model  # noqa: PLC0415
 
     summary = summarize_model(args.model)
     print(json.dumps(summary.to_dict(), indent=2) if args.json else summary.format_text())
@@ -331,7 +331,7 @@ def _cmd_policy(args: argparse.Namespace) -> int:
     from mixprec.dtypes import parse_low_precision  # noqa: PLC0415
     from mixprec.policy.table import load_policy  # noqa: PLC0415
 
-    from mixprec.policy.runtime import effective_classes, load_runtime  # noqa: PLC0415
+    from mixprec.policy.profiles import effective_classes, load_runtime  # noqa: PLC0415
 
     policy = load_policy(parse_low_precision(args.to), args.policy)
     runtime = load_runtime(args.runtime)

@@ -40,12 +40,12 @@ from mixprec.passes.rewrite import RewriteStats, apply_plan
 from mixprec.plan.model import Category, NodeMatcher, Precision, PrecisionPlan
 from mixprec.plan.planner import plan_precision
 from mixprec.plan.planner import weights_only as weights_only_plan
-from mixprec.policy.runtime import RuntimeProfile, load_runtime
+from mixprec.policy.profiles import RuntimeProfile, load_runtime
 from mixprec.policy.schemas import op_exists
 from mixprec.policy.table import Policy, load_policy, parse_op_name
 from mixprec.report import Report, build_report
 from mixprec.runtime.batches import BatchSource
-from mixprec.validate.check import RuntimeRejection, validate_staged
+from mixprec.validate.staged import RuntimeRejection, validate_staged
 from mixprec.validate.checker import checker_error, input_problem
 from mixprec.validate.invariants import Baseline, require_invariants, steps_checked
 

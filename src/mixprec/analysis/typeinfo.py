@@ -20,7 +20,7 @@ import onnx_ir as ir
 from mixprec.analysis.constants import constant_node_tensor
 from mixprec.graphs import all_graphs, all_nodes, has_subgraphs, walk_nodes
 from mixprec.io import graph_only_proto, weight_free_proto
-from mixprec.policy.runtime import binding_signature
+from mixprec.policy.profiles import binding_signature
 from mixprec.policy.schemas import Signature, signature
 from mixprec.policy.table import normalize_domain
 

@@ -34,7 +34,7 @@ from mixprec.analysis.qdq import FOLDED, role
 from mixprec.dtypes import LowPrecision
 from mixprec.graphs import all_graphs
 from mixprec.policy.quantized_groups import QuantizedGroups, quantized_groups
-from mixprec.policy.runtime import RuntimeProfile
+from mixprec.policy.profiles import RuntimeProfile
 
 __all__ = ["FoldedDequantizations", "dequantize", "dequantized_constant", "fold_constant_dequantizations"]
 

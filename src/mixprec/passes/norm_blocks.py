@@ -24,7 +24,7 @@ from mixprec.analysis.constants import reduction_axes, small_constant_array
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.graphs import FreshNames, all_graphs, model_names
 from mixprec.passes.opset import default_opset
-from mixprec.policy.runtime import RuntimeProfile
+from mixprec.policy.profiles import RuntimeProfile
 
 # Per kind of block: the op it fuses into and the opset that op first exists at.
 _FUSED_OP = {"layer": ("LayerNormalization", 17), "rms": ("RMSNormalization", 23)}

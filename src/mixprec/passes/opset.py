@@ -20,7 +20,7 @@ from mixprec.errors import InputError
 from mixprec.graphs import all_nodes
 from mixprec.io import weight_free_proto
 from mixprec.policy.opfacts import op_facts
-from mixprec.policy.runtime import RuntimeProfile
+from mixprec.policy.profiles import RuntimeProfile
 from mixprec.policy.schemas import get_schema
 from mixprec.policy.table import OpClass, Policy, normalize_domain
 

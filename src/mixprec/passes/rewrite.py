@@ -26,7 +26,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_tensor, is_constant, iter_chunks
-from mixprec.analysis.cost import estimated_elements, guessed_elements, tensor_elements
+from mixprec.analysis.cost_model import estimated_elements, guessed_elements, tensor_elements
 from mixprec.plan.model import Precision, PrecisionPlan, Storage
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.graphs import FreshNames
@@ -46,8 +46,8 @@ class CastRecord:
     to: str
     elements: int | None
     runtime: bool  # False: the cast was done offline on a constant
-    estimated_elements: int | None = None  # named symbolic dimensions estimated (analysis.cost)
-    guessed_elements: int | None = None  # every dimension that is not static guessed (analysis.cost)
+    estimated_elements: int | None = None  # named symbolic dimensions estimated (analysis.cost_model)
+    guessed_elements: int | None = None  # every dimension that is not static guessed (analysis.cost_model)
     of_constant: bool = False  # a Cast of a stored constant: runtimes fold it when they load the model
 
 

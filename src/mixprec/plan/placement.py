@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from mixprec.analysis.constants import is_constant
-from mixprec.analysis.cost import (
+from mixprec.analysis.cost_model import (
     CAST_BYTES_PER_ELEMENT,
     FP32_EXTRA_BYTES_PER_ELEMENT,
     SYMBOLIC_DIM,

@@ -55,7 +55,7 @@ from mixprec.plan.readings import Inputs, PolicyClass, classify, read_inputs, we
 from mixprec.plan.rules import Action, Ruling, decide
 from mixprec.plan.templates import OpTemplate, node_facts, op_template
 from mixprec.policy.opfacts import op_facts
-from mixprec.policy.runtime import RuntimeProfile, load_runtime
+from mixprec.policy.profiles import RuntimeProfile, load_runtime
 from mixprec.policy.table import Policy, format_op_name, normalize_domain
 
 __all__ = ["plan_precision", "weights_only"]

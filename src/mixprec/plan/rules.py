@@ -45,7 +45,7 @@ from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.plan.model import Category, Decision, NodeFacts, NodeMatcher, Precision, State
 from mixprec.plan.readings import Inputs, PolicyClass
 from mixprec.policy.opfacts import OpFacts, op_facts
-from mixprec.policy.runtime import RuntimeProfile
+from mixprec.policy.profiles import RuntimeProfile
 from mixprec.policy.table import OpClass, format_op_name
 
 __all__ = ["RULES", "Action", "PlanContext", "Ruling", "decide"]

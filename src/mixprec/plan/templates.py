@@ -19,7 +19,7 @@ from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.graphs import is_default_domain
 from mixprec.plan.model import NodeFacts
 from mixprec.policy.opfacts import op_facts
-from mixprec.policy.runtime import RuntimeProfile
+from mixprec.policy.profiles import RuntimeProfile
 from mixprec.policy.schemas import Signature, signature
 from mixprec.policy.table import OpRule, Policy, format_op_name
 

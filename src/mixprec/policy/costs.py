@@ -1,6 +1,6 @@
 """Per-runtime cost figures (`tables/costs.toml`): what a byte of traffic, a matrix FLOP in 16
 bits or FP32, and a kernel launch cost on the device class each runtime targets. The formulas
-that use them live in :mod:`mixprec.analysis.cost`."""
+that use them live in :mod:`mixprec.analysis.cost_model`."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""The conversion report: the data (:mod:`~mixprec.report.model`), the HTML page
+"""The conversion report: the data (:mod:`~mixprec.report.contents`), the HTML page
 (:mod:`~mixprec.report.html`) and the graph layout it draws (:mod:`~mixprec.report.layout`)."""
 
 from __future__ import annotations
 
 from mixprec.report.html import render_html_report, write_html_report
-from mixprec.report.model import (
+from mixprec.report.contents import (
     KeptNode,
     NodeGraph,
     OutputError,

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mixprec.io import write_text_atomic
-from mixprec.report.model import Report
+from mixprec.report.contents import Report
 from mixprec.report.svg import (
     MAX_ERROR_BARS,
     Page,

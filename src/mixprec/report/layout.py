@@ -16,7 +16,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
-from mixprec.report.model import NodeGraph
+from mixprec.report.contents import NodeGraph
 
 # Up to this many drawn nodes, Graphviz dot lays the graph out. Measured with dot 2.43 and the
 # iteration limits below, on generated graphs, 2 CPU cores: transformer-like blocks (three

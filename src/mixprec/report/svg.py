@@ -17,7 +17,7 @@ from mixprec.report.layout import (
     layout_graph,
     longest_path_layers,
 )
-from mixprec.report.model import NodeGraph, Report
+from mixprec.report.contents import NodeGraph, Report
 
 # Graphs with at most this many drawn nodes (constant producers folded) are drawn as a layered
 # graph; larger ones as a strip.

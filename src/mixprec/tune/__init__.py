@@ -38,7 +38,7 @@ model-local function bodies are not probed (they rank last).
 Modules: :mod:`~mixprec.tune.search` (the search), :mod:`~mixprec.tune.probe` (the probe model),
 :mod:`~mixprec.tune.candidates` (the candidates and their ranking), :mod:`~mixprec.tune.metrics`
 (outputs against the tolerance), :mod:`~mixprec.tune.flops` (FLOPs and FP32 shares),
-:mod:`~mixprec.tune.batches` (input batches), :mod:`~mixprec.tune.results` (what `tune` returns).
+:mod:`~mixprec.tune.inputs` (input batches), :mod:`~mixprec.tune.results` (what `tune` returns).
 """
 
 from __future__ import annotations

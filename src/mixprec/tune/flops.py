@@ -1,4 +1,4 @@
-"""The cost model on the search's data (:mod:`mixprec.analysis.cost`, shapes of the first batch):
+"""The cost model on the search's data (:mod:`mixprec.analysis.cost_model`, shapes of the first batch):
 FLOPs of the nodes, what keeping each FP32 costs on the runtime, and the FP32 share of a plan."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import onnx
 import onnx.shape_inference
 import onnx_ir as ir
 
-from mixprec.analysis.cost import BOUNDARIES, float_elements, flops_of, node_time
+from mixprec.analysis.cost_model import BOUNDARIES, float_elements, flops_of, node_time
 from mixprec.graphs import node_keys
 from mixprec.plan.model import Precision, PrecisionPlan
 from mixprec.policy.costs import RuntimeCost

@@ -25,7 +25,7 @@ from mixprec.pipeline import Prepared, prepare
 from mixprec.plan.file import PlanFile, fp32_plan, load_plan
 from mixprec.policy.costs import runtime_cost
 from mixprec.tolerance import Tolerance
-from mixprec.tune.batches import read_batches
+from mixprec.tune.inputs import read_batches
 from mixprec.tune.candidates import (
     Candidate,
     candidates_of,

@@ -23,7 +23,7 @@ from mixprec.analysis.constants import constant_tensor, is_constant
 from mixprec.graphs import default_domain_version, is_default_domain
 from mixprec.passes.fold_dequantize import dequantized_constant
 from mixprec.policy.opfacts import op_facts
-from mixprec.policy.runtime import load_runtime
+from mixprec.policy.profiles import load_runtime
 from mixprec.policy.schemas import Signature, signature
 from mixprec.runtime.kernels import cpu_has_kernel
 

@@ -14,14 +14,14 @@ from typing import Any
 
 import onnx_ir as ir
 
-from mixprec.analysis.cost import CAST_BYTES_PER_ELEMENT, SYMBOLIC_DIM, estimate_plan
+from mixprec.analysis.cost_model import CAST_BYTES_PER_ELEMENT, SYMBOLIC_DIM, estimate_plan
 from mixprec.analysis.qdq import QuantizedSummary, quantized_summary
 from mixprec.graphs import has_subgraphs, walk_nodes
 from mixprec.passes.rewrite import RewriteStats
 from mixprec.passes.opset import first_opset_admitting
 from mixprec.plan.model import Category, Precision, PrecisionPlan
 from mixprec.policy.costs import runtime_cost
-from mixprec.policy.runtime import RuntimeProfile
+from mixprec.policy.profiles import RuntimeProfile
 from mixprec.policy.table import normalize_domain
 
 
@@ -145,7 +145,7 @@ class Report:
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # CPU time of this process per step
     # Per-node listing for drawing; left out of to_dict()/to_json() unless asked for.
     graph: NodeGraph | None = field(default=None, repr=False, compare=False)
-    # Estimates of the cost model (mixprec.analysis.cost): bytes the casts move per inference
+    # Estimates of the cost model (mixprec.analysis.cost_model): bytes the casts move per inference
     # with symbolic dimensions taken as `symbolic_dim`, and the share of the matrix and
     # convolution FLOPs that runs in 16 bits.
     cast_bytes_estimate: int | None = None
