@@ -289,3 +289,18 @@ def test_cpu_profile_claims_no_16bit_kernel_the_installed_runtime_lacks() -> Non
         f"ort-cpu profile claims {len(missing)} 16-bit kernel fact(s) the installed onnxruntime "
         "lacks:\n" + "\n".join(missing)
     )
+
+
+def test_every_runtime_is_a_data_file() -> None:
+    """Each profile, the hand-written ones included, is one JSON file: what runtime Z runs is
+    in runtimes/Z.json."""
+    from importlib import resources  # noqa: PLC0415
+
+    from mixprec.policy.profiles import RUNTIMES, load_runtime  # noqa: PLC0415
+
+    folder = resources.files("mixprec.policy").joinpath("runtimes")
+    assert sorted(f"{name}.json" for name in RUNTIMES) == sorted(e.name for e in folder.iterdir() if e.name.endswith(".json"))
+    openvino, onnx_only = load_runtime("openvino"), load_runtime("onnx")
+    assert not openvino.has_table and not onnx_only.has_table
+    assert openvino.needs_one_type("", "BatchNormalization") and not onnx_only.needs_one_type("", "BatchNormalization")
+    assert not load_runtime("ort-cuda").needs_one_type("", "BatchNormalization")
