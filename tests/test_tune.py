@@ -386,3 +386,23 @@ def test_pinned_opset_holds_for_every_candidate(tmp_path):
     assert result.model.opset_imports[""] == 21
     assert result.report.low_by_op.get("Conv", 0) == 0
     assert "schema has no 16-bit type" in result.report.fp32_by_category
+
+
+def test_bfloat16_probe_of_an_opset_12_model(tmp_path):
+    """Before opset 13 Cast has no bfloat16: the probe is built on the conversion's upgraded FP32
+    model, so every candidate gets its own error (it once fell back to graph order)."""
+    rng = np.random.default_rng(0)
+    weights = [nh.from_array(rng.normal(0, 0.3, (8, 8)).astype(np.float32), f"w{i}") for i in range(3)]
+    nodes = [
+        oh.make_node("MatMul", ["x", "w0"], ["h0"]), oh.make_node("Relu", ["h0"], ["r0"]),
+        oh.make_node("MatMul", ["r0", "w1"], ["h1"]), oh.make_node("Tanh", ["h1"], ["r1"]),
+        oh.make_node("MatMul", ["r1", "w2"], ["y"]),
+    ]
+    graph = oh.make_graph(nodes, "mlp", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+                          [oh.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])], weights)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 12)])
+    path = _save(model, tmp_path / "mlp.onnx")
+    data = [{"x": rng.normal(size=(4, 8)).astype(np.float32)} for _ in range(2)]
+    result = tune(path, data, target_dtype="bf16", tolerance=Tolerance(min_cosine=0.999))
+    assert not [n for n in result.notes if "probe failed" in n or "could not be probed" in n], result.notes
+    assert result.met and result.contributions

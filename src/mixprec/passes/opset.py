@@ -30,7 +30,8 @@ def default_opset(model: ir.Model) -> int | None:
     return model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
 
 
-def _admits(op_type: str, opset: int, type_str: str) -> bool:
+def admits(op_type: str, opset: int, type_str: str) -> bool:
+    """Whether the default-domain `op_type` at `opset` admits `type_str` anywhere."""
     schema = get_schema(op_type, "", opset)
     return schema is not None and any(type_str in c.allowed_type_strs for c in schema.type_constraints)
 
@@ -38,7 +39,7 @@ def _admits(op_type: str, opset: int, type_str: str) -> bool:
 def first_opset_admitting(op_type: str, after: int, type_str: str) -> int | None:
     """The first default-domain opset above `after` at which `op_type` admits `type_str`."""
     newest = onnx.defs.onnx_opset_version()
-    return next((v for v in range(after + 1, newest + 1) if _admits(op_type, v, type_str)), None)
+    return next((v for v in range(after + 1, newest + 1) if admits(op_type, v, type_str)), None)
 
 
 def required_opset(
@@ -71,7 +72,7 @@ def required_opset(
             and (runtime is None or runtime.runs_in("", node.op_type, type_str))
         }
     for op_type in sorted(heavy):
-        if _admits(op_type, current, type_str):
+        if admits(op_type, current, type_str):
             continue
         first = first_opset_admitting(op_type, current, type_str)
         if first is not None:

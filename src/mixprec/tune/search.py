@@ -20,7 +20,9 @@ import onnx_ir as ir
 from mixprec.config import CalibrationConfig, Config, OutputConfig, ValidationConfig
 from mixprec.dtypes import LowPrecision
 from mixprec.errors import InputError, MixprecError
+from mixprec.graphs import default_domain_version
 from mixprec.io import wants_external_data
+from mixprec.passes.opset import admits
 from mixprec.pipeline import Prepared, prepare
 from mixprec.plan.file import PlanFile, fp32_plan, load_plan
 from mixprec.policy.costs import runtime_cost
@@ -280,7 +282,8 @@ class _Search:
         default = self._convert([])
         candidates = candidates_of(default.plan)
         self.say(f"{len(candidates)} candidate node(s); probe run over {len(self.batches)} batch(es)")
-        errors, costs = self._probe(model_path, candidates)
+        with tempfile.TemporaryDirectory(prefix="mixprec-probe-") as folder:
+            errors, costs = self._probe(self._probe_source(model_path, Path(folder)), candidates)
         flops = costs.flops
         # Largest own error first; among equal errors the node cheapest to keep FP32 on the
         # runtime (the cost model's estimate) first; unprobed nodes last, in graph order.
@@ -353,6 +356,20 @@ class _Search:
         )
 
     # -- the probe -------------------------------------------------------------------------------
+    def _probe_source(self, model_path: Path, folder: Path) -> Path:
+        """The FP32 model the probe is built on: the input, unless its opset has no Cast to the
+        target type (bfloat16 before opset 13); then the prepared model, which the conversion
+        upgraded (its node keys are the candidates' own)."""
+        assert self.prepared is not None
+        imports = onnx.load(str(model_path), load_external_data=False).opset_import
+        opset = default_domain_version({o.domain: o.version for o in imports})
+        if opset is None or admits("Cast", opset, self.target.type_str):
+            return model_path
+        prepared = self.prepared.conversion.model
+        path = folder / "prepared.onnx"
+        ir.save(prepared, path, external_data="prepared.onnx.data" if wants_external_data(prepared) else None)
+        return path
+
     def _probe(
         self, model_path: Path, candidates: Sequence[Candidate]
     ) -> tuple[dict[str, float], NodeCosts]:
