@@ -1,0 +1,130 @@
+"""Loading models: clear errors for bad files, and external data checked before any file of it
+is touched (relative, inside the model's folder, no symlink leading out of it). Loading goes
+through onnx_ir, so external weights stay memory-mapped / unread until needed."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path, PurePath
+
+import onnx
+import onnx_ir as ir
+from google.protobuf.message import DecodeError
+
+from mixprec.errors import InputError, ModelLoadError
+from mixprec.graphs import all_graphs
+
+__all__ = ["load_model"]
+
+
+def _external_tensors(model: ir.Model) -> Iterator[tuple[str, ir.ExternalTensor]]:
+    """(name, tensor) of every tensor stored in an external file: initializers of every graph
+    and function, and tensors held in node attributes (Constant values)."""
+    graphs: list[ir.Graph | ir.Function] = [*all_graphs(model), *model.functions.values()]
+    for graph in graphs:
+        if isinstance(graph, ir.Graph):
+            for value in graph.initializers.values():
+                if isinstance(value.const_value, ir.ExternalTensor):
+                    yield value.name or "", value.const_value
+        for node in graph:
+            if node.op_type != "Constant" and not node.attributes:
+                continue
+            for attr in node.attributes.values():
+                if attr.type is ir.AttributeType.TENSOR and isinstance(attr.value, ir.ExternalTensor):
+                    yield f"{node.name or node.op_type}.{attr.name}", attr.value
+
+
+def _check_locations(tensors: list[tuple[str, ir.ExternalTensor]], path: Path) -> None:
+    """Refuse external data outside the model's folder, before any file of it is touched (each
+    distinct location is resolved once: thousands of tensors share one data file)."""
+    root = os.path.realpath(path.parent)
+    checked: set[str] = set()
+    for name, tensor in tensors:
+        location = str(tensor.location)
+        if location in checked:
+            continue
+        parts = PurePath(location).parts
+        escapes = not location or "\0" in location or PurePath(location).is_absolute() or ".." in parts
+        if not escapes:
+            resolved = os.path.realpath(os.path.join(root, location))
+            escapes = os.path.commonpath([root, resolved]) != root
+        if escapes:
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} keeps its data at {location!r}, outside the model's "
+                "folder; external data must lie in the model's folder (or below it)"
+            )
+        checked.add(location)
+
+
+def _check_external_data(model: ir.Model, path: Path) -> None:
+    tensors = list(_external_tensors(model))
+    _check_locations(tensors, path)
+    sizes: dict[str, int | None] = {}  # data file -> its size (None: missing), looked up once
+    for name, tensor in tensors:
+        data_path = str(tensor.path)
+        if data_path not in sizes:
+            sizes[data_path] = os.path.getsize(data_path) if os.path.isfile(data_path) else None
+        size = sizes[data_path]
+        if size is None:
+            raise ModelLoadError(
+                f"{path}: external data file {str(tensor.location)!r} for tensor "
+                f"{name!r} is missing (looked in {Path(data_path).parent})"
+            )
+        needed = (tensor.offset or 0) + (tensor.length or tensor.nbytes)
+        if size < needed:
+            raise ModelLoadError(
+                f"{path}: external data file {data_path} is truncated: tensor "
+                f"{name!r} needs {needed} bytes, the file has {size}"
+            )
+
+
+def _root_message(error: BaseException) -> str:
+    """The first line of the innermost cause: the IR's wrappers repeat whole protobufs."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def load_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> tuple[ir.Model, Path | None]:
+    """Load a model from a path, a ModelProto or an onnx_ir Model.
+
+    Returns:
+        The IR model and the path it came from (None for in-memory models). An `ir.Model` is
+        returned as is (and later converted in place).
+
+    Raises:
+        ModelLoadError: The file is missing, not an ONNX model, truncated, or its external
+            data is missing.
+    """
+    if isinstance(source, ir.Model):
+        return source, None
+    if isinstance(source, onnx.ModelProto):
+        try:
+            return ir.serde.deserialize_model(source), None
+        except Exception as e:  # noqa: BLE001
+            raise ModelLoadError(f"cannot read the given ModelProto: {_root_message(e)}") from e
+    if not isinstance(source, (str, os.PathLike)):
+        raise InputError(
+            f"expected a path, an onnx.ModelProto or an onnx_ir.Model, got {type(source).__name__}"
+        )
+    path = Path(source)
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file")
+    if path.is_dir():
+        raise ModelLoadError(f"{path}: is a directory, expected an .onnx file")
+    if path.stat().st_size == 0:
+        raise ModelLoadError(f"{path}: file is empty")
+    try:
+        model = ir.load(path)
+    except DecodeError as e:
+        raise ModelLoadError(f"{path}: not an ONNX model or truncated (protobuf parse error)") from e
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: cannot be loaded: {_root_message(e)}") from e
+    except Exception as e:  # noqa: BLE001 - any parser failure is a bad model file
+        raise ModelLoadError(f"{path}: cannot be read: {_root_message(e)}") from e
+    if model.graph is None or (len(model.graph) == 0 and not model.graph.outputs):
+        raise ModelLoadError(f"{path}: not an ONNX model (no graph)")
+    _check_external_data(model, path)
+    return model, path

@@ -1,0 +1,294 @@
+"""Saving models so that a reader never sees a half-written output.
+
+Saving writes into a staging folder next to the destination (named with the writer's process
+id) and publishes only after the caller's check passed, so a failed conversion never leaves a
+half-written output. Weights go to a data file with a name of its own per save
+(`<name>.<pid>-<token>.data`): the data file moves into place first, then the `.onnx` replaces
+the old one in one atomic rename, so a reader sees the old pair or the new pair, never a mix;
+the old data file is removed after. Leftovers of killed runs (staging folders, data files no
+model refers to) are removed by the next save to the same output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import secrets
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+from mixprec.errors import InputError
+from mixprec.graphs import all_graphs, is_default_domain
+from mixprec.io.loading import _external_tensors
+from mixprec.io.views import uses_external_data, wants_external_data
+from mixprec.progress import Progress
+
+__all__ = ["check_output_path", "save_model", "staged_save", "without_staging", "write_text_atomic"]
+
+logger = logging.getLogger(__name__)
+
+# A single protobuf (an .onnx file without external data) cannot exceed this.
+_PROTOBUF_LIMIT = (2 << 30) - 1
+# Tensors of at least this size go to the external data file.
+_EXTERNAL_TENSOR_MIN_BYTES = 1024
+# The data file of a save, after "<name>.": the writer's process id and a random token.
+_OUR_DATA = re.compile(r"(\d+)-[0-9a-f]{8}\.data$")
+
+
+@contextlib.contextmanager
+def _value_info_of(model: ir.Model, declared: set[str] | None) -> Iterator[None]:
+    """Leave out of the saved file the types and shapes of intermediate values and initializers
+    that the input did not declare (`declared`, by name; None: keep all): ONNX inference filled
+    them in, a runtime infers them again, and writing them costs as much as writing the nodes.
+    Outputs of ops outside the ONNX domain keep theirs (no ONNX inference can recover them)."""
+    if declared is None:
+        yield
+        return
+    stashed: list[tuple[ir.Value, ir.TypeProtocol | None, ir.Shape | None]] = []
+    for graph in all_graphs(model):
+        boundary = {*graph.inputs, *graph.outputs}
+        values = [*graph.initializers.values(), *(v for node in graph for v in node.outputs)]
+        for value in values:
+            if value.name in declared or value in boundary or (value.type is None and value.shape is None):
+                continue
+            producer = value.producer()
+            if producer is not None and not is_default_domain(producer.domain):
+                continue
+            stashed.append((value, value.type, value.shape))
+            value.type = None
+            value.shape = None
+    try:
+        yield
+    finally:
+        for value, type_, shape in stashed:
+            value.type = type_
+            value.shape = shape
+
+
+def _write(
+    model: ir.Model, path: Path, data_name: str | None, progress: bool | None, declared: set[str] | None = None
+) -> None:
+    with _value_info_of(model, declared):
+        _write_all(model, path, data_name, progress)
+
+
+def _write_all(model: ir.Model, path: Path, data_name: str | None, progress: bool | None) -> None:
+    if data_name is not None:
+        sizes = {
+            v.name: v.const_value.nbytes
+            for graph in all_graphs(model)
+            for v in graph.initializers.values()
+            if v.const_value is not None and v.const_value.nbytes >= _EXTERNAL_TENSOR_MIN_BYTES
+        }
+        bar = Progress.auto("writing weights", float(sum(sizes.values())), unit="B", enabled=progress)
+
+        def callback(tensor: ir.TensorProtocol, info: ir.external_data.CallbackInfo) -> None:
+            bar.advance(float(tensor.nbytes))
+
+        ir.save(
+            model,
+            path,
+            external_data=data_name,
+            size_threshold_bytes=_EXTERNAL_TENSOR_MIN_BYTES,
+            max_in_flight_bytes=256 << 20,
+            callback=callback,
+        )
+        bar.close()
+    else:
+        _inline_external(model)
+        ir.save(model, path)
+
+
+def _inline_external(model: ir.Model) -> None:
+    """Read external tensors into memory, for a save without external data."""
+    if not uses_external_data(model):
+        return
+    total = sum(t.nbytes for _, t in _external_tensors(model))
+    if total > _PROTOBUF_LIMIT:
+        raise InputError(
+            f"the model keeps {total / 1e9:.1f} GB of weights in external data: too large for one "
+            ".onnx file (protobuf's 2 GB limit); save with external data (--external-data yes)"
+        )
+    for graph in all_graphs(model):
+        for value in graph.initializers.values():
+            tensor = value.const_value
+            if isinstance(tensor, ir.ExternalTensor):
+                value.const_value = ir.Tensor(tensor.numpy(), name=tensor.name)
+
+
+def _new_file_mode(path: Path) -> int:
+    """The mode a file written at `path` gets: the existing file's, else the umask's default."""
+    try:
+        return path.stat().st_mode & 0o777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write a text file atomically: a temporary file in the same folder, then renamed over
+    `path` (readers see the old file or the new one, never a part)."""
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise InputError(f"{path}: folder {folder} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+        os.chmod(tmp, _new_file_mode(path))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def check_output_path(destination: str | os.PathLike) -> Path:
+    """Refuse an output path that cannot be written, before any work is done."""
+    destination = Path(destination)
+    parent = destination.parent if str(destination.parent) else Path(".")
+    if not parent.is_dir():
+        raise InputError(f"{destination}: output folder {parent} does not exist")
+    if destination.is_dir():
+        raise InputError(f"{destination}: is a directory, expected a file name")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{destination}: output folder {parent} is not writable")
+    return destination
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _data_files_of(model_path: Path) -> set[str]:
+    """Names of the external data files a saved model refers to (in its folder)."""
+    if not model_path.is_file():
+        return set()
+    try:
+        proto = onnx.load(str(model_path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - not a model we wrote: it refers to nothing of ours
+        return set()
+    names: set[str] = set()
+    graphs = [proto.graph]
+    while graphs:
+        graph = graphs.pop()
+        tensors = list(graph.initializer)
+        for node in graph.node:
+            for attr in node.attribute:
+                tensors.extend([attr.t] if attr.HasField("t") else [])
+                graphs.extend([attr.g] if attr.HasField("g") else [])
+                graphs.extend(attr.graphs)
+        for tensor in tensors:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    names.add(entry.value)
+    return names
+
+
+def _remove_leftovers(destination: Path, keep: set[str]) -> None:
+    """Staging folders and data files of dead writers of `destination`, and data files of
+    ours that no published model refers to."""
+    parent = destination.parent if str(destination.parent) else Path(".")
+    staging = re.compile(re.escape(f".{destination.name}.mixprec-") + r"(\d+)-")
+    prefixes = (f".{destination.name}.mixprec-", f"{destination.name}.")
+    for entry in parent.iterdir():
+        if not entry.name.startswith(prefixes):
+            continue
+        match = staging.match(entry.name)
+        if match and entry.is_dir() and not _alive(int(match[1])):
+            shutil.rmtree(entry, ignore_errors=True)
+            continue
+        match = _OUR_DATA.match(entry.name.removeprefix(f"{destination.name}.")) if entry.name.startswith(f"{destination.name}.") else None
+        if match and entry.name not in keep and (not _alive(int(match[1])) or int(match[1]) == os.getpid()):
+            entry.unlink(missing_ok=True)
+
+
+# A staging folder in a path: ".<name>.mixprec-<pid>-<token>-<random>/" (see `staged_save`).
+_STAGING_IN_TEXT = re.compile(r"\.([^/\s]+)\.mixprec-\d+-[0-9a-f]+-[^/\s]+/")
+
+
+def without_staging(text: str) -> str:
+    """`text` (a runtime's error about a staged model) with the staging folder taken out of its
+    paths: it names the output the user asked for, not a folder that is gone."""
+    return _STAGING_IN_TEXT.sub("", text)
+
+
+@contextlib.contextmanager
+def staged_save(
+    model: ir.Model,
+    destination: str | os.PathLike,
+    *,
+    external_data: bool | None = None,
+    progress: bool | None = False,
+    declared: set[str] | None = None,
+) -> Iterator[Path]:
+    """Save `model` into a staging folder beside `destination`; publish on clean exit.
+
+    Yields the staged model path (for checks). When the `with` block raises (or the process
+    is interrupted), nothing is published and the staging folder is removed.
+
+    Args:
+        model: The model to save.
+        destination: Final path of the .onnx file.
+        external_data: Save weights to a data file beside it; default: when the weights exceed
+            1 GiB or the model already used external data.
+        progress: Show a progress line while writing weights (None: when stderr is a terminal).
+        declared: Save the types and shapes of intermediate values only for these values
+            (see `typed_values`); None: for every value that has them.
+    """
+    destination = check_output_path(destination)
+    parent = destination.parent if str(destination.parent) else Path(".")
+    previous = _data_files_of(destination)
+    _remove_leftovers(destination, previous)
+    if external_data is None:
+        external_data = wants_external_data(model)
+    token = f"{os.getpid()}-{secrets.token_hex(4)}"
+    data_name = f"{destination.name}.{token}.data" if external_data else None
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.mixprec-{token}-", dir=parent))
+    staged = staging / destination.name
+    try:
+        _write(model, staged, data_name, progress, declared)
+        yield staged
+        if data_name is not None and (staging / data_name).exists():
+            os.replace(staging / data_name, parent / data_name)
+        os.replace(staged, destination)  # the atomic switch from the old pair to the new one
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    current = {data_name} if data_name is not None else set()  # what the new model refers to
+    for name in previous - current:  # the old pair's data file, if it was one of ours
+        if name == f"{destination.name}.data" or _OUR_DATA.match(name.removeprefix(f"{destination.name}.")):
+            (parent / name).unlink(missing_ok=True)
+    _remove_leftovers(destination, current)
+
+
+def save_model(
+    model: ir.Model,
+    destination: str | os.PathLike,
+    *,
+    external_data: bool | None = None,
+    check: Callable[[Path], None] | None = None,
+    progress: bool | None = False,
+) -> Path:
+    """Save atomically; `check(staged_path)` may raise to prevent publishing."""
+    with staged_save(model, destination, external_data=external_data, progress=progress) as staged:
+        if check is not None:
+            check(staged)
+    return Path(destination)

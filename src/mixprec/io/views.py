@@ -1,0 +1,129 @@
+"""Views of a model for the tools that read whole protobufs: the graph without its weights (for
+shape inference, the version converter, a session that only proves the model loads), its
+weight bytes, and whether it wants external data when saved."""
+
+from __future__ import annotations
+
+import os
+
+import onnx
+import onnx_ir as ir
+
+from mixprec.errors import ModelLoadError
+from mixprec.graphs import all_graphs
+
+__all__ = [
+    "EXTERNAL_DATA_THRESHOLD", "graph_only_proto", "typed_values", "uses_external_data",
+    "wants_external_data", "weight_bytes", "weight_free_proto",
+]
+
+# Above this many bytes of weights the output is saved with external data.
+EXTERNAL_DATA_THRESHOLD = 1 << 30
+
+
+def graph_only_proto(path: str | os.PathLike, max_inline_bytes: int = 1024) -> onnx.ModelProto:
+    """A model file's graph without large initializer data: those become typed graph inputs.
+
+    Reads the graph (never external data); enough for shape inference and for an onnxruntime
+    session that proves the graph loads, at a fraction of the memory of the weights.
+    """
+    proto = onnx.load(str(path), load_external_data=False)
+    # Before IR 4 an initializer is typed only through a graph input of the same name.
+    proto.ir_version = max(proto.ir_version, 4)
+    graph = proto.graph
+    inputs = {i.name for i in graph.input}
+    kept = []
+    for tensor in graph.initializer:
+        external = tensor.data_location == onnx.TensorProto.EXTERNAL
+        if not external and len(tensor.raw_data) <= max_inline_bytes:
+            kept.append(tensor)
+            continue
+        if tensor.name not in inputs:
+            graph.input.append(
+                onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
+            )
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return proto
+
+
+def weight_free_proto(model: ir.Model, max_inline_bytes: int = 1024) -> onnx.ModelProto:
+    """Serialize `model` with large main-graph initializers turned into typed graph inputs
+    (the in-memory counterpart of :func:`graph_only_proto`; no weight is read)."""
+    graph = model.graph
+    removed: list[tuple[ir.Value, ir.TensorProtocol | None]] = []
+    inlined: list[tuple[ir.Value, ir.TensorProtocol]] = []
+    original_inputs = list(graph.inputs)
+    input_set = set(original_inputs)
+    try:
+        for value in list(graph.initializers.values()):
+            tensor = value.const_value
+            if tensor is not None:
+                if value.dtype is None:
+                    value.dtype = tensor.dtype
+                if value.shape is None:
+                    value.shape = ir.Shape(tensor.shape)
+            if tensor is None or tensor.nbytes > max_inline_bytes:
+                removed.append((value, tensor))
+                graph.initializers.pop(value.name)
+                if value not in input_set:
+                    graph.inputs.append(value)
+            elif isinstance(tensor, ir.ExternalTensor):
+                # A small tensor in an external file: inline its bytes (its file reference is
+                # relative to the model's folder, which the copy does not have).
+                try:
+                    array = tensor.numpy()
+                except OSError as e:
+                    raise ModelLoadError(f"initializer {value.name!r}: its external data cannot be read: {e}") from e
+                inlined.append((value, tensor))
+                value.const_value = ir.Tensor(array, name=value.name)
+        return ir.serde.serialize_model(model)
+    finally:
+        for value, tensor in inlined:
+            value.const_value = tensor
+        for value, tensor in removed:
+            value.const_value = tensor
+            graph.initializers.add(value)
+        graph.inputs.clear()
+        graph.inputs.extend(original_inputs)
+
+
+def weight_bytes(model: ir.Model) -> int:
+    """Total bytes of the weights: initializers and tensors held in Constant nodes (as some
+    exporters store them), subgraphs included."""
+    total = 0
+    for graph in all_graphs(model):
+        total += sum(v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None)
+        for node in graph:
+            if node.op_type == "Constant" and (attr := node.attributes.get("value")) is not None:
+                if attr.type is ir.AttributeType.TENSOR:
+                    total += attr.value.nbytes
+    return total
+
+
+def uses_external_data(model: ir.Model) -> bool:
+    """Whether any initializer lives in an external data file."""
+    return any(
+        isinstance(v.const_value, ir.ExternalTensor)
+        for graph in all_graphs(model)
+        for v in graph.initializers.values()
+    )
+
+
+def wants_external_data(model: ir.Model, weights: int | None = None) -> bool:
+    """The default for saving `model`: external data when it already uses external data or its
+    weights exceed 1 GiB. `weights`: its `weight_bytes`, when already known."""
+    if uses_external_data(model):
+        return True
+    return (weight_bytes(model) if weights is None else weights) > EXTERNAL_DATA_THRESHOLD
+
+
+def typed_values(model: ir.Model) -> set[str]:
+    """Names of the node outputs and initializers that carry a type or shape now (in a loaded
+    model: those the file declared in its value_info)."""
+    typed: set[str] = set()
+    for graph in all_graphs(model):
+        typed.update(v.name for v in graph.initializers.values() if v.type is not None or v.shape is not None)
+        for node in graph:
+            typed.update(v.name for v in node.outputs if v.name and (v.type is not None or v.shape is not None))
+    return typed
