@@ -1,27 +1,43 @@
-"""QDQ models in 16 bits, judged against the INT8 + FP32 model run two ways.
+"""QDQ models in 16 bits, judged against the INT8 + FP32 model run two ways, beside other tools.
 
-Models, quantized with onnxruntime's `quantize_static` (QDQ, per channel, int32 biases,
-calibration on generated inputs): the light SqueezeNet shipped with `onnx` (seeded weights, opset
-13), a PyTorch transformer encoder (TorchScript export, MatMul/Gemm quantized) and a PyTorch
-Conv1d + GRU speech encoder (skipped without torch); more light CNNs by name. Each is converted for
-several targets and runtime profiles, then run on several batches.
+Models, quantized with onnxruntime's `quantize_static` (QDQ, per channel, int32 biases, MinMax):
+the light SqueezeNet shipped with `onnx` (seeded weights, opset 13; calibration on generated
+inputs), a PyTorch transformer encoder (TorchScript export, MatMul/Gemm quantized) and a PyTorch
+Conv1d + GRU speech encoder (skipped without torch or with `--no-torch`); more light CNNs by name;
+real detectors from the corpus (`--corpus ddddocr_det nudenet_320n`: bench/corpus.py's cache,
+every op type the quantizer knows, calibration on the corpus's own inputs, test inputs of the same
+kind). Each is converted for several targets and runtime profiles, then run on several batches.
 
 The reference is the quantized FP32 model run **unfused** (onnxruntime with graph optimizations
 off: DequantizeLinear, the op and QuantizeLinear as written, the form a 16-bit runtime runs) and
 **fused** (default options: onnxruntime's CPU provider fuses groups into integer kernels). The
 `INT8+FP32 fused` row is the difference between the two references (integer kernels round
-differently); the converted
+differently); for detectors the `INT8+FP32 noisy` row runs the unfused model on inputs with
+half a grey level of Gaussian noise: how sensitive the task output is by itself. The converted
 model (16-bit numerics emulated in FP32, `mixprec.validate.emulate`) is compared with both, so
 conversion error and quantization noise are told apart. Agreement: top-1 (per row; per token for
-the transformer) and the smallest cosine similarity over the batches.
+the transformer) and the smallest cosine similarity over the batches; detectors: `k/n I -m+e`,
+k of n inputs with the same boxes (corpus metric: same class, IoU >= 0.9, same count), I the
+smallest IoU of a reference box with its same-class match, m reference boxes lost, e boxes added.
 
 Columns: groups (ops between DequantizeLinear and QuantizeLinear with a 16-bit float side), folded
 (constant DequantizeLinear folded into float constants), casts (runtime Casts; `adjacent`: none
 beside a Q/DQ node), ints (integer tensors byte-identical, folded ones aside), ort-cpu (float16:
 runs on onnxruntime's CPU provider with default options, and its agreement with the unfused model).
 
+Rows of other tools: `fp16 occ` is onnxconverter-common's `float16.convert_float_to_float16(...,
+keep_io_types=True)` of the same QDQ model; `fp16 modelopt` is ModelOpt's own INT8 + FP16 output
+of the FP32 model (`modelopt.onnx.quantization --quantize_mode int8 --calibration_method max
+--high_precision_dtype fp16`, `--modelopt`, run from bench/out/modelopt-venv: bench/README.md),
+compared with ModelOpt's INT8 + FP32 output (`--high_precision_dtype fp32`) of the same
+calibration, since it quantizes differently. Their `groups` is counted from the types: ops reading
+a dequantized activation whose output is 16-bit; `vs unfused`/`vs fused` are their real float16
+runs on onnxruntime's CPU provider with optimizations off; `casts` N beside: Casts reading a
+DequantizeLinear or feeding a QuantizeLinear.
+
     python bench/bench_qdq.py                        # squeezenet, transformer, speech
-    python bench/bench_qdq.py --cnn shufflenet --batches 8 --out /tmp/qdq
+    python bench/bench_qdq.py --corpus ddddocr_det --modelopt --batches 8 --out /tmp/qdq
+    python bench/bench_qdq.py --cnn --corpus ddddocr_det --no-torch   # the detector alone
 """
 
 from __future__ import annotations
@@ -52,6 +68,8 @@ class Case:
     batches: list[Batch]
     per_token: bool = False  # top-1 over the last axis of every position
     judge: Callable[[list[np.ndarray], list[np.ndarray]], str] | None = None  # task agreement (detectors)
+    fp32: Path | None = None  # the model before quantization (ModelOpt quantizes it itself)
+    calibration: list[Batch] | None = None  # its calibration inputs (else the first batches)
 
 
 def _cnn(name: str, folder: Path, count: int) -> Case:
@@ -72,7 +90,7 @@ def _cnn(name: str, folder: Path, count: int) -> Case:
     _quantize(source, folder / f"{name}_qdq.onnx", calibration, op_types_to_quantize=ops, per_channel=True)
     test = np.random.default_rng(1)
     batches = [{inputs[0].name: test.uniform(0, 1, shape).astype(np.float32)} for _ in range(count)]
-    return Case(name, folder / f"{name}_qdq.onnx", batches)
+    return Case(name, folder / f"{name}_qdq.onnx", batches, fp32=source, calibration=calibration)
 
 
 def _transformer(folder: Path, count: int) -> Case:
@@ -89,14 +107,16 @@ def _transformer(folder: Path, count: int) -> Case:
         }
 
     _quantize(fp32, folder / "encoder_qdq.onnx", [batch() for _ in range(4)], op_types_to_quantize=["MatMul", "Gemm"])
-    return Case("transformer", folder / "encoder_qdq.onnx", [batch() for _ in range(count)], per_token=True)
+    return Case("transformer", folder / "encoder_qdq.onnx", [batch() for _ in range(count)], per_token=True, fp32=Path(fp32))
 
 
 def _speech(folder: Path, count: int) -> Case:
     from test_qdq_fold import speech_encoder_qdq  # noqa: PLC0415
 
     rng = np.random.default_rng(3)
-    return Case("speech", speech_encoder_qdq(folder), [{"x": rng.normal(0, 1, (1, 16, 50)).astype(np.float32)} for _ in range(count)])
+    path = speech_encoder_qdq(folder)
+    batches = [{"x": rng.normal(0, 1, (1, 16, 50)).astype(np.float32)} for _ in range(count)]
+    return Case("speech", path, batches, fp32=folder / "speech.onnx")
 
 
 # Real-model corpus detectors (bench/corpus.py): their own inputs, calibration on the corpus's
@@ -171,7 +191,7 @@ def _detector(name: str, folder: Path, count: int) -> Case:
     onnx.save(model, str(fp32))
     calibration, batches = _detector_inputs(name, count)
     _quantize(fp32, folder / f"{name}_qdq.onnx", calibration, per_channel=True)
-    return Case(name, folder / f"{name}_qdq.onnx", batches, judge=_boxes_judge(name))
+    return Case(name, folder / f"{name}_qdq.onnx", batches, judge=_boxes_judge(name), fp32=fp32, calibration=calibration)
 
 
 def _session(model: onnx.ModelProto | Path, fused: bool) -> Callable[[Batch], np.ndarray]:
@@ -254,16 +274,30 @@ def _row(case: Case, target: str, runtime: str, folder: Path, references: dict[s
     )
 
 
-def _converter_common_row(case: Case, folder: Path, references: dict[str, list[np.ndarray]]) -> str:
-    """onnxconverter-common's float16 conversion of the same QDQ model (keep_io_types=True): the
-    checker, casts beside Q/DQ, integer tensors, and the real float16 run on onnxruntime's CPU
-    provider, optimizations off (`vs unfused`, `vs fused`) and default options (`ort-cpu`)."""
-    from onnxconverter_common import float16  # noqa: PLC0415
+def _group_share(model: onnx.ModelProto) -> str:
+    """Ops that read a dequantized activation (DequantizeLinear of a non-constant; Q/DQ and Casts
+    aside) with a 16-bit float output, over all such ops: the `groups` figure for models mixprec
+    did not write (types from shape inference)."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    graph = inferred.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.value_info, *graph.input, *graph.output]}
+    constants = {t.name for t in graph.initializer}
+    activations = {
+        n.output[0] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] not in constants
+    }
+    ops = [n for n in graph.node if n.op_type not in ("QuantizeLinear", "DequantizeLinear", "Cast") and set(n.input) & activations]
+    low = sum(types.get(n.output[0]) in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16) for n in ops)
+    return f"{low}/{len(ops)} {low / len(ops):.0%}" if ops else "-"
 
-    source = onnx.load(str(case.path))
-    converted = float16.convert_float_to_float16(onnx.load(str(case.path)), keep_io_types=True)
-    out = folder / "onnxconverter_common.onnx"
-    onnx.save(converted, str(out))
+
+def _foreign_row(
+    case: Case, label: str, path: Path, references: dict[str, list[np.ndarray]], source: onnx.ModelProto | None
+) -> str:
+    """A 16-bit model another tool wrote: the checker, casts (all, and beside Q/DQ), integer
+    tensors against `source` (when it is the same quantized model), and its real float16 run on
+    onnxruntime's CPU provider, optimizations off (`vs unfused`, `vs fused`) and default options
+    (`ort-cpu`)."""
+    converted = onnx.load(str(path))
     try:
         onnx.checker.check_model(converted, full_check=True)
         checker = "passed"
@@ -271,31 +305,96 @@ def _converter_common_row(case: Case, folder: Path, references: dict[str, list[n
         checker = "failed"
     beside = _casts_beside_qdq(converted)
     casts = sum(n.op_type == "Cast" for n in converted.graph.node)
-    runs = {}
+    try:
+        groups = _group_share(converted)
+    except Exception:  # noqa: BLE001 - shape inference rejects the model
+        groups = "?"
+    runs: dict[str, list[np.ndarray] | str] = {}
     for key, fused in (("unfused", False), ("fused", True)):
         try:
-            session = _session(out, fused=fused)
+            session = _session(path, fused=fused)
             runs[key] = [session(feeds) for feeds in case.batches]
         except Exception as e:  # noqa: BLE001 - a model onnxruntime rejects
             runs[key] = f"no load: {type(e).__name__}"
-    unfused = runs["unfused"] if isinstance(runs["unfused"], str) else None
+    unfused, fused = runs["unfused"], runs["fused"]
     cols = [
-        unfused or _agree(case, runs["unfused"], references["unfused"]),
-        unfused or _agree(case, runs["unfused"], references["fused"]),
-        runs["fused"] if isinstance(runs["fused"], str) else _agree(case, runs["fused"], references["unfused"]),
+        unfused if isinstance(unfused, str) else _agree(case, unfused, references["unfused"]),
+        unfused if isinstance(unfused, str) else _agree(case, unfused, references["fused"]),
+        fused if isinstance(fused, str) else _agree(case, fused, references["unfused"]),
     ]
     pairs = "adjacent" if beside == 0 else f"{beside} beside"
+    ints = "-" if source is None else "same" if _integers_kept(source, converted) else "CHANGED"
     return (
-        f"{case.name:<12} {'fp16 onnxconverter-common':<14} {'-':>12} {'-':>6} {casts:>5} {pairs:<8} "
-        f"{'same' if _integers_kept(source, converted) else 'CHANGED':<7} {checker:<7} "
+        f"{case.name:<12} {label:<14} {groups:>12} {'-':>6} {casts:>5} {pairs:<8} {ints:<7} {checker:<7} "
         f"{cols[0][:16]:>16} {cols[1][:16]:>16} {cols[2][:16]:>16}"
     )
+
+
+def _converter_common(case: Case, folder: Path) -> Path:
+    """onnxconverter-common's float16 conversion of the QDQ model (keep_io_types=True)."""
+    from onnxconverter_common import float16  # noqa: PLC0415
+
+    converted = float16.convert_float_to_float16(onnx.load(str(case.path)), keep_io_types=True)
+    out = folder / f"{case.name}_onnxconverter_common.onnx"
+    onnx.save(converted, str(out))
+    return out
+
+
+MODELOPT = ROOT / "bench" / "out" / "modelopt-venv" / "bin" / "python"
+
+
+def _modelopt(case: Case, folder: Path, precision: str) -> Path:
+    """ModelOpt's INT8 quantization of the FP32 model (`modelopt.onnx.quantization`, MinMax
+    calibration on the CPU provider) with `precision` (fp16: its INT8 + FP16 output; fp32: its
+    own INT8 + FP32 reference), run in ModelOpt's venv (see bench/README.md)."""
+    import subprocess  # noqa: PLC0415
+
+    assert case.fp32 is not None
+    calibration = case.calibration or case.batches[:4]
+    data = folder / f"{case.name}_calibration.npz"
+    np.savez(data, **{k: np.concatenate([b[k] for b in calibration]) for k in calibration[0]})
+    out = folder / f"{case.name}_modelopt_int8_{precision}.onnx"
+    command = [
+        str(MODELOPT), "-m", "modelopt.onnx.quantization", "--onnx_path", str(case.fp32), "--quantize_mode", "int8",
+        "--calibration_method", "max", "--calibration_data_path", str(data), "--calibration_eps", "cpu",
+        "--high_precision_dtype", precision, "--output_path", str(out),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    if done.returncode or not out.exists():
+        lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+        raise RuntimeError(f"exit {done.returncode}: {lines[-1] if lines else ''}")
+    return out
+
+
+def _other_tools(case: Case, folder: Path, references: dict[str, list[np.ndarray]], modelopt: bool) -> None:
+    """The rows of onnxconverter-common and ModelOpt for one model."""
+    label = "fp16 occ"
+    try:
+        print(_foreign_row(case, label, _converter_common(case, folder), references, onnx.load(str(case.path))), flush=True)
+    except ImportError:
+        print(f"{case.name:<12} {label:<14} onnxconverter-common is not installed")
+    except Exception as e:  # noqa: BLE001
+        print(f"{case.name:<12} {label:<14} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+    if not modelopt:
+        return
+    label = "fp16 modelopt"
+    if not MODELOPT.exists() or case.fp32 is None:
+        print(f"{case.name:<12} {label:<14} skipped: {'no FP32 model' if MODELOPT.exists() else f'no {MODELOPT}'}")
+        return
+    try:
+        reference = _modelopt(case, folder, "fp32")
+        unfused, fused = _session(reference, fused=False), _session(reference, fused=True)
+        own = {"unfused": [unfused(f) for f in case.batches], "fused": [fused(f) for f in case.batches]}
+        print(_foreign_row(case, label, _modelopt(case, folder, "fp16"), own, None), flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"{case.name:<12} {label:<14} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cnn", nargs="*", default=["squeezenet"], help="light CNNs shipped with onnx")
     parser.add_argument("--corpus", nargs="*", default=[], help="corpus detectors: ddddocr_det, nudenet_320n (bench/corpus.py)")
+    parser.add_argument("--modelopt", action="store_true", help="ModelOpt rows (its venv: bench/README.md)")
     parser.add_argument("--no-torch", action="store_true", help="skip the transformer and speech models")
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--out", type=Path, help="keep the quantized models here")
@@ -343,12 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(_row(case, target, runtime, folder, references), flush=True)
                 except Exception as e:  # noqa: BLE001 - a row reports its failure, the table goes on
                     print(f"{case.name:<12} {target + ' ' + runtime:<14} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
-            try:
-                print(_converter_common_row(case, folder, references), flush=True)
-            except ImportError:
-                print(f"{case.name:<12} onnxconverter-common is not installed")
-            except Exception as e:  # noqa: BLE001
-                print(f"{case.name:<12} {'fp16 onnxconverter-common':<14} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+            _other_tools(case, folder, references, options.modelopt)
     return 0
 
 

@@ -25,6 +25,7 @@ from onnx import numpy_helper as nh
 
 import mixprec
 from helpers import FLOAT, FLOAT16, BFLOAT16, check_full, convert, initializer_types, iter_graphs, run, run_low
+from mixprec.passes.split_dequantize import SUFFIX
 from mixprec.report.html import render_html_report
 from mixprec.validate.emulate import emulate_low_precision
 
@@ -75,7 +76,8 @@ def _feeds(seed: int = 1) -> dict[str, np.ndarray]:
 
 def assert_pairs_adjacent(source: onnx.ModelProto, converted: onnx.ModelProto, folded: Iterable[str] = ()) -> None:
     """Every Q/DQ node of `source` is still there but the `folded` ones (DequantizeLinear nodes
-    of constants, folded into float constants), and no Cast reads a DequantizeLinear's output
+    of constants, folded into float constants), besides twins of shared DequantizeLinear nodes
+    (`mixprec.passes.split_dequantize`), and no Cast reads a DequantizeLinear's output
     or feeds a QuantizeLinear (in any graph)."""
     def nodes(graph: onnx.GraphProto):  # noqa: ANN202
         for node in graph.node:
@@ -92,7 +94,9 @@ def assert_pairs_adjacent(source: onnx.ModelProto, converted: onnx.ModelProto, f
             assert node.op_type == "DequantizeLinear" and all(not i or i in constants for i in node.input), node.name
     before = sorted(n.name for n in nodes(source.graph) if n.op_type in qdq and n.name not in gone)
     after = list(nodes(converted.graph))
-    assert sorted(n.name for n in after if n.op_type in qdq) == before
+    twins = [n.name for n in after if n.op_type == "DequantizeLinear" and SUFFIX in n.name]  # split_dequantize
+    assert all(name.split(SUFFIX)[0] in before for name in twins), twins
+    assert sorted(n.name for n in after if n.op_type in qdq and n.name not in twins) == before
     cast_inputs = {n.input[0]: n.name for n in after if n.op_type == "Cast"}
     cast_outputs = {n.output[0]: n.name for n in after if n.op_type == "Cast"}
     for node in after:

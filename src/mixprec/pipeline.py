@@ -37,6 +37,7 @@ from mixprec.passes.norm_blocks import fuse_norm_blocks, opset_for_fusion
 from mixprec.passes.norm_scales import FoldedScales, fold_norm_scales
 from mixprec.passes.opset import converter_keeps_every_node, set_default_opset, upgrade_for_target, upgrade_opset
 from mixprec.passes.rewrite import RewriteStats, apply_plan
+from mixprec.passes.split_dequantize import split_shared_dequantizations
 from mixprec.plan.model import Category, NodeMatcher, Precision, PrecisionPlan
 from mixprec.plan.planner import plan_precision
 from mixprec.plan.planner import weights_only as weights_only_plan
@@ -154,13 +155,19 @@ def upgrade(c: Conversion) -> None:
 
 
 def fold(c: Conversion) -> None:
-    """Fold the constant dequantizations the runtime computes in float (QDQ models)."""
+    """Fold the constant dequantizations the runtime computes in float and give a
+    DequantizeLinear shared by a group the runtime keeps FP32 and other ops a twin for the
+    others (QDQ models)."""
     if c.config.ops.weights_only:
         return
     folded = fold_constant_dequantizations(c.model, c.profile, c.target)
     if folded.nodes:
         c.unchanged_source = None
         c.notes.append(folded.note(c.profile.name, c.target))
+    split = split_shared_dequantizations(c.model, c.profile, c.target)
+    if split.nodes:
+        c.unchanged_source = None
+        c.notes.append(split.note(c.profile.name))
 
 
 def type_model(c: Conversion) -> None:

@@ -1,0 +1,96 @@
+"""A dequantized activation read both by an op group the runtime keeps FP32 and by other ops gets
+one DequantizeLinear per side.
+
+A quantizer writes one DequantizeLinear per quantized tensor, whatever reads it: in YOLO-style
+CSP blocks a Split output feeds a Concat and the next Conv. Where the runtime keeps the Concat
+group FP32 (`fp32_groups` in `policy/tables/quantized_groups.toml`: onnxruntime's CPU provider
+fuses DQ -> Concat -> Q into a QLinearConcat that takes FP32 scales), the shared
+DequantizeLinear has to stay FP32 (no Cast may follow it), and with it every op it feeds: whole
+Conv groups stay FP32 for a Concat that only moves data.
+
+Here such a DequantizeLinear gets a twin with the same inputs and attributes that the other
+readers read; the original keeps the readers the runtime runs in FP32. Both read the same
+integer tensor, scale and zero point, so the model computes the same values, its integer tensors
+are untouched, and no Cast comes near a Q/DQ node. (onnxruntime itself gives every reader its own
+DequantizeLinear before fusing: EnsureUniqueDQForNodeUnit.)
+
+Rules: the node dequantizes a value that is no constant (constants are folded or kept as they
+are), the runtime runs one-op groups in the target type (`group_scales`), and among its readers
+some are ops in `fp32_groups` and some are not. The twin is named `<node>` + :data:`SUFFIX`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import onnx_ir as ir
+
+from mixprec.analysis.constants import is_constant
+from mixprec.analysis.qdq import role
+from mixprec.dtypes import LowPrecision
+from mixprec.graphs import all_graphs, normalize_domain
+from mixprec.policy.profiles import RuntimeProfile
+from mixprec.policy.quantized_groups import quantized_groups
+
+__all__ = ["SUFFIX", "SplitDequantizations", "split_shared_dequantizations"]
+
+SUFFIX = "_unshared"
+
+
+@dataclass
+class SplitDequantizations:
+    """What :func:`split_shared_dequantizations` did: the names of the DequantizeLinear nodes
+    that got a twin."""
+
+    nodes: list[str] = field(default_factory=list)
+
+    def note(self, runtime: str) -> str:
+        """One line for the report."""
+        first = ", ".join(self.nodes[:5]) + (" ..." if len(self.nodes) > 5 else "")
+        return (
+            f"gave {len(self.nodes)} DequantizeLinear(s) read by a group {runtime} keeps FP32 and by "
+            f"other ops a twin for the other ops (same integer input, scale and zero point; named "
+            f"'{SUFFIX}'), so those can convert: {first}"
+        )
+
+
+def split_shared_dequantizations(model: ir.Model, profile: RuntimeProfile, target: LowPrecision) -> SplitDequantizations:
+    """Split the shared dequantizations (in place; see the module docstring for the rules)."""
+    facts = quantized_groups(profile.name)
+    done = SplitDequantizations()
+    if not facts.fp32_groups or target.ir_dtype not in facts.group_scales:
+        return done
+    for graph in all_graphs(model):
+        names = {node.name for node in graph}
+        values = {v.name for node in graph for v in node.outputs} | {v.name for v in graph.inputs} | set(graph.initializers)
+        for node in list(graph):
+            if role(node) != "dequantize" or not node.inputs or not node.outputs or node.inputs[0] is None:
+                continue
+            if is_constant(node.inputs[0]) or node.outputs[0].is_graph_output():
+                continue
+            uses = list(node.outputs[0].uses())
+            others = [u for u in uses if (normalize_domain(u.node.domain), u.node.op_type) not in facts.fp32_groups]
+            if not others or len(others) == len(uses):
+                continue
+            name = _unique((node.name or node.outputs[0].name or "DequantizeLinear") + SUFFIX, names)
+            out = node.outputs[0]
+            twin_out = ir.Value(name=_unique((out.name or name) + SUFFIX, values), type=out.type, shape=out.shape)
+            twin = ir.Node(
+                node.domain, node.op_type, list(node.inputs), list(node.attributes.values()),
+                outputs=[twin_out], name=name, version=node.version,
+            )
+            graph.insert_after(node, twin)
+            for use in others:
+                use.node.replace_input_with(use.idx, twin_out)
+            names.add(name)
+            values.add(twin_out.name)
+            done.nodes.append(node.name or out.name or "DequantizeLinear")
+    return done
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    candidate, k = name, 1
+    while candidate in taken:
+        k += 1
+        candidate = f"{name}{k}"
+    return candidate
