@@ -355,7 +355,10 @@ def fuse_norm_blocks(model: ir.Model) -> NormBlocks:
                     fusable = _affine_tensor(block, block.scale, 1.0) is not None and (
                         block.bias is None or _affine_tensor(block, block.bias, 0.0) is not None
                     )
-                    result.waiting = result.waiting | set(block.nodes) if fusable else None
+                    if fusable:
+                        result.waiting.update(block.nodes)  # in place: one copy per node, not per block
+                    else:
+                        result.waiting = None
                 reason = (
                     f"decomposed {what} kept FP32 as one block (no mixed types for runtime fusions); "
                     f"fusing it into {op_type} needs opset {since} (--opset {since})"

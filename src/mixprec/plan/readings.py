@@ -115,7 +115,8 @@ def read_inputs(node: ir.Node, facts: NodeFacts, context: PlanContext, evidence:
         lowerable.discard(var)
         wide.append((index, value, state))
         pinned.append(f"{value.name}: {evidence(value)}")
-    facts = replace(facts, lowerable=frozenset(lowerable), pinned_evidence=tuple(pinned))
+    if pinned or facts.pinned_evidence:  # else the facts are those given (nothing was pinned)
+        facts = replace(facts, lowerable=frozenset(lowerable), pinned_evidence=tuple(pinned))
     return Inputs(facts, considered, states, tuple(wide), castable, moves_tiny, tuple(saturated))
 
 

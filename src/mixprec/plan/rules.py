@@ -34,6 +34,7 @@ The rules, in order:
 from __future__ import annotations
 
 import enum
+from collections import ChainMap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -406,7 +407,8 @@ def low_class(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Ruling |
 def _safe(inputs: Inputs, context: PlanContext) -> Mapping[ir.Value, str]:
     """FP32 inputs whose 16-bit copy is safe: bounded values (a Cos, Sigmoid or Softmax output,
     a range measured to fit) and additive values that only flush to zero."""
-    return {**context.bounded, **inputs.castable} if inputs.castable else context.bounded
+    # A view, not a merged copy: `bounded` grows with the graph and this runs per node.
+    return ChainMap(inputs.castable, context.bounded) if inputs.castable else context.bounded  # type: ignore[arg-type]
 
 
 def follow_fp32(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Ruling | None:
