@@ -317,7 +317,7 @@ def test_dequantization_shared_with_a_concat_group_gets_a_twin_for_the_other_rea
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "open (issue 20): onnxruntime's WeightBiasQuantization (level 1, every provider) rewrites a float bias "
+    "onnxruntime's WeightBiasQuantization (level 1, every provider) rewrites a float bias "
     "of DQ -> Conv(DQ weight) -> Q into an int32 DequantizeLinear whose scale is input scale x weight scale "
     "computed in the scales' type; in float16 that product is sub-normal or 0 and the bias is lost"
 ))

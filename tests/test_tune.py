@@ -390,7 +390,7 @@ def test_pinned_opset_holds_for_every_candidate(tmp_path):
 
 def test_bfloat16_probe_of_an_opset_12_model(tmp_path):
     """Before opset 13 Cast has no bfloat16: the probe is built on the conversion's upgraded FP32
-    model, so every candidate gets its own error (it once fell back to graph order)."""
+    model, so every candidate gets its own error rather than its place in graph order."""
     rng = np.random.default_rng(0)
     weights = [nh.from_array(rng.normal(0, 0.3, (8, 8)).astype(np.float32), f"w{i}") for i in range(3)]
     nodes = [

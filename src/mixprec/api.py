@@ -8,6 +8,7 @@ import contextlib
 import gc
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -273,11 +274,16 @@ def _repair(rejection: RuntimeRejection, output: str | os.PathLike | None, confi
 _NEAR_HOPS = 4
 
 
+def _names(name: str, text: str) -> bool:
+    """Whether `text` mentions the node `name` as a whole name (`Conv_1` is not in `Conv_12`)."""
+    return re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", text) is not None
+
+
 def _near_named_nodes(model: ir.Model, keys: Mapping[ir.Node, str], error: str, converted: Sequence[str]) -> list[str]:
     """The converted nodes (keys, in `converted`'s order) within a few edges of a main-graph
     node whose name the runtime's error mentions (a failing fused node is named after the node
     its pattern starts from); [] when it names none."""
-    named = [node for node in model.graph if len(node.name) >= 3 and node.name in error]
+    named = [node for node in model.graph if len(node.name) >= 3 and _names(node.name, error)]
     if not named:
         return []
     near: set[ir.Node] = set(named)

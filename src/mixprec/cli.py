@@ -399,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationFailure as e:
         print(f"mixprec: error: {e} (nothing written)", file=sys.stderr)
         return EXIT_VALIDATION
-    except InvariantError as e:  # a conversion step broke the model: a bug, like the unexpected
+    except InvariantError as e:  # a conversion step broke the model: a bug, exit as for other unexpected errors
         print(f"mixprec: error: {e} (nothing written)", file=sys.stderr)
         return EXIT_MODEL
     except (InputError, PolicyError, MixprecError) as e:

@@ -35,7 +35,7 @@ from mixprec.io import load_model, staged_save, typed_values, uses_external_data
 from mixprec.passes.fold_dequantize import fold_constant_dequantizations
 from mixprec.passes.norm_blocks import fuse_norm_blocks, opset_for_fusion
 from mixprec.passes.norm_scales import FoldedScales, fold_norm_scales
-from mixprec.passes.opset import converter_keeps_every_node, set_default_opset, upgrade_for_target, upgrade_opset
+from mixprec.passes.opset import upgrade_for_target, upgrade_opset
 from mixprec.passes.rewrite import RewriteStats, apply_plan
 from mixprec.passes.split_dequantize import split_shared_dequantizations
 from mixprec.plan.model import Category, NodeMatcher, Precision, PrecisionPlan
@@ -187,12 +187,9 @@ def type_model(c: Conversion) -> None:
         # a newer opset: upgrade and type again, rather than keep each block FP32 with casts.
         untyped = untyped_values(c.model)
         try:
-            if blocks.waiting is not None and converter_keeps_every_node(c.model, version, skip=frozenset(blocks.waiting)):
-                # Only the blocks would change, and they fuse: no conversion, no new types.
-                set_default_opset(c.model, version)
-                upgraded = c.model
-            else:
-                upgraded = upgrade_opset(c.model, version)
+            # Where only the blocks would change (they fuse), the upgrade just declares the opset.
+            skip = frozenset(blocks.waiting) if blocks.waiting is not None else frozenset()
+            upgraded = upgrade_opset(c.model, version, skip)
         except InputError as e:
             c.notes.append(f"normalizations stay FP32 blocks: upgrading to opset {version} failed ({e})")
         else:

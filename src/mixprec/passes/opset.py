@@ -81,17 +81,18 @@ def required_opset(
     return (needed, ops) if needed > current else None
 
 
-def upgrade_opset(model: ir.Model, opset: int) -> ir.Model:
+def upgrade_opset(model: ir.Model, opset: int, skip: frozenset[ir.Node] = frozenset()) -> ir.Model:
     """Upgrade the default-domain opset with the ONNX version converter, weights untouched.
 
     When the converter leaves every kind of node the model has as it is (the versions in
     between only add types or optional attributes), only the opset import changes: the model
-    is not serialized, converted and read back (:func:`_converter_keeps_every_node`).
+    is not serialized, converted and read back (:func:`converter_keeps_every_node`). Nodes in
+    `skip` do not count (they are about to go: normalization blocks that fuse once upgraded).
 
     Raises:
         InputError: The converter cannot upgrade the model (naming the versions and its error).
     """
-    if converter_keeps_every_node(model, opset):
+    if converter_keeps_every_node(model, opset, skip):
         set_default_opset(model, opset)
         return model
     current = default_opset(model)
@@ -157,6 +158,27 @@ def set_default_opset(model: ir.Model, opset: int) -> None:
     model.opset_imports["" if "" in model.opset_imports or "ai.onnx" not in model.opset_imports else "ai.onnx"] = opset
 
 
+def _sample_node(node: ir.Node) -> onnx.NodeProto:
+    """The node as a protobuf, a large tensor attribute standing as one element of its type and
+    rank (its bytes are never read or copied)."""
+    large = {
+        name for name, attr in node.attributes.items()
+        if attr.type == ir.AttributeType.TENSOR and attr.as_tensor().nbytes > _SAMPLE_TENSOR_BYTES
+    }
+    if not large:
+        return ir.serde.serialize_node(node)
+    kept = [attr for name, attr in node.attributes.items() if name not in large]
+    # Inputs left out: a stand-in must not become a reader of the model's values.
+    proto = ir.serde.serialize_node(ir.Node(node.domain, node.op_type, [], kept, num_outputs=0, version=node.version))
+    proto.input.extend([""] * len(node.inputs))
+    proto.output.extend([""] * len(node.outputs))
+    for name in sorted(large):
+        tensor = node.attributes[name].as_tensor()
+        stand_in = onnx.helper.make_tensor(name, int(tensor.dtype), [1] * len(tensor.shape), [0])
+        proto.attribute.append(onnx.helper.make_attribute(name, stand_in))
+    return proto
+
+
 def converter_keeps_every_node(model: ir.Model, opset: int, skip: frozenset[ir.Node] = frozenset()) -> bool:
     """Whether the ONNX version converter, from the model's opset to `opset`, leaves each kind of
     node of the model (see :func:`_kind`; nodes in `skip` aside) exactly as it is: it converts a
@@ -178,7 +200,7 @@ def converter_keeps_every_node(model: ir.Model, opset: int, skip: frozenset[ir.N
         samples.setdefault(_kind(node), node)
     nodes, inputs, outputs = [], [], []
     for index, node in enumerate(samples.values()):
-        proto = ir.serde.serialize_node(node)
+        proto = _sample_node(node)
         proto.name = f"n{index}"
         for position, value in enumerate(node.inputs):
             if value is not None:
@@ -187,10 +209,6 @@ def converter_keeps_every_node(model: ir.Model, opset: int, skip: frozenset[ir.N
         for position, value in enumerate(node.outputs):
             proto.output[position] = f"o{index}_{position}"
             outputs.append(_sample_value(value, proto.output[position]))
-        for attr in proto.attribute:
-            if attr.type == onnx.AttributeProto.TENSOR and attr.t.ByteSize() > _SAMPLE_TENSOR_BYTES:
-                array = onnx.numpy_helper.to_array(attr.t)
-                attr.t.CopyFrom(onnx.numpy_helper.from_array(array.reshape(-1)[:1].reshape([1] * array.ndim)))
         nodes.append(proto)
     graph = onnx.helper.make_graph(nodes, "sample", inputs, outputs)
     sample = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", current)])

@@ -28,7 +28,7 @@ import onnx_ir as ir
 from mixprec.analysis.constants import is_constant
 from mixprec.analysis.qdq import role
 from mixprec.dtypes import LowPrecision
-from mixprec.graphs import all_graphs, normalize_domain
+from mixprec.graphs import FreshNames, all_graphs, model_names, normalize_domain
 from mixprec.policy.profiles import RuntimeProfile
 from mixprec.policy.quantized_groups import quantized_groups
 
@@ -60,9 +60,8 @@ def split_shared_dequantizations(model: ir.Model, profile: RuntimeProfile, targe
     done = SplitDequantizations()
     if not facts.fp32_groups or target.ir_dtype not in facts.group_scales:
         return done
+    fresh: tuple[FreshNames, FreshNames] | None = None  # value and node names of the whole model
     for graph in all_graphs(model):
-        names = {node.name for node in graph}
-        values = {v.name for node in graph for v in node.outputs} | {v.name for v in graph.inputs} | set(graph.initializers)
         for node in list(graph):
             if role(node) != "dequantize" or not node.inputs or not node.outputs or node.inputs[0] is None:
                 continue
@@ -72,9 +71,10 @@ def split_shared_dequantizations(model: ir.Model, profile: RuntimeProfile, targe
             others = [u for u in uses if (normalize_domain(u.node.domain), u.node.op_type) not in facts.fp32_groups]
             if not others or len(others) == len(uses):
                 continue
-            name = _unique((node.name or node.outputs[0].name or "DequantizeLinear") + SUFFIX, names)
+            values, names = fresh = fresh or model_names(model)
+            name = names((node.name or node.outputs[0].name or "DequantizeLinear") + SUFFIX)
             out = node.outputs[0]
-            twin_out = ir.Value(name=_unique((out.name or name) + SUFFIX, values), type=out.type, shape=out.shape)
+            twin_out = ir.Value(name=values((out.name or name) + SUFFIX), type=out.type, shape=out.shape)
             twin = ir.Node(
                 node.domain, node.op_type, list(node.inputs), list(node.attributes.values()),
                 outputs=[twin_out], name=name, version=node.version,
@@ -82,15 +82,6 @@ def split_shared_dequantizations(model: ir.Model, profile: RuntimeProfile, targe
             graph.insert_after(node, twin)
             for use in others:
                 use.node.replace_input_with(use.idx, twin_out)
-            names.add(name)
-            values.add(twin_out.name)
             done.nodes.append(node.name or out.name or "DequantizeLinear")
     return done
 
-
-def _unique(name: str, taken: set[str]) -> str:
-    candidate, k = name, 1
-    while candidate in taken:
-        k += 1
-        candidate = f"{name}{k}"
-    return candidate

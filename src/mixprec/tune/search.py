@@ -20,9 +20,7 @@ import onnx_ir as ir
 from mixprec.config import CalibrationConfig, Config, OutputConfig, ValidationConfig
 from mixprec.dtypes import LowPrecision
 from mixprec.errors import InputError, MixprecError
-from mixprec.graphs import default_domain_version
 from mixprec.io import wants_external_data
-from mixprec.passes.opset import admits
 from mixprec.pipeline import Prepared, prepare
 from mixprec.plan.file import PlanFile, fp32_plan, load_plan
 from mixprec.policy.costs import runtime_cost
@@ -357,17 +355,16 @@ class _Search:
 
     # -- the probe -------------------------------------------------------------------------------
     def _probe_source(self, model_path: Path, folder: Path) -> Path:
-        """The FP32 model the probe is built on: the input, unless its opset has no Cast to the
-        target type (bfloat16 before opset 13); then the prepared model, which the conversion
-        upgraded (its node keys are the candidates' own)."""
+        """The FP32 model the probe is built on: the input, unless the conversion changed it
+        before planning (an opset upgrade: bfloat16 Cast needs 13; fused normalizations; folded
+        dequantizations); then the prepared model, whose node keys are the candidates' own."""
         assert self.prepared is not None
-        imports = onnx.load(str(model_path), load_external_data=False).opset_import
-        opset = default_domain_version({o.domain: o.version for o in imports})
-        if opset is None or admits("Cast", opset, self.target.type_str):
+        conversion = self.prepared.conversion
+        if conversion.unchanged_source is not None:
             return model_path
-        prepared = self.prepared.conversion.model
         path = folder / "prepared.onnx"
-        ir.save(prepared, path, external_data="prepared.onnx.data" if wants_external_data(prepared) else None)
+        external = wants_external_data(conversion.model)
+        ir.save(conversion.model, path, external_data="prepared.onnx.data" if external else None)
         return path
 
     def _probe(

@@ -316,12 +316,13 @@ def _openvino_check(
         )
     except MixprecError as e:
         raise ValidationFailure(f"OpenVINO cannot run the converted model: {e}") from e
-    executed = _executed_compute(converted.executed_precisions())
+    counts = converted.executed_precisions()
+    executed = _executed_compute(counts)
     result.real_runtime = f"OpenVINO CPU (model types; {executed or 'no matrix or convolution layers'})"
     result.real_outputs = output_errors(merged or [], tolerance)
     result.speed_ratio = ratio
     wanted = _OPENVINO_PRECISION[target.value]
-    layers = {precision for (layer, precision) in converted.executed_precisions() if layer in _OPENVINO_COMPUTE_LAYERS}
+    layers = {precision for (layer, precision) in counts if layer in _OPENVINO_COMPUTE_LAYERS}
     if layers and wanted not in layers:
         cpu = host_cpu()
         why = f"this CPU has {cpu.missing(target.value)}" if not cpu.computes(target.value) else "its own choice"
