@@ -45,13 +45,16 @@ def test_every_runtime_has_figures_and_unlisted_ones_take_the_default() -> None:
 )
 def test_bad_tables_are_refused_with_the_table_named(change: dict, message: str) -> None:
     with pytest.raises(PolicyError, match=message) as info:
-        parse_costs({"default": GOOD, "gpu": {**GOOD, **change}}, "costs.toml")
-    assert "[gpu]" in str(info.value)
+        parse_costs({"default": GOOD, "ort-cuda": {**GOOD, **change}}, "costs.toml")
+    assert "[ort-cuda]" in str(info.value)
     missing = {k: v for k, v in GOOD.items() if k != "source"}
     with pytest.raises(PolicyError, match="missing key 'source'"):
         parse_costs({"default": missing}, "costs.toml")
     with pytest.raises(PolicyError, match="a \\[default\\] table is required"):
         parse_costs({"gpu": GOOD}, "costs.toml")
+    # A misspelled runtime would silently take the default figures: refused.
+    with pytest.raises(PolicyError, match=r"\[ort_cuda\]: not a runtime profile"):
+        parse_costs({"default": GOOD, "ort_cuda": GOOD}, "costs.toml")
 
 
 def test_an_op_costs_its_traffic_or_its_arithmetic_whichever_is_larger() -> None:

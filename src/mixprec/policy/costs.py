@@ -13,7 +13,7 @@ from typing import Any
 
 from mixprec.errors import PolicyError
 from mixprec.host import host_cpu
-from mixprec.policy.toml_tables import shipped_table
+from mixprec.policy.toml_tables import runtime_sections, shipped_table
 
 _SOURCE = "costs.toml"
 _NUMBERS = ("flops_per_byte", "fp32_flop_cost", "launch_bytes")
@@ -83,17 +83,8 @@ def _shipped() -> Mapping[str, RuntimeCost]:
 
 def parse_costs(document: Mapping[str, Any], source: str) -> dict[str, RuntimeCost]:
     """Build the cost table from a parsed document; `source` names it in errors."""
-    if "default" not in document:
-        raise PolicyError(f"{source}: a [default] table is required")
     table: dict[str, RuntimeCost] = {}
-    for runtime, entry in document.items():
-        where = f"{source}: [{runtime}]"
-        if not isinstance(entry, Mapping):
-            raise PolicyError(f"{where}: expected a table of figures, got {entry!r}")
-        unknown = sorted(set(entry) - {*_NUMBERS, *_TEXTS, *_OPTIONAL_TEXTS, *_OPTIONAL_FLAGS})
-        missing = [key for key in (*_NUMBERS, *_TEXTS) if key not in entry]
-        if unknown or missing:
-            raise PolicyError(f"{where}: {'unknown' if unknown else 'missing'} key {(unknown or missing)[0]!r}")
+    for runtime, entry, where in runtime_sections(document, source, (*_NUMBERS, *_TEXTS), (*_OPTIONAL_TEXTS, *_OPTIONAL_FLAGS)):
         values: dict[str, Any] = {}
         for key in _NUMBERS:
             number = entry[key]

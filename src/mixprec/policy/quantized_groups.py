@@ -13,7 +13,7 @@ import onnx_ir as ir
 from mixprec.dtypes import LowPrecision
 from mixprec.errors import PolicyError
 from mixprec.graphs import normalize_domain, parse_op_name
-from mixprec.policy.toml_tables import shipped_table
+from mixprec.policy.toml_tables import runtime_sections, shipped_table
 
 __all__ = ["QuantizedGroups", "parse_quantized_groups", "quantized_groups"]
 
@@ -70,17 +70,8 @@ def _shipped() -> Mapping[str, QuantizedGroups]:
 
 def parse_quantized_groups(document: Mapping[str, Any], source: str) -> dict[str, QuantizedGroups]:
     """Build the table from a parsed document; `source` names it in errors."""
-    if "default" not in document:
-        raise PolicyError(f"{source}: a [default] table is required")
     table: dict[str, QuantizedGroups] = {}
-    for runtime, entry in document.items():
-        where = f"{source}: [{runtime}]"
-        if not isinstance(entry, Mapping):
-            raise PolicyError(f"{where}: expected a table, got {entry!r}")
-        unknown = sorted(set(entry) - set(_KEYS))
-        missing = [key for key in _KEYS if key not in entry]
-        if unknown or missing:
-            raise PolicyError(f"{where}: {'unknown' if unknown else 'missing'} key {(unknown or missing)[0]!r}")
+    for runtime, entry, where in runtime_sections(document, source, _KEYS):
         if not isinstance(entry["source"], str) or not entry["source"].strip():
             raise PolicyError(f"{where}: 'source' must be a non-empty string")
         integers = _types(entry["float_dequantize"], f"{where}: 'float_dequantize'")
