@@ -72,17 +72,24 @@ class Case:
     calibration: list[Batch] | None = None  # its calibration inputs (else the first batches)
 
 
+def _save_without_weight_inputs(model: onnx.ModelProto, path: Path) -> list[onnx.ValueInfoProto]:
+    """Save `model` with its initializers no longer listed as graph inputs (IR 3 listed them;
+    the quantizer wants IR 4); its real inputs."""
+    weights = {t.name for t in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in weights]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    onnx.save(model, str(path))
+    return inputs
+
+
 def _cnn(name: str, folder: Path, count: int) -> Case:
     from test_qdq import _quantize  # noqa: PLC0415
     from test_real_cnns import LIGHT, realistic_weights  # noqa: PLC0415
 
     model = onnx.version_converter.convert_version(realistic_weights(onnx.load(str(LIGHT / f"light_{name}.onnx"))), 13)
-    weights = {t.name for t in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in weights]
-    del model.graph.input[:]
-    model.graph.input.extend(inputs)
     source = folder / f"{name}.onnx"
-    onnx.save(model, str(source))
+    inputs = _save_without_weight_inputs(model, source)
     shape = [d.dim_value for d in inputs[0].type.tensor_type.shape.dim]
     rng = np.random.default_rng(0)
     calibration = [{inputs[0].name: rng.uniform(0, 1, shape).astype(np.float32)} for _ in range(2)]
@@ -183,12 +190,8 @@ def _detector(name: str, folder: Path, count: int) -> Case:
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
     if opset < 13:
         model = onnx.version_converter.convert_version(model, 13)
-    weights = {t.name for t in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in weights]
-    del model.graph.input[:]
-    model.graph.input.extend(inputs)
     fp32 = folder / f"{name}.onnx"
-    onnx.save(model, str(fp32))
+    _save_without_weight_inputs(model, fp32)
     calibration, batches = _detector_inputs(name, count)
     _quantize(fp32, folder / f"{name}_qdq.onnx", calibration, per_channel=True)
     return Case(name, folder / f"{name}_qdq.onnx", batches, judge=_boxes_judge(name), fp32=fp32, calibration=calibration)
