@@ -158,6 +158,36 @@ def _affine(value: ir.Value, op_type: str, outputs: set[ir.Value]) -> tuple[ir.N
 
 def _match(variance: ir.Node, outputs: set[ir.Value]) -> NormBlock | None:
     """A normalization block whose variance (mean of squares) is `variance`."""
+    chain = _variance_chain(variance, outputs)
+    if chain is None:
+        return None
+    square, base, add, epsilon, std = chain
+    found = _normalized(std, base, outputs)
+    if found is None:
+        return None
+    divide, result = found
+    nodes = [square, variance, add, std, *divide]
+    kind, source = "rms", base
+    centered = _centering(base, square, divide[-1], outputs)
+    if centered is not None:
+        mean, center = centered
+        kind, source = "layer", center.inputs[0]
+        nodes = [mean, center, *nodes]
+        if _axes(mean, _rank(source)) != _axes(variance, _rank(source)):
+            return None
+    axes = _axes(variance, _rank(source))
+    if axes is None or source is None:
+        return None
+    affine_nodes, scale, bias, result = _affine_tail(result, kind, outputs)
+    nodes.extend(affine_nodes)
+    return NormBlock(kind, nodes, source, result, axes, epsilon, scale, bias)
+
+
+def _variance_chain(
+    variance: ir.Node, outputs: set[ir.Value]
+) -> tuple[ir.Node, ir.Value, ir.Node, float, ir.Node] | None:
+    """Square, its base x, Add of epsilon, epsilon and Sqrt around the ReduceMean `variance` of
+    x**2 + epsilon, each the sole consumer of the one before (x in FP32)."""
     square = variance.inputs[0].producer() if variance.inputs and variance.inputs[0] is not None else None
     if square is None or _sole_consumer(square.outputs[0], outputs) is not variance:
         return None
@@ -171,28 +201,33 @@ def _match(variance: ir.Node, outputs: set[ir.Value]) -> NormBlock | None:
     std = _sole_consumer(add.outputs[0], outputs)
     if epsilon is None or std is None or std.op_type != "Sqrt":
         return None
-    found = _normalized(std, base, outputs)
-    if found is None:
-        return None
-    divide, result = found
-    nodes = [square, variance, add, std, *divide]
-    kind, source = "rms", base
+    return square, base, add, epsilon, std
+
+
+def _centering(
+    base: ir.Value, square: ir.Node, divide: ir.Node, outputs: set[ir.Value]
+) -> tuple[ir.Node, ir.Node] | None:
+    """The ReduceMean and Sub when `base` is x - mean(x) read only by `square` and `divide`."""
     center = base.producer()
-    if center is not None and center.op_type == "Sub" and center.inputs[1] is not None:
-        mean = center.inputs[1].producer()
-        users = {use.node for use in base.uses()}
-        if (
-            mean is not None and mean.op_type == "ReduceMean" and mean.inputs[0] is center.inputs[0]
-            and users == {square, divide[-1]} and base not in outputs
-            and _sole_consumer(mean.outputs[0], outputs) is center
-        ):
-            kind, source = "layer", center.inputs[0]
-            nodes = [mean, center, *nodes]
-            if _axes(mean, _rank(source)) != _axes(variance, _rank(source)):
-                return None
-    axes = _axes(variance, _rank(source))
-    if axes is None or source is None:
+    if center is None or center.op_type != "Sub" or center.inputs[1] is None:
         return None
+    mean = center.inputs[1].producer()
+    users = {use.node for use in base.uses()}
+    if (
+        mean is not None and mean.op_type == "ReduceMean" and mean.inputs[0] is center.inputs[0]
+        and users == {square, divide} and base not in outputs
+        and _sole_consumer(mean.outputs[0], outputs) is center
+    ):
+        return mean, center
+    return None
+
+
+def _affine_tail(
+    result: ir.Value, kind: str, outputs: set[ir.Value]
+) -> tuple[list[ir.Node], ir.Value | None, ir.Value | None, ir.Value]:
+    """The constant Mul (scale) after the normalized `result` and, for a LayerNorm, the Add
+    (bias) after it: their nodes, scale, bias and the block's output."""
+    nodes: list[ir.Node] = []
     scale = bias = None
     affine = _affine(result, "Mul", outputs)
     if affine is not None:
@@ -203,7 +238,7 @@ def _match(variance: ir.Node, outputs: set[ir.Value]) -> NormBlock | None:
             if shift is not None:
                 nodes.append(shift[0])
                 bias, result = shift[1], shift[0].outputs[0]
-    return NormBlock(kind, nodes, source, result, axes, epsilon, scale, bias)
+    return nodes, scale, bias, result
 
 
 def find_norm_blocks(graph: ir.Graph) -> list[NormBlock]:
@@ -274,7 +309,6 @@ def _fuse(graph: ir.Graph, block: NormBlock, index: int, names: tuple[FreshNames
         value.const_value = ir.tensor(array, name=value.name)
         graph.register_initializer(value)
         inputs.append(value)
-    old = block.output
     fused = ir.Node(
         "", op_type, inputs,
         attributes=[
@@ -284,9 +318,15 @@ def _fuse(graph: ir.Graph, block: NormBlock, index: int, names: tuple[FreshNames
         ],
         name=name,
     )
-    out = fused.outputs[0]
-    out.dtype, out.shape = old.dtype, old.shape
     graph.insert_after(block.nodes[-1], fused)
+    _take_over_output(graph, block.output, fused.outputs[0])
+    _remove_block(graph, block)
+    return name
+
+
+def _take_over_output(graph: ir.Graph, old: ir.Value, out: ir.Value) -> None:
+    """Let `out` replace `old`: its type, shape, uses, name and place among the graph outputs."""
+    out.dtype, out.shape = old.dtype, old.shape
     ir.convenience.replace_all_uses_with(old, out)
     if old in graph.outputs:
         position = list(graph.outputs).index(old)
@@ -296,6 +336,10 @@ def _fuse(graph: ir.Graph, block: NormBlock, index: int, names: tuple[FreshNames
     else:
         out.name = old.name
         old.name = None
+
+
+def _remove_block(graph: ir.Graph, block: NormBlock) -> None:
+    """Remove the block's nodes and the Constant nodes and initializers only they read."""
     constants = {
         producer
         for node in block.nodes
@@ -308,11 +352,15 @@ def _fuse(graph: ir.Graph, block: NormBlock, index: int, names: tuple[FreshNames
     # Constants only the block read (epsilon, exponent, 1 of 1/x, the old scale and bias) are
     # dead now.
     graph.remove([c for c in constants if not any(out.uses() or out in graph.outputs for out in c.outputs)], safe=True)
-    for value in read:
+    _drop_unused_initializers(graph, read)
+
+
+def _drop_unused_initializers(graph: ir.Graph, values: set[ir.Value]) -> None:
+    """Delete those of `values` that are initializers of `graph` and no longer used."""
+    for value in values:
         if value.name in graph.initializers and graph.initializers[value.name] is value and not value.uses() \
                 and value not in graph.outputs and value not in graph.inputs:
             del graph.initializers[value.name]
-    return name
 
 
 def opset_for_fusion(blocks: NormBlocks, profile: RuntimeProfile, target: LowPrecision) -> int | None:

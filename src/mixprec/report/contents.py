@@ -17,7 +17,7 @@ import onnx_ir as ir
 from mixprec.analysis.cost_model import CAST_BYTES_PER_ELEMENT, SYMBOLIC_DIM, estimate_plan
 from mixprec.analysis.qdq import QuantizedSummary, quantized_summary
 from mixprec.graphs import has_subgraphs, walk_nodes
-from mixprec.passes.rewrite import RewriteStats
+from mixprec.passes.rewrite import CastRecord, RewriteStats
 from mixprec.passes.opset import first_opset_admitting
 from mixprec.plan.model import Category, Precision, PrecisionPlan
 from mixprec.policy.costs import runtime_cost
@@ -178,10 +178,19 @@ class Report:
 
     def format_text(self, max_rows: int = 25) -> str:
         """A readable summary for the terminal."""
+        lines = self._summary_lines()
+        lines.extend(self._estimate_lines())
+        lines.extend(self._breakdown_lines(max_rows))
+        lines.extend(self._validation_lines())
+        lines.extend(self._closing_lines())
+        return "\n".join(lines)
+
+    def _summary_lines(self) -> list[str]:
+        """The header, node, weight and cast lines."""
         counts = self.nodes_by_precision
         total_float = counts.get("low", 0) + counts.get("fp32", 0)
         share = 100.0 * counts.get("low", 0) / total_float if total_float else 0.0
-        lines = [
+        return [
             f"mixprec: {self.source} -> {self.output or '(in memory)'}  [{self.target}, "
             f"runtime {self.runtime}, keep_io_types={self.keep_io_types}]",
             f"  nodes: {counts.get('low', 0)} in {self.target}, {counts.get('fp32', 0)} in fp32 "
@@ -190,19 +199,24 @@ class Report:
             f"  ({self.constants_lowered} stored in {self.target}, "
             f"{self.constants_duplicated} duplicated)",
             f"  casts: {self.casts_runtime} at run time"
-            + (
-                f" ({_mb(self.cast_bytes_per_inference)} moved per inference)"
-                if self.cast_bytes_per_inference is not None
-                else ""
-            )
-            + (
-                f" (about {_mb(self.cast_bytes_estimate)} moved per inference with named symbolic "
-                f"dimensions taken as {self.symbolic_dim})"
-                if self.cast_bytes_per_inference is None and self.cast_bytes_estimate is not None
-                else ""
-            )
+            + self._cast_traffic_text()
             + f", {self.casts_removed} redundant removed",
         ]
+
+    def _cast_traffic_text(self) -> str:
+        """The bytes the casts move per inference, measured or estimated ("" when unknown)."""
+        if self.cast_bytes_per_inference is not None:
+            return f" ({_mb(self.cast_bytes_per_inference)} moved per inference)"
+        if self.cast_bytes_estimate is not None:
+            return (
+                f" (about {_mb(self.cast_bytes_estimate)} moved per inference with named symbolic "
+                f"dimensions taken as {self.symbolic_dim})"
+            )
+        return ""
+
+    def _estimate_lines(self) -> list[str]:
+        """The cost model's compute share and speed, and the quantization summary."""
+        lines = []
         if self.low_compute_share is not None:
             lines.append(
                 f"  compute: {self.low_compute_share:.1%} of the estimated matrix and convolution FLOPs "
@@ -217,6 +231,11 @@ class Report:
             )
         if self.quantization is not None:
             lines.append(self.quantization.format_line(self.target))
+        return lines
+
+    def _breakdown_lines(self, max_rows: int) -> list[str]:
+        """Ops per precision, FP32 reasons, the FP32 nodes and constants kept for range."""
+        lines = []
         if self.low_by_op:
             ops = ", ".join(f"{op} {n}" for op, n in sorted(self.low_by_op.items(), key=lambda x: -x[1]))
             lines.append(f"  {self.target} ops: {ops}")
@@ -232,35 +251,52 @@ class Report:
                 lines.append(f"    ... {len(self.kept_fp32) - max_rows} more (see --report)")
         for name, note in list(self.constants_kept_for_range.items())[:max_rows]:
             lines.append(f"  kept FP32 for range: {name}: {note}")
+        return lines
+
+    def _validation_lines(self) -> list[str]:
+        """The checks run after conversion and the per-output errors."""
         v = self.validation
-        lines.append(f"  validation: checker {v.checker}, runtime {v.runtime} ({v.seconds:.2f} s)")
-        lines.append(f"  numerics: {v.numerics}")
+        lines = [
+            f"  validation: checker {v.checker}, runtime {v.runtime} ({v.seconds:.2f} s)",
+            f"  numerics: {v.numerics}",
+        ]
         groups = [("emulated" if v.real_outputs else "", v.outputs)]
         if v.real_outputs:
             groups.append((f"real, {v.real_runtime}", v.real_outputs))
         for label, outputs in groups:
-            for out in outputs:
-                flag = "" if out.within_tolerance is None else ("  ok" if out.within_tolerance else "  OUT OF TOLERANCE")
-                relative = "" if out.scaled_error is None else f" ({out.scaled_error:.2%} of max |FP32|)"
-                lines.append(
-                    f"    {out.name}{f' ({label})' if label else ''}: max abs {out.max_abs_error:.3g}"
-                    f"{relative}, nan {out.nan_count}, inf {out.inf_count}{flag}"
-                )
+            lines.extend(_output_error_line(out, label) for out in outputs)
         for out in v.module_outputs:
-            relative = "" if out.scaled_error is None else f" ({out.scaled_error:.2%} of max |FP32|)"
             lines.append(
                 f"    {out.name} (vs the PyTorch module, {v.module_batches} batch(es)): max abs "
-                f"{out.max_abs_error:.3g}{relative}, nan {out.nan_count}, inf {out.inf_count}"
+                f"{out.max_abs_error:.3g}{_relative_text(out)}, nan {out.nan_count}, inf {out.inf_count}"
             )
         if v.speed_ratio is not None:
             lines.append(f"    latency on {v.real_runtime}: {v.speed_ratio:.2f}x the FP32 model's")
-        lines.extend(f"  note: {n}" for n in [*self.notes, *v.notes])
+        return lines
+
+    def _closing_lines(self) -> list[str]:
+        """Notes, step times and the type inference warning."""
+        lines = [f"  note: {n}" for n in [*self.notes, *self.validation.notes]]
         if self.seconds:
             steps = ", ".join(f"{name} {s:.2f}" for name, s in self.seconds.items() if name != "total")
             lines.append(f"  time: {self.seconds.get('total', 0.0):.2f} s ({steps})")
         if self.type_inference_warning:
             lines.append(f"  warning: type inference incomplete: {self.type_inference_warning}")
-        return "\n".join(lines)
+        return lines
+
+
+def _relative_text(out: OutputError) -> str:
+    """An output's error relative to the FP32 output's largest magnitude ("" when unknown)."""
+    return "" if out.scaled_error is None else f" ({out.scaled_error:.2%} of max |FP32|)"
+
+
+def _output_error_line(out: OutputError, label: str) -> str:
+    """One output's agreement with the FP32 model (`label`: which run, "" for the only one)."""
+    flag = "" if out.within_tolerance is None else ("  ok" if out.within_tolerance else "  OUT OF TOLERANCE")
+    return (
+        f"    {out.name}{f' ({label})' if label else ''}: max abs {out.max_abs_error:.3g}"
+        f"{_relative_text(out)}, nan {out.nan_count}, inf {out.inf_count}{flag}"
+    )
 
 
 def _mb(n: int | None) -> str:
@@ -283,54 +319,13 @@ def build_report(
 ) -> Report:
     """Summarise a finished conversion (`profile`: the runtime it was converted for)."""
     target = plan.target
-    keys = plan.keys
-    # Counted by enum member (a str, hashed as its value), reported by value.
-    by_precision: Counter[Precision] = Counter()
-    low_by_op: Counter[str] = Counter()
-    fp32_by_op: Counter[str] = Counter()
-    by_category: Counter[Category] = Counter()
-    kept: list[KeptNode] = []
-    for node in plan.order:
-        decision = plan.decisions[node]
-        precision = decision.precision
-        by_precision[precision] += 1
-        if precision is Precision.LOW:
-            low_by_op[node.op_type] += 1
-        elif precision is Precision.FP32:
-            category = decision.category
-            fp32_by_op[node.op_type] += 1
-            by_category[category] += 1
-            if category is not Category.NO_FLOAT:
-                kept.append(
-                    KeptNode(keys[node], node.op_type, category.value, decision.reason)
-                )
+    counts = _count_decisions(plan)
     runtime = [c for c in stats.casts if c.runtime]
-    known = [c.elements for c in runtime]
-    elements = sum(e for e in known if e is not None) if runtime and all(e is not None for e in known) else None
-    cast_bytes = None
+    elements, cast_bytes, cast_estimate = _cast_traffic(runtime)
     notes = []
-    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
-    newer = [
-        version
-        for node in plan.order
-        if plan.decisions[node].category is Category.SCHEMA and normalize_domain(node.domain) == ""
-        and (profile is None or profile.runs_in("", node.op_type, target.type_str))
-        and (version := first_opset_admitting(node.op_type, opset, target.type_str)) is not None
-    ]
-    if newer:
-        notes.append(
-            f"{len(newer)} node(s) have no {target.value} type in their schema at opset {opset}; "
-            f"opset {max(newer)} admits them (convert with --opset {max(newer)})"
-        )
-    if elements is not None:
-        cast_bytes = sum(
-            (c.elements or 0) * CAST_BYTES_PER_ELEMENT for c in runtime
-        )
-    estimates = [c.estimated_elements for c in runtime]
-    cast_estimate = (
-        sum(e * CAST_BYTES_PER_ELEMENT for e in estimates if e is not None)
-        if all(e is not None for e in estimates) else None
-    )
+    opset_note = _newer_opset_note(model, plan, profile)
+    if opset_note is not None:
+        notes.append(opset_note)
     cost = runtime_cost(profile.name if profile is not None else None, target.value)
     # Casts of stored constants are folded by the runtime when it loads the model: no time.
     estimate = estimate_plan(plan, [c.guessed_elements for c in runtime if not c.of_constant], cost)
@@ -340,11 +335,11 @@ def build_report(
         output=output,
         target=target.value,
         keep_io_types=plan.keep_io_types,
-        nodes_by_precision={precision.value: n for precision, n in by_precision.items()},
-        low_by_op=dict(low_by_op),
-        fp32_by_op=dict(fp32_by_op),
-        fp32_by_category={category.value: n for category, n in by_category.items()},
-        kept_fp32=kept,
+        nodes_by_precision={precision.value: n for precision, n in counts.by_precision.items()},
+        low_by_op=dict(counts.low_by_op),
+        fp32_by_op=dict(counts.fp32_by_op),
+        fp32_by_category={category.value: n for category, n in counts.by_category.items()},
+        kept_fp32=counts.kept,
         casts_inserted=len(stats.casts),
         casts_runtime=len(runtime),
         cast_elements_per_inference=elements,
@@ -364,6 +359,71 @@ def build_report(
         cost_device=cost.device,
         cost_limitation=cost.limitation,
         quantization=quantized_summary(plan),
+    )
+
+
+@dataclass
+class _DecisionCounts:
+    """A plan's decisions counted by precision, op type and FP32 category (by enum member, a str
+    hashed as its value, reported by value), and the FP32 nodes listed in the report."""
+
+    by_precision: Counter[Precision] = field(default_factory=Counter)
+    low_by_op: Counter[str] = field(default_factory=Counter)
+    fp32_by_op: Counter[str] = field(default_factory=Counter)
+    by_category: Counter[Category] = field(default_factory=Counter)
+    kept: list[KeptNode] = field(default_factory=list)
+
+
+def _count_decisions(plan: PrecisionPlan) -> _DecisionCounts:
+    """Count the plan's decisions in plan order."""
+    counts = _DecisionCounts()
+    for node in plan.order:
+        decision = plan.decisions[node]
+        precision = decision.precision
+        counts.by_precision[precision] += 1
+        if precision is Precision.LOW:
+            counts.low_by_op[node.op_type] += 1
+        elif precision is Precision.FP32:
+            category = decision.category
+            counts.fp32_by_op[node.op_type] += 1
+            counts.by_category[category] += 1
+            if category is not Category.NO_FLOAT:
+                counts.kept.append(KeptNode(plan.keys[node], node.op_type, category.value, decision.reason))
+    return counts
+
+
+def _cast_traffic(runtime: list[CastRecord]) -> tuple[int | None, int | None, int | None]:
+    """Elements and bytes the run-time casts move per inference (None unless every cast's count
+    is known), and the bytes estimated with symbolic dimensions guessed."""
+    known = [c.elements for c in runtime]
+    elements = sum(e for e in known if e is not None) if runtime and all(e is not None for e in known) else None
+    cast_bytes = None
+    if elements is not None:
+        cast_bytes = sum((c.elements or 0) * CAST_BYTES_PER_ELEMENT for c in runtime)
+    estimates = [c.estimated_elements for c in runtime]
+    cast_estimate = (
+        sum(e * CAST_BYTES_PER_ELEMENT for e in estimates if e is not None)
+        if all(e is not None for e in estimates) else None
+    )
+    return elements, cast_bytes, cast_estimate
+
+
+def _newer_opset_note(model: ir.Model, plan: PrecisionPlan, profile: RuntimeProfile | None) -> str | None:
+    """A note when FP32 nodes of the default domain would admit the target type at a later opset."""
+    target = plan.target
+    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+    newer = [
+        version
+        for node in plan.order
+        if plan.decisions[node].category is Category.SCHEMA and normalize_domain(node.domain) == ""
+        and (profile is None or profile.runs_in("", node.op_type, target.type_str))
+        and (version := first_opset_admitting(node.op_type, opset, target.type_str)) is not None
+    ]
+    if not newer:
+        return None
+    return (
+        f"{len(newer)} node(s) have no {target.value} type in their schema at opset {opset}; "
+        f"opset {max(newer)} admits them (convert with --opset {max(newer)})"
     )
 
 

@@ -215,6 +215,85 @@ def _read_plain(text: str, folded: FoldedGraph, labelled: bool) -> GraphLayout:
     band to another is drawn as a stub out of its producer and one into its consumer."""
     margin, gap = 8.0, 36.0 if labelled else 14.0
     box_w, box_h = _box_size(labelled)
+    height, centres, splines = _parse_plain(text)
+    if height is None or set(centres) != set(folded.nodes):
+        raise ValueError("nodes missing")
+    # From here y points downwards; boxes are given by their top-left corners.
+    left = {i: x - box_w / 2 for i, (x, _) in centres.items()}
+    top = {i: height - y - box_h / 2 for i, (_, y) in centres.items()}
+    routes = {
+        (p, i): [(x, height - y) for x, y in pts]
+        for (p, i), pts in splines.items()
+        if len(pts) >= 4 and (len(pts) - 1) % 3 == 0
+    }
+    rows = sorted({round(t, 1) for t in top.values()})
+    row_index = {t: r for r, t in enumerate(rows)}
+    row_of = {i: row_index[round(t, 1)] for i, t in top.items()}
+    items = _band_items(left, top, routes, row_of, box_w, box_h)
+    band_of_row, extents = _bands(rows, height, items, gap)
+
+    bands = sorted(extents)
+    offsets, right = _band_offsets(bands, extents, margin, gap)
+    layout = GraphLayout(
+        DOT,
+        width=round(right - gap + margin),
+        height=round(max(y1 - y0 for _, _, y0, y1 in extents.values()) + 2 * margin),
+        box_w=box_w,
+        box_h=box_h,
+        labelled=labelled,
+    )
+    for i in folded.nodes:
+        band = band_of_row[row_of[i]]
+        dx, dy = offsets[band]
+        layout.x[i], layout.y[i] = left[i] + dx, top[i] + dy
+        layout.rank[i] = row_of[i]
+        layout.column[i] = bands.index(band)
+    stub = (0.3 if labelled else 0.16) * 72 / 2
+    for p, i in folded.edges():
+        spline = routes.get((p, i), [])
+        layout.edges.append(_edge_route(layout, p, i, spline, offsets[band_of_row[row_of[i]]], stub))
+    return layout
+
+
+
+def _band_items(
+    left: dict[int, float],
+    top: dict[int, float],
+    routes: dict[tuple[int, int], list[tuple[float, float]]],
+    row_of: dict[int, int],
+    box_w: float,
+    box_h: float,
+) -> list[tuple[int, int, float, float, float, float]]:
+    """What each band must hold: boxes, and the splines of edges within one band, as (first row,
+    last row, x0, x1, y0, y1)."""
+    items = [(row_of[i], row_of[i], x, x + box_w, top[i], top[i] + box_h) for i, x in left.items()]
+    items += [
+        (row_of[p], row_of[i], min(x for x, _ in pts), max(x for x, _ in pts), math.inf, -math.inf)
+        for (p, i), pts in routes.items()
+    ]
+    return items
+
+def _edge_route(
+    layout: GraphLayout, p: int, i: int, spline: list[tuple[float, float]], offset: tuple[float, float], stub: float
+) -> EdgeRoute:
+    """The drawn edge from `p` to `i`: stubs between columns, else dot's `spline` shifted by its
+    band's `offset` (a straight curve when dot gave none)."""
+    x1, y1 = layout.x[p] + layout.box_w / 2, layout.y[p] + layout.box_h
+    x2, y2 = layout.x[i] + layout.box_w / 2, layout.y[i]
+    if layout.column[p] != layout.column[i]:
+        return EdgeRoute(p, i, *_stubs(x1, y1, x2, y2, stub))
+    dx, dy = offset
+    pts = [(x + dx, y + dy) for x, y in spline]
+    if not pts:
+        pts = [(x1, y1), (x1, y1), (x2, y2), (x2, y2)]
+    return EdgeRoute(p, i, _spline_path(pts), _spline_middle(pts))
+
+
+def _parse_plain(
+    text: str,
+) -> tuple[float | None, dict[int, tuple[float, float]], dict[tuple[int, int], list[tuple[float, float]]]]:
+    """The drawing's height, node centres and edge splines of dot's ``-Tplain`` output, in
+    points (y upwards); the height is None without a ``graph`` line."""
     height: float | None = None
     centres: dict[int, tuple[float, float]] = {}
     splines: dict[tuple[int, int], list[tuple[float, float]]] = {}
@@ -232,65 +311,29 @@ def _read_plain(text: str, folded: FoldedGraph, labelled: bool) -> GraphLayout:
             count = int(parts[3])
             values = [float(v) * 72 for v in parts[4 : 4 + 2 * count]]
             splines[(int(parts[1][1:]), int(parts[2][1:]))] = list(zip(values[::2], values[1::2]))
-    if height is None or set(centres) != set(folded.nodes):
-        raise ValueError("nodes missing")
-    # From here y points downwards; boxes are given by their top-left corners.
-    left = {i: x - box_w / 2 for i, (x, _) in centres.items()}
-    top = {i: height - y - box_h / 2 for i, (_, y) in centres.items()}
-    routes = {
-        (p, i): [(x, height - y) for x, y in pts]
-        for (p, i), pts in splines.items()
-        if len(pts) >= 4 and (len(pts) - 1) % 3 == 0
-    }
-    rows = sorted({round(t, 1) for t in top.values()})
-    row_index = {t: r for r, t in enumerate(rows)}
-    row_of = {i: row_index[round(t, 1)] for i, t in top.items()}
-    # What each band must hold: boxes, and the splines of edges within one band.
-    items = [(row_of[i], row_of[i], x, x + box_w, top[i], top[i] + box_h) for i, x in left.items()]
-    items += [
-        (row_of[p], row_of[i], min(x for x, _ in pts), max(x for x, _ in pts), math.inf, -math.inf)
-        for (p, i), pts in routes.items()
-    ]
-    band_of_row, extents = _bands(rows, height, items, gap)
+    return height, centres, splines
 
-    bands = sorted(extents)
+
+def _band_offsets(
+    bands: list[int], extents: dict[int, tuple[float, float, float, float]], margin: float, gap: float
+) -> tuple[dict[int, tuple[float, float]], float]:
+    """The shift of each band when set side by side left to right, and the x after the last
+    band and its gap."""
     offsets: dict[int, tuple[float, float]] = {}
     x = margin
     for b in bands:
         x0, x1, y0, _ = extents[b]
         offsets[b] = (x - x0, margin - y0)
         x += x1 - x0 + gap
-    layout = GraphLayout(
-        DOT,
-        width=round(x - gap + margin),
-        height=round(max(y1 - y0 for _, _, y0, y1 in extents.values()) + 2 * margin),
-        box_w=box_w,
-        box_h=box_h,
-        labelled=labelled,
+    return offsets, x
+
+
+def _spline_path(pts: list[tuple[float, float]]) -> str:
+    """SVG path data of a chain of cubic Bézier segments (start point, then three per segment)."""
+    return f"M{pts[0][0]:.1f} {pts[0][1]:.1f}" + "".join(
+        f"C{a[0]:.1f} {a[1]:.1f} {b[0]:.1f} {b[1]:.1f} {c[0]:.1f} {c[1]:.1f}"
+        for a, b, c in zip(pts[1::3], pts[2::3], pts[3::3])
     )
-    for i in folded.nodes:
-        band = band_of_row[row_of[i]]
-        dx, dy = offsets[band]
-        layout.x[i], layout.y[i] = left[i] + dx, top[i] + dy
-        layout.rank[i] = row_of[i]
-        layout.column[i] = bands.index(band)
-    stub = (0.3 if labelled else 0.16) * 72 / 2
-    for p, i in folded.edges():
-        x1, y1 = layout.x[p] + box_w / 2, layout.y[p] + box_h
-        x2, y2 = layout.x[i] + box_w / 2, layout.y[i]
-        if layout.column[p] != layout.column[i]:
-            layout.edges.append(EdgeRoute(p, i, *_stubs(x1, y1, x2, y2, stub)))
-            continue
-        dx, dy = offsets[band_of_row[row_of[i]]]
-        pts = [(x + dx, y + dy) for x, y in routes.get((p, i), [])]
-        if not pts:
-            pts = [(x1, y1), (x1, y1), (x2, y2), (x2, y2)]
-        path = f"M{pts[0][0]:.1f} {pts[0][1]:.1f}" + "".join(
-            f"C{a[0]:.1f} {a[1]:.1f} {b[0]:.1f} {b[1]:.1f} {c[0]:.1f} {c[1]:.1f}"
-            for a, b, c in zip(pts[1::3], pts[2::3], pts[3::3])
-        )
-        layout.edges.append(EdgeRoute(p, i, path, _spline_middle(pts)))
-    return layout
 
 
 def _bands(
@@ -362,9 +405,31 @@ def order_layers(layers: list[list[int]], edges: list[tuple[int, int]]) -> list[
     """Reorder each layer to reduce edge crossings: alternating downward and upward barycentre
     sweeps over the layers with placeholders on long edges; the order with the fewest crossings
     wins. `edges` go from a lower layer to a higher one."""
-    layer_of = {v: k for k, nodes in enumerate(layers) for v in nodes}
     order = [list(nodes) for nodes in layers]
-    # Placeholders (negative ids) split long edges into one-layer steps, shortest edges first.
+    steps = _one_layer_steps(order, edges)
+    up: dict[int, list[int]] = {}
+    down: dict[int, list[int]] = {}
+    for u, v in steps:
+        down.setdefault(u, []).append(v)
+        up.setdefault(v, []).append(u)
+
+    best = [list(nodes) for nodes in order]
+    best_crossings = count_crossings(order, steps)
+    for sweep in range(_SWEEPS):
+        if best_crossings == 0:
+            break
+        downward = sweep % 2 == 0
+        _barycentre_sweep(order, up if downward else down, downward)
+        crossings = count_crossings(order, steps)
+        if crossings < best_crossings:
+            best, best_crossings = [list(nodes) for nodes in order], crossings
+    return [[v for v in nodes if v >= 0] for nodes in best]
+
+
+def _one_layer_steps(order: list[list[int]], edges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The edges as one-layer steps: placeholders (negative ids, appended to the layers of
+    `order`) split long edges, shortest edges first, while :data:`_MAX_PLACEHOLDERS` allows."""
+    layer_of = {v: k for k, nodes in enumerate(order) for v in nodes}
     steps: list[tuple[int, int]] = []
     budget = _MAX_PLACEHOLDERS
     next_id = -1
@@ -382,35 +447,24 @@ def order_layers(layers: list[list[int]], edges: list[tuple[int, int]]) -> list[
             steps.append((previous, next_id))
             previous, next_id = next_id, next_id - 1
         steps.append((previous, v))
-    up: dict[int, list[int]] = {}
-    down: dict[int, list[int]] = {}
-    for u, v in steps:
-        down.setdefault(u, []).append(v)
-        up.setdefault(v, []).append(u)
+    return steps
 
-    best = [list(nodes) for nodes in order]
-    best_crossings = count_crossings(order, steps)
-    for sweep in range(_SWEEPS):
-        if best_crossings == 0:
-            break
-        downward = sweep % 2 == 0
-        neighbours = up if downward else down
-        indices = range(1, len(order)) if downward else range(len(order) - 2, -1, -1)
-        for k in indices:
-            fixed = order[k - 1] if downward else order[k + 1]
-            position = {v: p for p, v in enumerate(fixed)}
-            stretch = len(fixed) / max(len(order[k]), 1)
-            keys: dict[int, tuple[float, int]] = {}
-            for here, v in enumerate(order[k]):
-                linked = [position[w] for w in neighbours.get(v, ()) if w in position]
-                # Without a neighbour on that side a node keeps its relative place.
-                centre = sum(linked) / len(linked) if linked else here * stretch
-                keys[v] = (centre, here)
-            order[k].sort(key=keys.__getitem__)
-        crossings = count_crossings(order, steps)
-        if crossings < best_crossings:
-            best, best_crossings = [list(nodes) for nodes in order], crossings
-    return [[v for v in nodes if v >= 0] for nodes in best]
+
+def _barycentre_sweep(order: list[list[int]], neighbours: dict[int, list[int]], downward: bool) -> None:
+    """Sort each layer of `order` in place by the mean position of its nodes' `neighbours` in
+    the layer before it (`downward`) or after it."""
+    indices = range(1, len(order)) if downward else range(len(order) - 2, -1, -1)
+    for k in indices:
+        fixed = order[k - 1] if downward else order[k + 1]
+        position = {v: p for p, v in enumerate(fixed)}
+        stretch = len(fixed) / max(len(order[k]), 1)
+        keys: dict[int, tuple[float, int]] = {}
+        for here, v in enumerate(order[k]):
+            linked = [position[w] for w in neighbours.get(v, ()) if w in position]
+            # Without a neighbour on that side a node keeps its relative place.
+            centre = sum(linked) / len(linked) if linked else here * stretch
+            keys[v] = (centre, here)
+        order[k].sort(key=keys.__getitem__)
 
 
 def count_crossings(order: list[list[int]], edges: list[tuple[int, int]]) -> int:

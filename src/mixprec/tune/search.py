@@ -257,15 +257,44 @@ class _Search:
         )
         return outcome
 
-    # -- main ----------------------------------------------------------------------------------
-    def run(self, model: Any, data: Any, max_batches: int, output: str | os.PathLike | None) -> TuneResult:
-        model_path = self._fp32_model(model)
-        self.batches = read_batches(data, model_path, max_batches, self.notes)
+    def _check_tolerance_outputs(self, model_path: Path) -> None:
+        """Raise InputError when the tolerance names an output the model does not have."""
         if self.tolerance is not None and self.tolerance.outputs:
             proto_outputs = {o.name for o in onnx.load(str(model_path), load_external_data=False).graph.output}
             unknown = [n for n in self.tolerance.outputs if n not in proto_outputs]
             if unknown:
                 raise InputError(f"tolerance names output {unknown[0]!r}, which the model does not have")
+
+    def _fewest_fp32(
+        self, ranked: Sequence[Candidate], guess: int, bound: int, default: _Converted
+    ) -> tuple[_Outcome, int]:
+        """The best outcome and how many of the `ranked` candidates it keeps FP32: none when the
+        default conversion meets the tolerance, else a bisection between none and all (first
+        split at `guess`, the ranking's outliers, when between); all when even that fails."""
+        n = len(ranked)
+        best = self._step(ranked, 0, bound, conversion=default)
+        best_k = 0
+        if not best.met and n:
+            full = self._step(ranked, n, bound)
+            best, best_k = full, n
+            if full.met:
+                lo, hi = 0, n
+                while hi - lo > 1:
+                    # The first split is at the outliers of the ranking when there are any.
+                    mid = guess if lo < guess < hi else (lo + hi) // 2
+                    guess = 0
+                    outcome = self._step(ranked, mid, bound)
+                    if outcome.met:
+                        hi, best, best_k = mid, outcome, mid
+                    else:
+                        lo = mid
+        return best, best_k
+
+    # -- main ----------------------------------------------------------------------------------
+    def run(self, model: Any, data: Any, max_batches: int, output: str | os.PathLike | None) -> TuneResult:
+        model_path = self._fp32_model(model)
+        self.batches = read_batches(data, model_path, max_batches, self.notes)
+        self._check_tolerance_outputs(model_path)
         # Measured ranges shape every candidate plan: values that leave the 16-bit range stay
         # FP32 from the start instead of being found by the search.
         from mixprec.analysis.calibrate import calibrate  # noqa: PLC0415
@@ -296,22 +325,7 @@ class _Search:
         n = len(ranked)
         guess = outlier_count([errors.get(c.name) for c in ranked])
         bound = evaluation_bound(n, guess)
-        best = self._step(ranked, 0, bound, conversion=default)
-        best_k = 0
-        if not best.met and n:
-            full = self._step(ranked, n, bound)
-            best, best_k = full, n
-            if full.met:
-                lo, hi = 0, n
-                while hi - lo > 1:
-                    # The first split is at the outliers of the ranking when there are any.
-                    mid = guess if lo < guess < hi else (lo + hi) // 2
-                    guess = 0
-                    outcome = self._step(ranked, mid, bound)
-                    if outcome.met:
-                        hi, best, best_k = mid, outcome, mid
-                    else:
-                        lo = mid
+        best, best_k = self._fewest_fp32(ranked, guess, bound, default)
         # The final model through the whole pipeline, for its report (and file, when met).
         from mixprec.api import convert_with_config  # noqa: PLC0415
 

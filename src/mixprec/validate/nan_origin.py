@@ -269,22 +269,57 @@ def _search(
     max_outputs: int,
 ) -> NanOrigin | None:
     # 1. Which graph outputs gain non-finite values?
-    shared_outputs = [o for o in cand.outputs if o in set(ref.outputs)]
-    if not shared_outputs:
-        raise InputError("the converted model shares no output name with the FP32 model")
-    ref_out = _run_once(ref.runner, shared_outputs, feeds)
-    cand_out = _run_once(cand.runner, shared_outputs, feeds)
-    affected = [
-        o
-        for o in shared_outputs
-        if o in ref_out and o in cand_out and _new_nonfinite(ref_out[o], cand_out[o])
-    ]
+    affected = _affected_outputs(ref, cand, feeds)
     if not affected:
         logger.debug("no output gains non-finite values; nothing to locate")
         return None
     upstream = cand.ancestors(affected)
 
     # 2. Pair candidate values with FP32 values.
+    counterpart = _counterpart_finder(ref, cand)
+    entries = _paired_values(ref, cand, upstream, counterpart)
+
+    # 3. Compare chunk by chunk, in topological order; stop at the first hit.
+    ref_absmax: dict[str, float] = {
+        n: _absmax(np.asarray(feeds[n])) for n in ref.inputs if n in feeds
+    }
+    step = max_outputs if max_outputs > 0 else len(entries) or 1
+    for start in range(0, len(entries), step):
+        hit = _first_new_nonfinite(ref, cand, entries[start : start + step], feeds, ref_absmax)
+        if hit is not None:
+            index, ref_name, count = hit
+            return _origin(
+                ref,
+                cand,
+                index,
+                ref_name,
+                count,
+                ref_absmax,
+                feeds,
+                target,
+                counterpart,
+                converted_types,
+            )
+    return None
+
+
+def _affected_outputs(ref: _Graph, cand: _Graph, feeds: Mapping[str, np.ndarray]) -> list[str]:
+    """The outputs of both models where the candidate has non-finite values the FP32 model has not."""
+    shared_outputs = [o for o in cand.outputs if o in set(ref.outputs)]
+    if not shared_outputs:
+        raise InputError("the converted model shares no output name with the FP32 model")
+    ref_out = _run_once(ref.runner, shared_outputs, feeds)
+    cand_out = _run_once(cand.runner, shared_outputs, feeds)
+    return [
+        o
+        for o in shared_outputs
+        if o in ref_out and o in cand_out and _new_nonfinite(ref_out[o], cand_out[o])
+    ]
+
+
+def _counterpart_finder(ref: _Graph, cand: _Graph) -> Callable[[str], str | None]:
+    """A memoized map from a candidate value to the FP32 value it stands for (None if none):
+    the same output of the same-named node, the same name, or through inserted Casts."""
     memo: dict[str, str | None] = {}
 
     def counterpart(name: str, depth: int = 0) -> str | None:
@@ -316,7 +351,15 @@ def _search(
         memo[name] = result
         return result
 
-    entries: list[tuple[int, str, str]] = []  # (candidate node index, candidate value, FP32 value)
+    return counterpart
+
+
+def _paired_values(
+    ref: _Graph, cand: _Graph, upstream: set[int], counterpart: Callable[[str], str | None]
+) -> list[tuple[int, str, str]]:
+    """(candidate node index, candidate value, FP32 value) for the float outputs of the
+    `upstream` candidate nodes that have an FP32 float counterpart, in topological order."""
+    entries: list[tuple[int, str, str]] = []
     float_values = set(cand.runner.node_outputs(_FLOAT_ELEM_TYPES))
     for index, node in enumerate(cand.nodes):
         if index not in upstream:
@@ -330,42 +373,35 @@ def _search(
                     == onnx.TensorProto.FLOAT
                 ):
                     entries.append((index, out, partner))
+    return entries
 
-    # 3. Compare chunk by chunk, in topological order; stop at the first hit.
-    ref_absmax: dict[str, float] = {
-        n: _absmax(np.asarray(feeds[n])) for n in ref.inputs if n in feeds
-    }
-    step = max_outputs if max_outputs > 0 else len(entries) or 1
-    for start in range(0, len(entries), step):
-        part = entries[start : start + step]
-        cand_names = [c for _, c, _ in part]
-        ref_names = [r for _, _, r in part if r not in ref.inputs]
-        cand_values = _run_once(cand.runner, cand_names, feeds)
-        ref_values = _run_once(ref.runner, ref_names, feeds)
-        for name, array in ref_values.items():
-            ref_absmax[name] = _absmax(array)
-        for index, cand_name, ref_name in part:
-            if cand_name not in cand_values:
-                continue
-            reference = ref_values.get(ref_name)
-            if reference is None and ref_name in feeds:
-                reference = np.asarray(feeds[ref_name])
-            if reference is None:
-                continue
-            count = _new_nonfinite(reference, cand_values[cand_name])
-            if count:
-                return _origin(
-                    ref,
-                    cand,
-                    index,
-                    ref_name,
-                    count,
-                    ref_absmax,
-                    feeds,
-                    target,
-                    counterpart,
-                    converted_types,
-                )
+
+def _first_new_nonfinite(
+    ref: _Graph,
+    cand: _Graph,
+    part: list[tuple[int, str, str]],
+    feeds: Mapping[str, np.ndarray],
+    ref_absmax: dict[str, float],
+) -> tuple[int, str, int] | None:
+    """Run one chunk of paired values in both models (recording the FP32 values' largest
+    magnitudes); the first candidate node index, FP32 value and count of new non-finite values."""
+    cand_names = [c for _, c, _ in part]
+    ref_names = [r for _, _, r in part if r not in ref.inputs]
+    cand_values = _run_once(cand.runner, cand_names, feeds)
+    ref_values = _run_once(ref.runner, ref_names, feeds)
+    for name, array in ref_values.items():
+        ref_absmax[name] = _absmax(array)
+    for index, cand_name, ref_name in part:
+        if cand_name not in cand_values:
+            continue
+        reference = ref_values.get(ref_name)
+        if reference is None and ref_name in feeds:
+            reference = np.asarray(feeds[ref_name])
+        if reference is None:
+            continue
+        count = _new_nonfinite(reference, cand_values[cand_name])
+        if count:
+            return index, ref_name, count
     return None
 
 

@@ -179,23 +179,8 @@ def _run_check(
     runtime: str = "onnx",
     model: ir.Model | None = None,
 ) -> None:
-    from mixprec.validate.emulate import emulate_low_precision  # noqa: PLC0415
-
-    if reference is None:
-        if _runtime_check(path, reference, target, result).ok:
-            result.runtime = "loaded"
-        _unchecked(result, f"not checked: no FP32 reference model; {_PASS_DATA}")
-        return
-    try:
-        reference_session = sessions.make_session(reference, graph_optimization="disable")
-    except RunError as e:
-        _runtime_check(path, reference, target, result)
-        result.runtime = "reference-fails"
-        _unchecked(result, f"not checked: the FP32 model does not load in onnxruntime ({e})")
-        return
-    batches = list(_reference_batches(data, reference, reference_session, max_batches, result))
-    if not batches:
-        _runtime_check(path, reference, target, result)
+    batches = _reference_batches_or_check(path, reference, target, data, max_batches, result)
+    if not batches or reference is None:  # no batches without a reference model
         return
     # The converted model as users run it: default optimizations, first batch, own process.
     outcome = _runtime_check(path, reference, target, result, feeds=batches[0][0])
@@ -205,6 +190,59 @@ def _run_check(
     elif outcome.ran and outcome.outputs is not None:
         result.real_runtime = "onnxruntime CPU (batch 1)"
         result.real_outputs = output_errors(compare.compare_outputs(batches[0][1], outcome.outputs), tolerance)
+    candidate = _emulated_session(path, target, model, result)
+    merged, nonfinite_feeds = _compare_emulated(candidate, batches, result)
+    result.runtime = "ran and emulated" if outcome.ran or result.real_outputs else "emulated"
+    real = f" and for real on {result.real_runtime}" if result.real_outputs else ""
+    result.numerics = f"checked on {result.batches} batch(es) (emulated {target.value}{real})"
+    if not_on_openvino is not None:
+        _unchecked(result, f"{result.numerics}; not on OpenVINO: {not_on_openvino}; {_PASS_DATA}")
+    result.outputs = output_errors(merged, tolerance)
+    for c in merged:
+        if c.new_nonfinite:
+            result.notes.append(
+                f"output {c.name!r} has {c.new_nonfinite} non-finite value(s) where the FP32 model has none"
+            )
+    origin = None
+    if nonfinite_feeds is not None:
+        origin = _nan_origin_note(reference, path, nonfinite_feeds, target)
+        result.notes.append(origin)
+    if tolerance is not None:
+        _raise_beyond_tolerance(result, tolerance, origin)
+
+
+def _reference_batches_or_check(
+    path: Path,
+    reference: Path | None,
+    target: LowPrecision,
+    data: str | os.PathLike | Iterable[Batch] | None,
+    max_batches: int,
+    result: Validation,
+) -> list[tuple[Batch, dict[str, np.ndarray]]]:
+    """The batches with the FP32 model's outputs; when there are none (no reference model, it
+    does not load, no data), run only the runtime check, record why and return []."""
+    if reference is None:
+        if _runtime_check(path, reference, target, result).ok:
+            result.runtime = "loaded"
+        _unchecked(result, f"not checked: no FP32 reference model; {_PASS_DATA}")
+        return []
+    try:
+        reference_session = sessions.make_session(reference, graph_optimization="disable")
+    except RunError as e:
+        _runtime_check(path, reference, target, result)
+        result.runtime = "reference-fails"
+        _unchecked(result, f"not checked: the FP32 model does not load in onnxruntime ({e})")
+        return []
+    batches = list(_reference_batches(data, reference, reference_session, max_batches, result))
+    if not batches:
+        _runtime_check(path, reference, target, result)
+    return batches
+
+
+def _emulated_session(path: Path, target: LowPrecision, model: ir.Model | None, result: Validation) -> object:
+    """Save the emulated converted model beside `path` and open an onnxruntime session on it."""
+    from mixprec.validate.emulate import emulate_low_precision  # noqa: PLC0415
+
     candidate_path = path.with_name("emulated.onnx")
     # The typed model in memory when its weights are all in memory (its external tensors would
     # point at the input's data file); else the staged file.
@@ -214,11 +252,18 @@ def _run_check(
         f"{target.value} numerics measured on an emulated model (FP32 compute, {target.short_name} rounding)"
     )
     try:
-        candidate = sessions.make_session(candidate_path, graph_optimization="disable")
+        return sessions.make_session(candidate_path, graph_optimization="disable")
     except RunError as e:
         raise ValidationFailure(f"the emulated converted model does not load in onnxruntime: {e}") from e
+
+
+def _compare_emulated(
+    candidate: object, batches: list[tuple[Batch, dict[str, np.ndarray]]], result: Validation
+) -> tuple[list[compare.OutputComparison], Batch | None]:
+    """Run the emulated model on every batch: the merged comparisons with the FP32 outputs and
+    the first batch with new non-finite outputs (None if none)."""
     merged: list | None = None
-    nonfinite_feeds = None  # the first batch with new non-finite outputs
+    nonfinite_feeds = None
     for feeds, expected in batches:
         try:
             actual = sessions.run_session(candidate, feeds)
@@ -229,28 +274,17 @@ def _run_check(
             nonfinite_feeds = feeds
         merged = comparison if merged is None else compare.merge(merged, comparison)
         result.batches += 1
-    result.runtime = "ran and emulated" if outcome.ran or result.real_outputs else "emulated"
-    real = f" and for real on {result.real_runtime}" if result.real_outputs else ""
-    result.numerics = f"checked on {result.batches} batch(es) (emulated {target.value}{real})"
-    if not_on_openvino is not None:
-        _unchecked(result, f"{result.numerics}; not on OpenVINO: {not_on_openvino}; {_PASS_DATA}")
-    result.outputs = output_errors(merged or [], tolerance)
-    for c in merged or []:
-        if c.new_nonfinite:
-            result.notes.append(
-                f"output {c.name!r} has {c.new_nonfinite} non-finite value(s) where the FP32 model has none"
-            )
-    origin = None
-    if nonfinite_feeds is not None:
-        origin = _nan_origin_note(reference, path, nonfinite_feeds, target)
-        result.notes.append(origin)
-    if tolerance is not None:
-        failing = [o.name for o in (*result.outputs, *result.real_outputs) if o.within_tolerance is False]
-        if failing:
-            raise ValidationFailure(
-                f"output {failing[0]!r} differs from the FP32 model beyond atol={tolerance[0]}, "
-                f"rtol={tolerance[1]}" + (f"; {origin}" if origin else "")
-            )
+    return merged or [], nonfinite_feeds
+
+
+def _raise_beyond_tolerance(result: Validation, tolerance: tuple[float, float], origin: str | None) -> None:
+    """Raise ValidationFailure when an emulated or real output is beyond the tolerance."""
+    failing = [o.name for o in (*result.outputs, *result.real_outputs) if o.within_tolerance is False]
+    if failing:
+        raise ValidationFailure(
+            f"output {failing[0]!r} differs from the FP32 model beyond atol={tolerance[0]}, "
+            f"rtol={tolerance[1]}" + (f"; {origin}" if origin else "")
+        )
 
 
 def _unchecked(result: Validation, why: str) -> None:
