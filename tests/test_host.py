@@ -125,7 +125,9 @@ def test_validation_names_the_precision_openvino_executed(monkeypatch: pytest.Mo
     )
     result = mixprec.convert(DEMO_MODELS["cnn"](), tmp_path / "o.onnx", target_dtype="bf16", runtime="openvino")
     v = result.report.validation
-    assert v.real_runtime == "OpenVINO CPU (model types; matrix/convolution layers ran in f32: 3)"
+    assert v.real_runtime == "OpenVINO CPU (model types)"
+    assert v.real_executed == "matrix/convolution layers ran in f32: 3"
+    assert "for real on OpenVINO CPU (model types); matrix/convolution layers ran in f32: 3" in v.numerics
     note = next(n for n in v.notes if n.startswith("OpenVINO computed"))
     assert "not bf16 (this CPU has no AVX512-BF16 or AMX-BF16)" in note
     assert "not bfloat16 arithmetic" in note

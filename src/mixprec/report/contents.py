@@ -60,6 +60,7 @@ class Validation:
     outputs: list[OutputError] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     real_runtime: str | None = None  # the runtime that ran the 16-bit model for real, if any
+    real_executed: str | None = None  # what that runtime says it executed (precision per layer kind)
     real_outputs: list[OutputError] = field(default_factory=list)
     speed_ratio: float | None = None  # converted / FP32 latency on the real runtime
     numerics: str = "not checked"  # "checked ..." or "not checked: <why>"
