@@ -330,17 +330,32 @@ def _measured(model: ir.Model, table: Mapping[str, ValueRange]) -> Iterator[tupl
         yield value, rng
 
 
-def range_evidence(rng: ValueRange, target: LowPrecision, margin: float = 2.0) -> str | None:
+class RangeEvidence(str):
+    """Why a measured range does not fit the 16-bit type: the text for reports, and whether the
+    problem is underflow (`flushes`: values flush to zero) rather than overflow."""
+
+    flushes: bool
+
+    def __new__(cls, text: str, *, flushes: bool) -> RangeEvidence:
+        evidence = super().__new__(cls, text)
+        evidence.flushes = flushes
+        return evidence
+
+
+def range_evidence(rng: ValueRange, target: LowPrecision, margin: float = 2.0) -> RangeEvidence | None:
     """Why a measured range does not fit `target` (see :func:`wide_values_from_ranges`), or None."""
     limits = target.limits
     name = target.short_name
     if rng.absmax * margin > limits.max:
-        return f"measured absmax {rng.absmax:.3g} x margin {margin:g} > {name} max {limits.max:.6g}"
+        return RangeEvidence(
+            f"measured absmax {rng.absmax:.3g} x margin {margin:g} > {name} max {limits.max:.6g}", flushes=False
+        )
     flush_threshold = limits.smallest_subnormal / 2
     if rng.min_nonzero <= flush_threshold and rng.absmax * limits.eps < margin * flush_threshold:
-        return (
+        return RangeEvidence(
             f"measured absmax {rng.absmax:.3g} with non-zero values down to {rng.min_nonzero:.3g}: "
             f"values below {flush_threshold:.3g} {FLUSH_WORDS} in {name} (underflow), more than its "
-            f"rounding at this scale (margin {margin:g})"
+            f"rounding at this scale (margin {margin:g})",
+            flushes=True,
         )
     return None

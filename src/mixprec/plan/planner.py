@@ -150,7 +150,7 @@ class Planner:
 
     def measured_state(self, value: ir.Value) -> State:
         """WIDE or TINY for a value measured beyond the 16-bit range, by what its evidence says."""
-        return State.TINY if FLUSH_WORDS in self.wide_values[value] else State.WIDE
+        return State.TINY if getattr(self.wide_values[value], "flushes", False) else State.WIDE
 
     def is_flexible(self, value: ir.Value) -> bool:
         """Whether the value is a constant or made from constants by data movement alone."""
