@@ -4,7 +4,7 @@ default ONNX domain, ``domain::Op``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import onnx_ir as ir
 
@@ -189,6 +189,14 @@ def parse_op_name(name: str) -> tuple[str, str]:
 def format_op_name(domain: str, op_type: str) -> str:
     """Inverse of :func:`parse_op_name`."""
     return op_type if is_default_domain(domain) else f"{domain}::{op_type}"
+
+
+def shapes_contradict(a: Sequence[object], b: Sequence[object]) -> bool:
+    """Whether two shapes (their dimensions) cannot describe the same tensor: another rank, or
+    two different fixed sizes of one dimension (symbolic and unknown ones agree with anything)."""
+    if len(a) != len(b):
+        return True
+    return any(isinstance(x, int) and isinstance(y, int) and x != y for x, y in zip(a, b))
 
 
 class FreshNames:

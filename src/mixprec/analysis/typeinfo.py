@@ -18,7 +18,7 @@ import onnx.shape_inference
 import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_node_tensor
-from mixprec.graphs import all_graphs, all_nodes, has_subgraphs, walk_nodes
+from mixprec.graphs import all_graphs, all_nodes, has_subgraphs, shapes_contradict, walk_nodes
 from mixprec.io import graph_only_proto, weight_free_proto
 from mixprec.policy.profiles import binding_signature
 from mixprec.policy.schemas import Signature, signature
@@ -221,17 +221,6 @@ def _forget_output_shapes(graph: onnx.GraphProto) -> None:
                     _forget_output_shapes(sub)
 
 
-def _contradicts(declared: ir.Shape, inferred: ir.Shape) -> bool:
-    """Whether two shapes cannot describe the same tensor: another rank, or two different
-    fixed sizes of one dimension."""
-    if len(declared) != len(inferred):
-        return True
-    return any(
-        isinstance(a, int) and isinstance(b, int) and a != b
-        for a, b in zip(declared.dims, inferred.dims)
-    )
-
-
 def _correct_output_shapes(graph: ir.Graph, proto: onnx.GraphProto, types: _TypeCache) -> list[str]:
     """Give the outputs of `graph` whose declared shape contradicts inference the inferred
     shape (a declared shape that agrees stays: its dimension names say more)."""
@@ -242,7 +231,7 @@ def _correct_output_shapes(graph: ir.Graph, proto: onnx.GraphProto, types: _Type
         if value.shape is None or type_proto is None:
             continue
         _, shape = types.get(type_proto)
-        if shape is not None and _contradicts(value.shape, shape):
+        if shape is not None and shapes_contradict(value.shape.dims, shape.dims):
             corrected.append(f"{value.name}: {list(value.shape.dims)} -> {list(shape.dims)}")
             value.shape = shape
     return corrected

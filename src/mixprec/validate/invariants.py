@@ -29,7 +29,7 @@ import onnx.shape_inference
 import onnx_ir as ir
 
 from mixprec.errors import InvariantError
-from mixprec.graphs import has_subgraphs, is_default_domain
+from mixprec.graphs import has_subgraphs, is_default_domain, shapes_contradict
 from mixprec.io import uses_external_data, weight_bytes, weight_free_proto
 
 ENV_VARIABLE = "MIXPREC_CHECK_STEPS"
@@ -441,9 +441,7 @@ def _shape_findings(model: ir.Model, scopes: list[_Scope], source: frozenset[str
     for name, dims in inferred.items():
         value, label = shaped[name]
         carried = list(value.shape.dims)  # type: ignore[union-attr]
-        if len(carried) != len(dims) or any(
-            isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(carried, dims)
-        ):
+        if shapes_contradict(carried, dims):
             producer = value.producer()
             source = f" (output of {_node(producer)})" if producer is not None else ""
             findings.append((
