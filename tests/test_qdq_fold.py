@@ -248,19 +248,27 @@ def test_one_op_group_converts_where_the_runtime_runs_it_in_16_bits(runtime: str
     check_full(out)
 
 
+def _concat_group() -> list[onnx.NodeProto]:
+    """a and b quantized, dequantized, concatenated and quantized again (scale s, zero point z):
+    a DQ -> Concat -> Q group with its input pairs."""
+    return [
+        oh.make_node("QuantizeLinear", ["a", "s", "z"], ["a_q"], name="q_a"),
+        oh.make_node("DequantizeLinear", ["a_q", "s", "z"], ["a_dq"], name="dq_a"),
+        oh.make_node("QuantizeLinear", ["b", "s", "z"], ["b_q"], name="q_b"),
+        oh.make_node("DequantizeLinear", ["b_q", "s", "z"], ["b_dq"], name="dq_b"),
+        oh.make_node("Concat", ["a_dq", "b_dq"], ["c"], name="concat", axis=1),
+        oh.make_node("QuantizeLinear", ["c", "s", "z"], ["c_q"], name="q_c"),
+        oh.make_node("DequantizeLinear", ["c_q", "s", "z"], ["c_dq"], name="dq_c"),
+    ]
+
+
 def test_concat_group_stays_fp32_for_onnxruntimes_cpu_provider() -> None:
     # onnxruntime's CPU provider fuses DQ -> Concat -> Q into QLinearConcat whatever the scale
     # type, and QLinearConcat takes FP32 scales only: the group stays FP32, the model loads.
     rng = np.random.default_rng(0)
     graph = oh.make_graph(
         [
-            oh.make_node("QuantizeLinear", ["a", "s", "z"], ["a_q"], name="q_a"),
-            oh.make_node("DequantizeLinear", ["a_q", "s", "z"], ["a_dq"], name="dq_a"),
-            oh.make_node("QuantizeLinear", ["b", "s", "z"], ["b_q"], name="q_b"),
-            oh.make_node("DequantizeLinear", ["b_q", "s", "z"], ["b_dq"], name="dq_b"),
-            oh.make_node("Concat", ["a_dq", "b_dq"], ["c"], name="concat", axis=1),
-            oh.make_node("QuantizeLinear", ["c", "s", "z"], ["c_q"], name="q_c"),
-            oh.make_node("DequantizeLinear", ["c_q", "s", "z"], ["c_dq"], name="dq_c"),
+            *_concat_group(),
             oh.make_node("MatMul", ["c_dq", "w"], ["y"], name="matmul"),
         ],
         "concat", [oh.make_tensor_value_info(n, FLOAT, [2, 4]) for n in ("a", "b")],
@@ -283,13 +291,7 @@ def test_dequantization_shared_with_a_concat_group_gets_a_twin_for_the_other_rea
     rng = np.random.default_rng(0)
     graph = oh.make_graph(
         [
-            oh.make_node("QuantizeLinear", ["a", "s", "z"], ["a_q"], name="q_a"),
-            oh.make_node("DequantizeLinear", ["a_q", "s", "z"], ["a_dq"], name="dq_a"),
-            oh.make_node("QuantizeLinear", ["b", "s", "z"], ["b_q"], name="q_b"),
-            oh.make_node("DequantizeLinear", ["b_q", "s", "z"], ["b_dq"], name="dq_b"),
-            oh.make_node("Concat", ["a_dq", "b_dq"], ["c"], name="concat", axis=1),
-            oh.make_node("QuantizeLinear", ["c", "s", "z"], ["c_q"], name="q_c"),
-            oh.make_node("DequantizeLinear", ["c_q", "s", "z"], ["c_dq"], name="dq_c"),
+            *_concat_group(),
             oh.make_node("DequantizeLinear", ["w_q", "w_s", "w_z"], ["w_dq"], name="dq_w"),
             oh.make_node("MatMul", ["a_dq", "w_dq"], ["m"], name="matmul"),
             oh.make_node("QuantizeLinear", ["m", "s", "z"], ["m_q"], name="q_m"),
