@@ -36,7 +36,6 @@ class OpTemplate:
         rule: The policy rule (None for ops the policy does not know).
         sig: The schema binding of the node's inputs and outputs (None without a schema).
         excluded: Type variables the node never lowers (schema, policy pins or runtime).
-        name: The op's name for reasons (`Op` or `domain::Op`).
         runtime_blocked: Type variables the schema would lower but the runtime has no 16-bit
             kernel for.
         runtime_reason: Why, naming the kernel and provider.
@@ -45,7 +44,6 @@ class OpTemplate:
     rule: OpRule | None
     sig: Signature | None
     excluded: frozenset[str]
-    name: str
     runtime_blocked: frozenset[str] = frozenset()
     runtime_reason: str | None = None
 
@@ -120,7 +118,7 @@ def _pinned_vars(sig: Signature, rule: OpRule | None, target_type: str) -> set[s
 def op_template(
     node: ir.Node, opset: int | None, policy: Policy, runtime: RuntimeProfile
 ) -> OpTemplate:
-    """Rule, schema binding, never-lowered type variables and name of the op of `node`."""
+    """Rule, schema binding and never-lowered type variables of the op of `node`."""
     target = policy.target
     rule = policy.rule_for(node.domain, node.op_type)
     sig, blocked, runtime_reason = _binding(node, opset, rule, runtime, target)
@@ -134,8 +132,7 @@ def op_template(
             node.domain, node.op_type, version, sig, target.type_str, candidates - excluded
         )
         excluded |= blocked
-    name = format_op_name(node.domain, node.op_type)
-    return OpTemplate(rule, sig, frozenset(excluded), name, blocked, runtime_reason)
+    return OpTemplate(rule, sig, frozenset(excluded), blocked, runtime_reason)
 
 
 def node_facts(node: ir.Node, template: OpTemplate) -> NodeFacts:
