@@ -369,7 +369,7 @@ def test_positions_through_matmul_stay_fp32() -> None:
     )
     forced = integer_semantics(_typed(model), LowPrecision.BFLOAT16)
     assert {n.name for n in forced} == {"pos_f", "pos_col", "freqs"}
-    assert all("Shape of 'x'" in why for _, why in forced.values())
+    assert all("Shape of 'x'" in why for why in forced.values())
 
 
 def test_scale_only_uses_convert() -> None:

@@ -4,8 +4,9 @@ default ONNX domain, ``domain::Op``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
+import numpy as np
 import onnx_ir as ir
 
 _GRAPH = ir.AttributeType.GRAPH
@@ -234,3 +235,15 @@ def model_names(model: ir.Model) -> tuple[FreshNames, FreshNames]:
                 nodes.add(node.name)
             values.update(v.name for v in node.outputs if v.name)
     return FreshNames(values), FreshNames(nodes)
+
+
+def reduction_axes(node: ir.Node, constant: Callable[[ir.Value], np.ndarray | None]) -> list[int] | None:
+    """The axes of a Reduce* node: its `axes` attribute (before opset 18) or its constant input
+    (read by `constant`); [] when it names none; None when the input is not a constant."""
+    attr = node.attributes.get("axes")
+    if attr is not None:
+        return list(attr.as_ints())
+    if len(node.inputs) < 2 or node.inputs[1] is None:
+        return []
+    array = constant(node.inputs[1])
+    return None if array is None else [int(a) for a in np.asarray(array).reshape(-1)]

@@ -26,7 +26,7 @@ import onnx_ir as ir
 
 from mixprec.analysis.calibrate import RangeTable, measured_values
 from mixprec.analysis.integer_semantics import integer_semantics
-from mixprec.analysis.qdq import keep_pairs as keep_qdq_pairs
+from mixprec.plan.qdq_pairs import keep_pairs as keep_qdq_pairs
 from mixprec.analysis.typeinfo import TypeInfo, assume_float_outputs, infer_types, retype_after_upgrade, untyped_values
 from mixprec.config import Config
 from mixprec.errors import InputError, ModelLoadError, RunError
@@ -230,7 +230,7 @@ def analyze(c: Conversion) -> None:
             )
     integer = integer_semantics(c.model, c.target)
     # Integer semantics wins over the normalization blocks and runtime failures.
-    c.forced.update({c.keys[n]: finding for n, finding in integer.items()})
+    c.forced.update({c.keys[n]: (Category.INTEGER, why) for n, why in integer.items()})
     for key, reason in c.runtime_fp32.items():
         c.forced.setdefault(key, (Category.RUNTIME_FAILURE, reason))
 

@@ -15,6 +15,7 @@ import onnx_ir as ir
 
 from mixprec.dtypes import LowPrecision
 from mixprec.graphs import is_default_domain
+from mixprec.graphs import reduction_axes as graphs_reduction_axes
 
 _CHUNK_BYTES = 64 * 1024 * 1024
 _META_RANGE = "mixprec.constant_range"
@@ -178,18 +179,11 @@ class ConstantRange:
 
 
 
-def reduction_axes(
-    node: ir.Node, constant: Callable[[ir.Value], np.ndarray | None] | None = None
-) -> list[int] | None:
-    """The axes of a Reduce* node: its `axes` attribute (before opset 18) or constant input;
-    [] when it names none; None when the input is not a constant."""
-    attr = node.attributes.get("axes")
-    if attr is not None:
-        return list(attr.as_ints())
-    if len(node.inputs) < 2 or node.inputs[1] is None:
-        return []
-    array = (constant or small_constant_array)(node.inputs[1])
-    return None if array is None else [int(a) for a in np.asarray(array).reshape(-1)]
+def reduction_axes(node: ir.Node) -> list[int] | None:
+    """The axes of a Reduce* node (see :func:`mixprec.graphs.reduction_axes`), its constant
+    input read when small."""
+    return graphs_reduction_axes(node, small_constant_array)
+
 
 def replace_constant(value: ir.Value, tensor: ir.TensorProtocol) -> None:
     """Give an initializer new values (same type and shape), forgetting what was measured of

@@ -6,18 +6,17 @@ the cast placement, which guess them as `SYMBOLIC_DIM` too (they compare costs, 
 every tensor). FLOPs come from a formula per op,
 named by the `flops` op fact. Time is a roofline per op on the runtime's figures
 (`mixprec.policy.costs`): the larger of its float traffic and its matrix arithmetic, plus a
-launch. The report, the accuracy search and the cast placement all use them."""
+launch. The report, the accuracy search and the cast placement all use them; the price of a whole
+plan is :func:`mixprec.plan.estimate.estimate_plan`."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import onnx_ir as ir
 
 from mixprec.graphs import is_default_domain
-from mixprec.plan.model import Category, Precision, PrecisionPlan
 from mixprec.policy.costs import RuntimeCost
 from mixprec.policy.opfacts import op_facts
 
@@ -30,8 +29,6 @@ CAST_BYTES_PER_ELEMENT = 4 + 2
 FP32_EXTRA_BYTES_PER_ELEMENT = 4 - 2
 LOW_BYTES_PER_ELEMENT, FP32_BYTES_PER_ELEMENT = 2, 4
 _FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
-# Nodes that only own subgraphs or function bodies: they compute nothing themselves.
-BOUNDARIES = frozenset({Category.CONTROL_FLOW, Category.FUNCTION})
 
 
 def _size(dim: object, symbolic: int | None, unnamed: int | None) -> int | None:
@@ -165,58 +162,3 @@ def node_time(elements: int, flops: float | None, low: bool, cost: RuntimeCost) 
 def cast_time(elements: int, cost: RuntimeCost) -> float:
     """Estimated time of one Cast of `elements` between FP32 and 16 bits."""
     return elements * CAST_BYTES_PER_ELEMENT + cost.launch_bytes
-
-
-@dataclass(frozen=True)
-class PlanEstimate:
-    """The cost model's view of a converted model.
-
-    Attributes:
-        low_flops_share: Share of the matrix and convolution FLOPs (ops with a formula and
-            shapes known up to named symbolic dimensions) computed in 16 bits; None when there
-            are none.
-        time: Estimated time on the runtime's device (byte-times), runtime Casts included,
-            every dimension that is not static guessed as `SYMBOLIC_DIM`.
-        fp32_time: The same for the FP32 model (every node FP32, no Casts).
-    """
-
-    low_flops_share: float | None
-    time: float
-    fp32_time: float
-
-    @property
-    def speedup(self) -> float | None:
-        """FP32 time / converted time."""
-        return self.fp32_time / self.time if self.time > 0 else None
-
-
-def estimate_plan(plan: PrecisionPlan, cast_elements: list[int | None], cost: RuntimeCost) -> PlanEstimate:
-    """Price `plan` on `cost`'s device in one pass: every node in its precision (nodes without
-    float compute and control flow at one launch each in both models) plus the runtime Casts
-    (`cast_elements`, guessed like the tensors; unknown sizes count their launch only), against
-    the FP32 model."""
-    converted = fp32 = low_flops = total_flops = 0.0
-    known: dict[int, int] = {}  # id(shape) -> elements; the plan's values keep their shapes alive
-    formulas: dict[tuple[str, str], bool] = {}
-    for node in plan.order:
-        decision = plan.decisions[node]
-        if decision.precision is Precision.NONE or decision.category in BOUNDARIES:
-            converted += cost.launch_bytes
-            fp32 += cost.launch_bytes
-            continue
-        low = decision.precision is Precision.LOW
-        kind = (node.domain, node.op_type)
-        has_formula = formulas.get(kind)
-        if has_formula is None:
-            has_formula = formulas[kind] = is_default_domain(node.domain) and op_facts(node.domain, node.op_type).flops is not None
-        flops = flops_of(node, SYMBOLIC_DIM) if has_formula else None
-        if flops is not None:
-            total_flops += flops
-            low_flops += flops if low else 0.0
-        elif has_formula:
-            flops = flops_of(node, SYMBOLIC_DIM, SYMBOLIC_DIM)
-        elements = float_elements(node, SYMBOLIC_DIM, known)
-        converted += node_time(elements, flops, low, cost)
-        fp32 += node_time(elements, flops, False, cost)
-    converted += sum(cast_time(e or 0, cost) for e in cast_elements)
-    return PlanEstimate(low_flops / total_flops if total_flops > 0 else None, converted, fp32)

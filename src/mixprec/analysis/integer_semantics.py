@@ -85,7 +85,6 @@ from mixprec.analysis.intervals import (
 )
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.graphs import format_op_name, is_default_domain, subgraphs_of, walk_nodes
-from mixprec.plan.model import Category
 from mixprec.policy.opfacts import Carrier, OpFacts, op_facts
 
 logger = logging.getLogger(__name__)
@@ -498,7 +497,7 @@ class _Analysis:
                 self._mark(self.exact_use, value, f"{op} {node.name!r}" if node.name else op)
 
     # -- decision -----------------------------------------------------------------------
-    def run(self) -> dict[ir.Node, tuple[Category, str]]:
+    def run(self) -> dict[ir.Node, str]:
         tainted: list[ir.Node] = []  # nodes with an FP32 output of integer meaning, in order
         for node in self.order:
             self._record_bounds(node)
@@ -514,7 +513,7 @@ class _Analysis:
             self._mark(self.exact_use, value, f"model output {value.name!r}")
         for node in reversed(self.order):
             self._propagate(node)
-        forced: dict[ir.Node, tuple[Category, str]] = {}
+        forced: dict[ir.Node, str] = {}
         limit = f"integers exact only to {self.limit} in {self.target.value}"
         for node in tainted:
             if node in self.owners:
@@ -540,7 +539,7 @@ class _Analysis:
                 why = f"computes integers from {origin} for {sink} ({limit})"
             else:
                 why = f"carries integers from {origin} into {use}, not provably exact ({limit})"
-            forced[node] = (Category.INTEGER, why)
+            forced[node] = why
         return forced
 
 
@@ -651,7 +650,7 @@ def _join(words: Iterable[str]) -> str:
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
-def integer_semantics(model: ir.Model, target: LowPrecision) -> dict[ir.Node, tuple[Category, str]]:
+def integer_semantics(model: ir.Model, target: LowPrecision) -> dict[ir.Node, str]:
     """Find the nodes whose float values carry integer meaning that 16 bits would round.
 
     Args:
@@ -659,8 +658,8 @@ def integer_semantics(model: ir.Model, target: LowPrecision) -> dict[ir.Node, tu
         target: The 16-bit type; its `exact_int_max` is the largest safe integer.
 
     Returns:
-        Node -> (`Category.INTEGER`, evidence) for the nodes to keep FP32; pass it to
-        `plan_precision(..., forced_fp32=...)`.
+        Node -> evidence for the nodes to keep FP32 (the planner's category "integer
+        semantics").
     """
     forced = _Analysis(model, target).run()
     if forced:

@@ -258,7 +258,7 @@ class _Islands:
             ):
                 continue
             if self.quantized and (qdq_role(node) is not None or _next_to_qdq(node)):
-                continue  # Q/DQ pairs have rules of their own (mixprec.analysis.qdq)
+                continue  # Q/DQ pairs have rules of their own (mixprec.plan.qdq_pairs)
             found = _free_values(node, fact)
             if found is None or planner.is_weight_heavy(node):
                 continue

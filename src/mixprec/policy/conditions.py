@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import onnx_ir as ir
 
-from mixprec.analysis.constants import reduction_axes
+from mixprec.graphs import reduction_axes
 
 
 class ConditionResult(NamedTuple):

@@ -14,8 +14,10 @@ from typing import Any
 
 import onnx_ir as ir
 
-from mixprec.analysis.cost_model import CAST_BYTES_PER_ELEMENT, SYMBOLIC_DIM, estimate_plan
-from mixprec.analysis.qdq import QuantizedSummary, quantized_summary
+from mixprec.analysis.cost_model import CAST_BYTES_PER_ELEMENT, SYMBOLIC_DIM
+from mixprec.plan.estimate import estimate_plan
+from mixprec.report.quantized import QuantizedSummary, quantized_summary
+from mixprec.validate.results import OutputError, Validation
 from mixprec.graphs import has_subgraphs, walk_nodes
 from mixprec.passes.rewrite import CastRecord, RewriteStats
 from mixprec.passes.opset import first_opset_admitting
@@ -33,42 +35,6 @@ class KeptNode:
     op_type: str
     category: str
     reason: str
-
-
-@dataclass
-class OutputError:
-    """Numeric agreement of one model output with the FP32 model."""
-
-    name: str
-    max_abs_error: float
-    max_rel_error: float
-    nan_count: int
-    inf_count: int
-    new_nonfinite: int
-    within_tolerance: bool | None = None
-    scaled_error: float | None = None  # max |diff| / max |reference|
-
-
-@dataclass
-class Validation:
-    """What was checked after conversion, and the outcome."""
-
-    checker: str = "skipped"  # passed | skipped
-    runtime: str = "skipped"  # ran | loaded | skipped | emulated | reference-fails | no cpu kernels
-    seconds: float = 0.0
-    batches: int = 0
-    outputs: list[OutputError] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    real_runtime: str | None = None  # the runtime that ran the 16-bit model for real, if any
-    real_executed: str | None = None  # what that runtime says it executed (precision per layer kind)
-    real_outputs: list[OutputError] = field(default_factory=list)
-    speed_ratio: float | None = None  # converted / FP32 latency on the real runtime
-    numerics: str = "not checked"  # "checked ..." or "not checked: <why>"
-    numerics_unchecked: bool = False  # the check was due (level run) but could not run
-    # A PyTorch module converted with `convert_module`: the converted model against the module
-    # itself (export and conversion together), on the example inputs and data.
-    module_outputs: list[OutputError] = field(default_factory=list)
-    module_batches: int = 0
 
 
 @dataclass

@@ -12,7 +12,8 @@ import onnx
 import onnx.shape_inference
 import onnx_ir as ir
 
-from mixprec.analysis.cost_model import BOUNDARIES, float_elements, flops_of, node_time
+from mixprec.analysis.cost_model import float_elements, flops_of, node_time
+from mixprec.plan.estimate import BOUNDARIES
 from mixprec.graphs import node_keys
 from mixprec.plan.model import Precision, PrecisionPlan
 from mixprec.policy.costs import RuntimeCost

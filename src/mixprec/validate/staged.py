@@ -27,7 +27,7 @@ from mixprec.dtypes import LowPrecision
 from mixprec.errors import InputError, MixprecError, RunError, ValidationFailure
 from mixprec.host import host_cpu
 from mixprec.io import graph_only_proto, uses_external_data, without_staging
-from mixprec.report import OutputError, Validation
+from mixprec.validate.results import OutputError, Validation
 from mixprec.validate import compare
 from mixprec.runtime import sessions
 from mixprec.runtime import data as data_mod

@@ -1,0 +1,158 @@
+"""Quantized (QDQ) models: keep every DequantizeLinear -> op -> QuantizeLinear chain cast-free.
+
+The planner converts a DequantizeLinear (with its scale) when its consumers compute in 16 bits
+and a QuantizeLinear when its producer does; this module adds the rule that binds the two sides:
+where one side of such an edge is 16-bit and the other FP32 (the schema or the runtime has no
+16-bit DequantizeLinear, the op is kept FP32, a scale is too small for the 16-bit type), the
+16-bit side is kept FP32 too, and the plan is made again, until no edge would need a Cast. Zero
+points and integer tensors are never touched; constant dequantizations the runtime computes in
+float arrive here already folded into float constants (:mod:`mixprec.passes.fold_dequantize`),
+and the decisions of the ops reading them say so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+import numpy as np
+import onnx_ir as ir
+
+from mixprec.analysis.qdq import FOLDED, has_qdq, role
+from mixprec.dtypes import LowPrecision, is_fp32_tensor
+from mixprec.plan.model import Category, Decision, PrecisionPlan
+from mixprec.policy.opfacts import op_facts
+from mixprec.policy.quantized_groups import quantized_groups
+
+__all__ = ["broken_pairs", "fp32_readers", "keep_pairs", "small_scales"]
+
+Forced = dict[ir.Node, tuple[Category, str]]
+
+
+def _pair_edges(plan: PrecisionPlan) -> Iterator[tuple[ir.Node, int, ir.Node, int]]:
+    """(producer, output index, consumer, input index) of every float edge that leaves a
+    DequantizeLinear or enters a QuantizeLinear."""
+    for node in plan.order:
+        kind = role(node)
+        if kind == "dequantize":
+            out = node.outputs[0]
+            if not is_fp32_tensor(out):
+                continue
+            for use in out.uses():
+                if use.node in plan.decisions:
+                    yield node, 0, use.node, use.idx
+        elif kind == "quantize":
+            x = node.inputs[0] if node.inputs else None
+            producer = x.producer() if x is not None else None
+            if x is not None and producer is not None and producer in plan.decisions and is_fp32_tensor(x):
+                yield producer, producer.outputs.index(x), node, 0
+
+
+def broken_pairs(plan: PrecisionPlan) -> Forced:
+    """Nodes to keep FP32 so that no QDQ edge needs a Cast: for each edge whose two ends differ
+    in type, the 16-bit end, with a reason naming the FP32 end."""
+    found: Forced = {}
+    for producer, out_index, consumer, in_index in _pair_edges(plan):
+        facts = plan.facts.get(consumer)
+        if facts is not None and in_index in facts.flexible:
+            continue  # read as it is (Shape, CastLike's input): no Cast either way
+        low_out = plan.output_is_lowered(producer, out_index)
+        low_in = plan.input_is_lowered(consumer, in_index)
+        if low_out == low_in:
+            continue
+        low, high = (producer, consumer) if low_out else (consumer, producer)
+        if low in found:
+            continue
+        decision = plan.decisions[high]
+        name = plan.keys.get(high) or high.name or high.op_type
+        found[low] = (
+            Category.QDQ,
+            f"stays FP32 with {high.op_type} {name!r} (no Cast may separate them): {decision.reason}",
+        )
+    return found
+
+
+def small_scales(nodes: list[ir.Node], target: LowPrecision) -> Forced:
+    """Q/DQ nodes (and weight-only quantized ops) whose constant scale has nonzero values below
+    the target's smallest normal number: a 16-bit scale would lose most of its digits there,
+    and every value it scales with them."""
+    if target.limits.tiny <= np.finfo(np.float32).tiny:
+        return {}  # bfloat16: the FP32 exponent range
+    found: Forced = {}
+    for node in nodes:
+        index = op_facts(node.domain, node.op_type).scale_input
+        if index is None or index >= len(node.inputs):
+            continue
+        scale = node.inputs[index]
+        tensor = scale.const_value if scale is not None else None
+        if tensor is None or not is_fp32_tensor(scale):
+            continue
+        values = np.abs(tensor.numpy().astype(np.float32, copy=False))
+        small = values[(values > 0) & (values < target.limits.tiny)]
+        if small.size:
+            found[node] = (
+                Category.CONSTANT_RANGE,
+                f"scale {scale.name!r} holds {float(small.min()):.3g}, below the smallest normal "
+                f"{target.short_name} ({target.limits.tiny:.3g}): it stays FP32",
+            )
+    return found
+
+
+def fp32_readers(nodes: list[ir.Node], runtime: str | None) -> Forced:
+    """DequantizeLinear nodes read by an op that `runtime` runs only with an FP32 dequantized
+    input (`fp32_readers` in `policy/tables/quantized_groups.toml`)."""
+    facts = quantized_groups(runtime)
+    found: Forced = {}
+    for node in nodes:
+        if role(node) != "dequantize" or not node.outputs:
+            continue
+        reader = next(
+            (u.node for u in node.outputs[0].uses() if facts.reads_dequantized_in_fp32(u.node.domain, u.node.op_type)),
+            None,
+        )
+        if reader is not None:
+            found[node] = (
+                Category.RUNTIME,
+                f"{runtime} runs {reader.op_type} {reader.name or ''!r} only with an FP32 DequantizeLinear input",
+            )
+    return found
+
+
+def keep_pairs(
+    plan: Callable[[Mapping[ir.Node, tuple[Category, str]]], PrecisionPlan],
+    nodes: list[ir.Node],
+    target: LowPrecision,
+    forced: Mapping[ir.Node, tuple[Category, str]] | None = None,
+    runtime: str | None = None,
+) -> PrecisionPlan:
+    """Plan with `plan(forced)`, keeping more nodes FP32 until no QDQ edge needs a Cast.
+
+    Each round keeps at least one more node FP32, so the rounds end; a model without
+    quantization is planned once.
+    """
+    extra: Forced = dict(forced or {})
+    if not has_qdq(nodes):
+        return plan(extra)
+    for node, finding in (*small_scales(nodes, target).items(), *fp32_readers(nodes, runtime).items()):
+        extra.setdefault(node, finding)
+    while True:
+        result = plan(extra)
+        broken = {node: finding for node, finding in broken_pairs(result).items() if node not in extra}
+        if not broken:
+            _explain_folds(result)
+            return result
+        extra.update(broken)
+
+
+def _explain_folds(plan: PrecisionPlan) -> None:
+    """Add to the decision of each op that reads a folded dequantization where it came from."""
+    for node in plan.order:
+        folded = [v for v in node.inputs if v is not None and FOLDED in v.meta]
+        if not folded:
+            continue
+        d = plan.decisions[node]
+        inputs = ", ".join(f"{v.name!r} (DequantizeLinear {v.meta[FOLDED]!r})" for v in folded)
+        plan.decisions[node] = Decision(
+            d.precision, d.category,
+            f"{d.reason}; constant input(s) {inputs} folded: the runtime dequantizes them in float, "
+            "so they were computed once in FP32",
+        )
