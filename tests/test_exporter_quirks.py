@@ -149,7 +149,7 @@ def test_runtime_repair_of_a_bfloat16_model_keeps_only_the_culprit(tmp_path, mon
     """onnxruntime's CPU provider has no bfloat16 kernels: a trial that only lacks them loads
     as far as the check goes, so the repair of a fusion that fails on one 16-bit node keeps
     that node FP32 and nothing else (it once counted every bfloat16 trial as failing)."""
-    import mixprec.api  # noqa: PLC0415
+    import mixprec.pipeline.repair  # noqa: PLC0415
     import mixprec.validate.staged  # noqa: PLC0415
     from mixprec.runtime.isolated import RuntimeOutcome  # noqa: PLC0415
 
@@ -167,7 +167,7 @@ def test_runtime_repair_of_a_bfloat16_model_keeps_only_the_culprit(tmp_path, mon
         return RuntimeOutcome(loaded=False, ran=False, error=error, crashed=False, outputs=None, seconds=0.0)
 
     monkeypatch.setattr(mixprec.validate.staged, "run_isolated", fake_runtime)
-    monkeypatch.setattr(mixprec.api, "run_isolated", fake_runtime)
+    monkeypatch.setattr(mixprec.pipeline.repair, "run_isolated", fake_runtime)
     source = tmp_path / "encoder.onnx"
     onnx.save(_two_norm_encoder(17), source)
     result = mixprec.convert(str(source), str(tmp_path / "out.onnx"), target_dtype="bfloat16", runtime="tensorrt")

@@ -17,7 +17,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import mixprec
-import mixprec.pipeline
+import mixprec.pipeline.steps
 from mixprec.analysis.integer_semantics import integer_semantics
 from mixprec.analysis.typeinfo import infer_types
 from mixprec.dtypes import LowPrecision
@@ -161,7 +161,7 @@ def _converted_results(
 
 def test_hazard_without_the_analysis(audio, reference, monkeypatch: pytest.MonkeyPatch) -> None:
     """A naive conversion lowers the length arithmetic, and 16 bits get the lengths wrong."""
-    monkeypatch.setattr(mixprec.pipeline, "integer_semantics", lambda model, target: {})
+    monkeypatch.setattr(mixprec.pipeline.steps, "integer_semantics", lambda model, target: {})
     for target in TARGETS:
         result, runs = _converted_results(audio, target)
         lowered = {n.name for n, d in result.plan.decisions.items() if d.precision is Precision.LOW}

@@ -13,7 +13,7 @@ from onnx import TensorProto
 from onnx import helper as oh
 
 import mixprec
-import mixprec.pipeline as pipeline
+import mixprec.pipeline.runner as runner
 from mixprec import cli
 from mixprec.errors import InvariantError
 from mixprec.validate.invariants import Baseline, check_invariants, require_invariants, steps_checked
@@ -261,7 +261,7 @@ def test_require_invariants_raises_one_line() -> None:
 
 def test_switch_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MIXPREC_CHECK_STEPS", "1")
-    assert steps_checked() and pipeline.steps_checked()
+    assert steps_checked() and runner.steps_checked()
     monkeypatch.setenv("MIXPREC_CHECK_STEPS", "0")
     assert not steps_checked()
     monkeypatch.delenv("MIXPREC_CHECK_STEPS")
@@ -271,13 +271,15 @@ def test_switch_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
 def test_pipeline_names_the_step_that_broke_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MIXPREC_CHECK_STEPS", "1")
 
-    def plan_and_break(c: pipeline.Conversion) -> None:
-        pipeline.plan(c)
-        nodes = list(c.model.graph)
-        nodes[1].name = nodes[0].name
+    make_plan = runner.make_plan
 
-    steps = tuple((name, plan_and_break if name == "plan" else step) for name, step in pipeline.STEPS)
-    monkeypatch.setattr(pipeline, "STEPS", steps)
+    def plan_and_break(model: ir.Model, *args: object) -> object:
+        planned = make_plan(model, *args)
+        nodes = list(model.graph)
+        nodes[1].name = nodes[0].name
+        return planned
+
+    monkeypatch.setattr(runner, "make_plan", plan_and_break)
     with pytest.raises(InvariantError, match=r"^after step 'plan': graph 'g': two nodes are named 'a'"):
         mixprec.convert(ir.to_proto(_chain()), validate="none")
     monkeypatch.setenv("MIXPREC_CHECK_STEPS", "0")
@@ -289,12 +291,14 @@ def test_cli_exits_4_and_writes_nothing(
 ) -> None:
     monkeypatch.setenv("MIXPREC_CHECK_STEPS", "1")
 
-    def rewrite_and_break(c: pipeline.Conversion) -> None:
-        pipeline.rewrite(c)
-        c.model.graph.outputs[0].name = "renamed"
+    rewrite = runner.rewrite
 
-    steps = tuple((name, rewrite_and_break if name == "rewrite" else step) for name, step in pipeline.STEPS)
-    monkeypatch.setattr(pipeline, "STEPS", steps)
+    def rewrite_and_break(model: ir.Model, *args: object) -> object:
+        rewritten = rewrite(model, *args)
+        model.graph.outputs[0].name = "renamed"
+        return rewritten
+
+    monkeypatch.setattr(runner, "rewrite", rewrite_and_break)
     source, output = tmp_path / "in.onnx", tmp_path / "out.onnx"
     onnx.save(ir.to_proto(_chain()), source)
     assert cli.main(["convert", str(source), str(output), "--validate", "none"]) == 4
@@ -312,15 +316,17 @@ def test_light_cnn_converts_cleanly_with_the_checks_on(
 ) -> None:
     monkeypatch.setenv("MIXPREC_CHECK_STEPS", "1")
     seen: list[str] = []
-    real = pipeline.require_invariants
+    real = runner.require_invariants
 
     def spy(model: ir.Model, *, step: str, baseline: Baseline | None) -> None:
         seen.append(step)
         real(model, step=step, baseline=baseline)
 
-    monkeypatch.setattr(pipeline, "require_invariants", spy)
+    monkeypatch.setattr(runner, "require_invariants", spy)
     result = mixprec.convert(
         LIGHT / "light_squeezenet.onnx", tmp_path / "out.onnx", target_dtype=target, validate="checker"
     )
     assert result.report.nodes_by_precision.get("low", 0) > 0
-    assert seen == ["upgrade", "fold", "type", "analyze", "plan", "rewrite", "save", "save (staged file)"]
+    assert seen == [
+        "upgrade", "fold", "type", "normalize", "analyze", "plan", "rewrite", "save", "save (staged file)"
+    ]

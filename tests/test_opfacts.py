@@ -65,10 +65,10 @@ def test_integer_input_roles_are_the_schema_input_names() -> None:
 
 
 def test_named_rules_are_implemented() -> None:
-    from mixprec.analysis import integer_semantics  # noqa: PLC0415
+    from mixprec.analysis import value_bounds  # noqa: PLC0415
     from mixprec.analysis import cost_model as cost  # noqa: PLC0415
 
-    assert set(integer_semantics._INTERVAL_RULES) == INTERVAL_RULES
+    assert set(value_bounds.INTERVAL_RULES) == INTERVAL_RULES
     assert set(cost._FORMULAS) == FLOPS_FORMULAS
     used = {f.interval for f in FACTS.values()} | {f.flops for f in FACTS.values()}
     assert used - {None} == INTERVAL_RULES | FLOPS_FORMULAS

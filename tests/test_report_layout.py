@@ -21,10 +21,10 @@ from mixprec.report.layout import (
     DOT,
     FoldedGraph,
     GraphLayout,
-    count_crossings,
     fold_constants,
     layout_graph,
 )
+from mixprec.report.layer_order import count_crossings
 
 _HAS_DOT = shutil.which("dot") is not None
 _NO_DOT = "no Graphviz dot (Debian: apt-get install -y graphviz)"

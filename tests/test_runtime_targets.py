@@ -162,7 +162,7 @@ def test_repair_search_finds_the_failing_nodes(norm_mlp, tmp_path: Path, monkeyp
         return real(path, feeds, **kwargs)
 
     monkeypatch.setattr("mixprec.validate.staged.run_isolated", picky_runtime)
-    monkeypatch.setattr("mixprec.api.run_isolated", picky_runtime)
+    monkeypatch.setattr("mixprec.pipeline.repair.run_isolated", picky_runtime)
     result = mixprec.convert(norm_mlp[17], tmp_path / "out.onnx", target_dtype="fp16", runtime="onnx")
     kept = {k.name: k.reason for k in result.report.kept_fp32 if k.category == "runtime fails on it"}
     assert list(kept) == ["/fc2/MatMul"]

@@ -18,7 +18,7 @@ import signal
 import sys
 import tempfile
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mixprec.config import Config
@@ -372,6 +372,25 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# The subcommands, by name.
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "convert": _cmd_convert,
+    "inspect": _cmd_inspect,
+    "policy": _cmd_policy,
+    "demo": _cmd_demo,
+    "tune": _cmd_tune,
+}
+
+# Expected errors, first match wins: (types, what follows the message, exit code).
+_ERROR_EXITS: tuple[tuple[type[Exception] | tuple[type[Exception], ...], str, int], ...] = (
+    (ModelLoadError, "", EXIT_MODEL),
+    (ValidationFailure, " (nothing written)", EXIT_VALIDATION),
+    # A conversion step broke the model: a bug, exit as for other unexpected errors.
+    (InvariantError, " (nothing written)", EXIT_MODEL),
+    ((InputError, PolicyError, MixprecError), "", EXIT_USAGE),
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `mixprec` command."""
     args = _parser().parse_args(argv)
@@ -380,52 +399,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    commands = {
-        "convert": _cmd_convert,
-        "inspect": _cmd_inspect,
-        "policy": _cmd_policy,
-        "demo": _cmd_demo,
-        "tune": _cmd_tune,
-    }
     try:
         previous = signal.signal(signal.SIGTERM, _terminate)
     except ValueError:  # not the main thread: leave signals alone
         previous = None
     try:
-        return commands[args.command](args)
-    except ModelLoadError as e:
-        print(f"mixprec: error: {e}", file=sys.stderr)
-        return EXIT_MODEL
-    except ValidationFailure as e:
-        print(f"mixprec: error: {e} (nothing written)", file=sys.stderr)
-        return EXIT_VALIDATION
-    except InvariantError as e:  # a conversion step broke the model: a bug, exit as for other unexpected errors
-        print(f"mixprec: error: {e} (nothing written)", file=sys.stderr)
-        return EXIT_MODEL
-    except (InputError, PolicyError, MixprecError) as e:
-        print(f"mixprec: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("mixprec: interrupted", file=sys.stderr)
-        return 130
-    except OSError as e:  # a full or read-only disk, a vanished file, ...
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"mixprec: error: {where}{e.strerror or e} (nothing written)", file=sys.stderr)
-        return EXIT_USAGE
-    except Exception as e:  # noqa: BLE001 - the boundary: one line, traceback with --verbose
-        if args.verbose:
-            traceback.print_exc()
-        subject = getattr(args, "input", None) or getattr(args, "model", None) or args.command
-        root = e
-        while root.__cause__ is not None:  # wrappers repeat whole protobufs; the cause says why
-            root = root.__cause__
-        first = (str(root).strip().splitlines() or [""])[0][:300]
-        print(
-            f"mixprec: error: cannot process {subject}: {type(root).__name__}: {first} "
-            "(an unsupported model or a bug; --verbose shows where)",
-            file=sys.stderr,
-        )
-        return EXIT_MODEL
+        return _COMMANDS[args.command](args)
+    except (KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - the boundary: one line each
+        return _report_error(e, args)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -433,6 +414,42 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Run as the command: the process ends now. Without this, the interpreter's last
             # collection walks every object of the converted model (seconds for 100k nodes).
             gc.freeze()
+
+
+def _report_error(e: BaseException, args: argparse.Namespace) -> int:
+    """Say on stderr, in one line, why the command `args` stopped with `e`; return the exit
+    code. Call it while handling `e` (with --verbose, unexpected errors print its traceback)."""
+    for kinds, suffix, code in _ERROR_EXITS:
+        if isinstance(e, kinds):
+            print(f"mixprec: error: {e}{suffix}", file=sys.stderr)
+            return code
+    if isinstance(e, KeyboardInterrupt):
+        print("mixprec: interrupted", file=sys.stderr)
+        return 130
+    if isinstance(e, OSError):  # a full or read-only disk, a vanished file, ...
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"mixprec: error: {where}{e.strerror or e} (nothing written)", file=sys.stderr)
+        return EXIT_USAGE
+    return _report_unexpected(e, args)
+
+
+def _report_unexpected(e: BaseException, args: argparse.Namespace) -> int:
+    """The boundary for errors of no expected kind: one line naming the model and the root
+    cause (wrappers repeat whole protobufs; the cause says why), the traceback with --verbose;
+    exit as for a model that cannot be processed."""
+    if args.verbose:
+        traceback.print_exc()
+    subject = getattr(args, "input", None) or getattr(args, "model", None) or args.command
+    root = e
+    while root.__cause__ is not None:
+        root = root.__cause__
+    first = (str(root).strip().splitlines() or [""])[0][:300]
+    print(
+        f"mixprec: error: cannot process {subject}: {type(root).__name__}: {first} "
+        "(an unsupported model or a bug; --verbose shows where)",
+        file=sys.stderr,
+    )
+    return EXIT_MODEL
 
 
 def _terminate(signum: int, frame: object) -> None:

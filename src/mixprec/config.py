@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,24 +150,51 @@ OPTIONS: dict[str, tuple[str, str]] = {
 
 def _normalize(name: str, value: Any) -> Any:
     """Check one option and bring it to its stored form."""
-    if name == "target_dtype":
-        return parse_low_precision(value)
-    if name in ("low_precision_ops", "fp32_ops", "follow_ops", "exclude_nodes"):
-        if isinstance(value, str):
-            return (value,)
-        return tuple(value)
-    if name == "tolerance":
-        return as_tolerance(value)
-    if name == "validate":
-        if value is True:
-            return "auto"
-        if value is False:
-            return "none"
-        if value not in _LEVELS:
-            raise InputError(f"unknown validation level {value!r}: use auto, run, load, checker or none")
-        return str(value)
-    if name == "max_batches" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    normalizer = _NORMALIZERS.get(name)
+    return value if normalizer is None else normalizer(value)
+
+
+def _names(value: str | Iterable[str]) -> tuple[str, ...]:
+    """A list of op or node names (one name alone as a string)."""
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+def _validation_level(value: Any) -> str:
+    """A validation level: one of `_LEVELS`, True for "auto" or False for "none"."""
+    if value is True:
+        return "auto"
+    if value is False:
+        return "none"
+    if value not in _LEVELS:
+        raise InputError(f"unknown validation level {value!r}: use auto, run, load, checker or none")
+    return str(value)
+
+
+def _max_batches(value: Any) -> int:
+    """A number of batches: an integer >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InputError(f"max_batches must be an integer >= 1, got {value!r}")
-    if name == "opset" and value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    return value
+
+
+def _opset(value: Any) -> int | None:
+    """An opset: a positive integer, or None."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise InputError(f"opset must be a positive integer, got {value!r}")
     return value
+
+
+# Option name -> its check and stored form (other options are stored as they are).
+_NORMALIZERS: dict[str, Callable[[Any], Any]] = {
+    "target_dtype": parse_low_precision,
+    "low_precision_ops": _names,
+    "fp32_ops": _names,
+    "follow_ops": _names,
+    "exclude_nodes": _names,
+    "tolerance": as_tolerance,
+    "validate": _validation_level,
+    "max_batches": _max_batches,
+    "opset": _opset,
+}

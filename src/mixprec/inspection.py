@@ -71,6 +71,24 @@ def summarize_model(source: str | os.PathLike | ir.Model) -> ModelSummary:
     """Summarise the precision of every node (a node computes in the float type it touches)."""
     model, path = load_model(source)
     infer_types(model)
+    count, by_precision, ops, casts = _tally_nodes(model)
+    return ModelSummary(
+        path=str(path) if path else "(in memory)",
+        nodes=count,
+        nodes_by_precision=dict(by_precision),
+        ops_by_precision={k: dict(v) for k, v in ops.items()},
+        casts=dict(casts),
+        weights_by_dtype=dict(_weight_bytes(model)),
+        io=[_io_line("input ", v) for v in model.graph.inputs]
+        + [_io_line("output", v) for v in model.graph.outputs],
+    )
+
+
+def _tally_nodes(
+    model: ir.Model,
+) -> tuple[int, Counter[str], dict[str, Counter[str]], Counter[str]]:
+    """Over all nodes, subgraphs included: how many there are, the non-Cast nodes per
+    precision, their op types per precision, and the Casts per conversion."""
     by_precision: Counter[str] = Counter()
     ops: dict[str, Counter[str]] = {}
     casts: Counter[str] = Counter()
@@ -78,28 +96,34 @@ def summarize_model(source: str | os.PathLike | ir.Model) -> ModelSummary:
     for node in walk_nodes(model.graph):
         count += 1
         if node.op_type == "Cast" and node.inputs and node.inputs[0] is not None:
-            src = _FLOAT_NAMES.get(node.inputs[0].dtype or ir.DataType.UNDEFINED, "other")
-            dst = _FLOAT_NAMES.get(node.outputs[0].dtype or ir.DataType.UNDEFINED, "other")
-            casts[f"{src}->{dst}"] += 1
+            casts[_cast_kind(node.inputs[0], node.outputs[0])] += 1
             continue
         precision = _node_precision(node)
         by_precision[precision] += 1
         ops.setdefault(precision, Counter())[node.op_type] += 1
+    return count, by_precision, ops, casts
+
+
+def _cast_kind(source: ir.Value, result: ir.Value) -> str:
+    """A Cast of `source` to `result` as "source->destination" float type names ("other" for
+    non-float types)."""
+    src = _FLOAT_NAMES.get(source.dtype or ir.DataType.UNDEFINED, "other")
+    dst = _FLOAT_NAMES.get(result.dtype or ir.DataType.UNDEFINED, "other")
+    return f"{src}->{dst}"
+
+
+def _weight_bytes(model: ir.Model) -> Counter[str]:
+    """Bytes of the initializers of all graphs, per data type."""
     weights: Counter[str] = Counter()
     for graph in all_graphs(model):
         for value in graph.initializers.values():
             if value.const_value is not None:
                 key = _FLOAT_NAMES.get(value.const_value.dtype, value.const_value.dtype.name.lower())
                 weights[key] += value.const_value.nbytes
-    io = [
-        f"input  {v.name}: {v.dtype.name.lower() if v.dtype else '?'} {v.shape}" for v in model.graph.inputs
-    ] + [f"output {v.name}: {v.dtype.name.lower() if v.dtype else '?'} {v.shape}" for v in model.graph.outputs]
-    return ModelSummary(
-        path=str(path) if path else "(in memory)",
-        nodes=count,
-        nodes_by_precision=dict(by_precision),
-        ops_by_precision={k: dict(v) for k, v in ops.items()},
-        casts=dict(casts),
-        weights_by_dtype=dict(weights),
-        io=io,
-    )
+    return weights
+
+
+def _io_line(kind: str, value: ir.Value) -> str:
+    """A model input or output (`kind`) with its name, data type and shape."""
+    dtype = value.dtype.name.lower() if value.dtype else "?"
+    return f"{kind} {value.name}: {dtype} {value.shape}"

@@ -169,6 +169,47 @@ class RangeTable(Mapping[str, ValueRange]):
         return cls.from_json(text, source=str(path))
 
 
+def _merge_inputs(
+    stats: dict[str, ValueRange], feeds: Mapping[str, np.ndarray], float_inputs: Sequence[str]
+) -> None:
+    """Merge the ranges of one batch's float inputs into `stats`."""
+    for name in float_inputs:
+        if name in feeds:
+            stats[name] = stats[name].merge(ValueRange.of(feeds[name]))
+
+
+def _merge_outputs(
+    stats: dict[str, ValueRange], measured: set[str], outputs: Mapping[str, np.ndarray]
+) -> None:
+    """Merge the ranges of one batch's float32 outputs into `stats` and note them measured."""
+    for name, array in outputs.items():
+        if array.dtype != np.float32:
+            continue
+        measured.add(name)
+        previous = stats.get(name)
+        current = ValueRange.of(array)
+        stats[name] = current if previous is None else previous.merge(current)
+
+
+def _checked_batch_count(index: int, seen: int, batch_count: int, description: str) -> int:
+    """The batch count of the first run, after run `index` saw `seen` batches.
+
+    Raises:
+        InputError: The first run saw no batch, or a later run saw another number of them.
+    """
+    if index == 0:
+        if seen == 0:
+            raise InputError(f"no calibration batches in {description}")
+        return seen
+    if seen != batch_count:
+        raise InputError(
+            f"calibration data {description} gave {batch_count} batches on "
+            f"the first run and {seen} on run {index + 1}: pass a path, a list or a "
+            "callable that yields the same batches every time"
+        )
+    return batch_count
+
+
 def calibrate(
     model_path: str | os.PathLike,
     batches: BatchesLike,
@@ -220,27 +261,10 @@ def calibrate(
                 for feeds, outputs in runner.run(part, source):
                     seen += 1
                     if index == 0:
-                        for name in float_inputs:
-                            if name in feeds:
-                                stats[name] = stats[name].merge(ValueRange.of(feeds[name]))
-                    for name, array in outputs.items():
-                        if array.dtype != np.float32:
-                            continue
-                        measured.add(name)
-                        previous = stats.get(name)
-                        current = ValueRange.of(array)
-                        stats[name] = current if previous is None else previous.merge(current)
+                        _merge_inputs(stats, feeds, float_inputs)
+                    _merge_outputs(stats, measured, outputs)
                 bar.advance()
-                if index == 0:
-                    batch_count = seen
-                    if seen == 0:
-                        raise InputError(f"no calibration batches in {source.description}")
-                elif seen != batch_count:
-                    raise InputError(
-                        f"calibration data {source.description} gave {batch_count} batches on "
-                        f"the first run and {seen} on run {index + 1}: pass a path, a list or a "
-                        "callable that yields the same batches every time"
-                    )
+                batch_count = _checked_batch_count(index, seen, batch_count, source.description)
         finally:
             bar.close()
     ordered = {name: stats[name] for name in stats if name in measured}

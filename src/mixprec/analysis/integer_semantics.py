@@ -33,11 +33,11 @@ The rule, on FP32 values:
 * **Kept FP32**: a node with a tainted FP32 output that (a) lies on a path from a source to an
   integer sink, or (b) descends from a Cast of an integer and reaches an exact use, *unless*
   every tainted value it reads or writes is provably exact in the 16-bit type.
-* **Bounds**: intervals, with an "all integral" flag, go through Shape of static dimensions,
-  integer type ranges (int8, uint8, int4 ...), constants, Gather/Slice/Concat of them and the
-  arithmetic above; anything else is unbounded. A value is exact when it is integral with
-  magnitude at most ``exact_int_max``, or a single known value representable in the target
-  type (``Shape(x)[1] / 2`` with a static 64 converts).
+* **Bounds** (:mod:`mixprec.analysis.value_bounds`): intervals, with an "all integral" flag, go
+  through Shape of static dimensions, integer type ranges (int8, uint8, int4 ...), constants,
+  Gather/Slice/Concat of them and the arithmetic above; anything else is unbounded. A value is
+  exact when it is integral with magnitude at most ``exact_int_max``, or a single known value
+  representable in the target type (``Shape(x)[1] / 2`` with a static 64 converts).
 
 Left alone on purpose: activations that end in Floor/Round and a Cast (quantised outputs,
 argmax-like flows) have no integer source; large constants that meet activations (-1e4 mask
@@ -54,34 +54,25 @@ function bodies count as integer sinks; an owner's outputs are tainted when a su
 One forward and one backward pass over the topological order: linear in the model size. The
 backward pass is skipped when no float value carries integers (then no node is kept).
 
-Interval arithmetic lives in :mod:`mixprec.analysis.intervals`; this module is the analysis
-itself (both passes share its state), which is why it is longer than the others.
+Interval arithmetic lives in :mod:`mixprec.analysis.intervals`, the bounds of a model's values
+in :mod:`mixprec.analysis.value_bounds`; this module is the taint analysis and the decision
+(both passes share its state).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import onnx_ir as ir
 
-from mixprec.analysis.constants import constant_tensor, is_constant
-from mixprec.analysis.intervals import (
-    BINARY,
-    BOOL,
-    INF,
-    MAX_ELEMS,
-    UNARY,
-    UNKNOWN,
-    Bound,
-    ceil,
-    elementwise,
-    floor,
-    from_elems,
-    singletons_integral,
+from mixprec.analysis.constants import is_constant
+from mixprec.analysis.value_bounds import (
+    INTEGER_OR_BOOL_TYPES,
+    ValueBounds,
+    attr_int,
+    is_integer_type,
 )
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.graphs import format_op_name, is_default_domain, subgraphs_of, walk_nodes
@@ -89,8 +80,6 @@ from mixprec.policy.opfacts import Carrier, OpFacts, op_facts
 
 logger = logging.getLogger(__name__)
 
-# Constants larger than this are weights, not index arithmetic: their values are not read.
-_MAX_CONSTANT_ELEMENTS = 4096
 
 @dataclass(frozen=True)
 class _Taint:
@@ -100,22 +89,16 @@ class _Taint:
     from_cast: bool  # descends from a Cast of an integer (else only from integer constants)
 
 
-def _attr_int(node: ir.Node, name: str, default: int | None) -> int | None:
-    attr = node.attributes.get(name)
-    return default if attr is None else int(attr.as_int())
-
-
-# `DataType.is_integer` builds a set per call; this runs for every value of the model.
-_INTEGER_TYPES = frozenset(dtype for dtype in ir.DataType if dtype.is_integer())
-_INTEGER_OR_BOOL_TYPES = _INTEGER_TYPES | {ir.DataType.BOOL}
-
-
-def _is_integer_type(dtype: ir.DataType | None) -> bool:
-    return dtype in _INTEGER_TYPES
-
-
 def _fp32_values(values: Sequence[ir.Value | None]) -> list[ir.Value]:
     return [v for v in values if v is not None and is_fp32_tensor(v)]
+
+
+def _merged(taints: Sequence[_Taint | None]) -> _Taint | None:
+    """The first taint's origin, from a Cast when any is; None when none of them is tainted."""
+    found = next((t for t in taints if t is not None), None)
+    if found is None:
+        return None
+    return _Taint(found.origin, any(t is not None and t.from_cast for t in taints))
 
 
 def _is_outer_product(node: ir.Node) -> bool:
@@ -124,20 +107,8 @@ def _is_outer_product(node: ir.Node) -> bool:
     shape = first.shape if first is not None else None
     if shape is None or len(shape) == 0:
         return False
-    transposed = _attr_int(node, "transA", 0)  # Gemm; MatMul has no such attribute
+    transposed = attr_int(node, "transA", 0)  # Gemm; MatMul has no such attribute
     return shape[0 if transposed else -1] == 1
-
-
-def _type_bound(dtype: ir.DataType | None) -> Bound:
-    """The range of an integer or bool element type."""
-    if dtype == ir.DataType.BOOL:
-        return BOOL
-    if not _is_integer_type(dtype):
-        return UNKNOWN
-    bits = dtype.bitwidth  # type: ignore[union-attr]
-    if dtype.is_signed():  # type: ignore[union-attr]
-        return Bound(-float(2 ** (bits - 1)), float(2 ** (bits - 1) - 1), True)
-    return Bound(0.0, float(2**bits - 1), True)
 
 
 class _Analysis:
@@ -149,7 +120,7 @@ class _Analysis:
             self.order.extend(walk_nodes(function))
         self.order.extend(walk_nodes(model.graph))
         self.facts: dict[ir.Node, OpFacts] = {n: op_facts(n.domain, n.op_type) for n in self.order}
-        self.bounds: dict[ir.Value, Bound] = {}
+        self.bounds = ValueBounds(self.facts, target)
         self.taint: dict[ir.Value, _Taint | None] = {}
         self.int_origin: dict[ir.Value, str] = {}
         self.sink: dict[ir.Value, str] = {}
@@ -174,149 +145,6 @@ class _Analysis:
                 self.boundary_outputs.setdefault(value, f"an output of function {function.name!r}")
         self.model_outputs = [v for v in model.graph.outputs if v is not None]
 
-    # -- bounds -------------------------------------------------------------------------
-    def constant_array(self, value: ir.Value) -> np.ndarray | None:
-        tensor = constant_tensor(value) if is_constant(value) else None
-        if tensor is None or tensor.size > _MAX_CONSTANT_ELEMENTS:
-            return None
-        try:
-            return np.asarray(tensor.numpy())
-        except Exception:  # noqa: BLE001 - unreadable or exotic types: no bound
-            return None
-
-    def bound(self, value: ir.Value | None) -> Bound:
-        if value is None:
-            return UNKNOWN
-        known = self.bounds.get(value)
-        if known is not None:
-            return known
-        result = _type_bound(value.dtype)
-        array = self.constant_array(value)
-        if array is not None and array.dtype.kind in "iufb":
-            flat = array.astype(np.float64).reshape(-1)
-            if flat.size == 0:
-                result = Bound(0.0, 0.0, True, ())
-            elif np.isfinite(flat).all():
-                integral = bool((flat == np.round(flat)).all())
-                if array.ndim <= 1 and flat.size <= MAX_ELEMS:
-                    result = from_elems([(float(x), float(x)) for x in flat], integral)
-                else:
-                    result = Bound(float(flat.min()), float(flat.max()), integral)
-        self.bounds[value] = result
-        return result
-
-    def shape_bound(self, node: ir.Node, size: bool) -> Bound:
-        """The bound of a Shape (`size` False) or Size output of the node's input."""
-        shape = node.inputs[0].shape if node.inputs and node.inputs[0] is not None else None
-        if shape is None:
-            return Bound(0.0, INF, True)
-        dims = [(float(d), float(d)) if isinstance(d, int) else (0.0, INF) for d in shape.dims]
-        if size:
-            if all(lo == hi for lo, hi in dims):
-                product = float(math.prod(lo for lo, _ in dims))
-                return Bound(product, product, True, ((product, product),))
-            return Bound(0.0, INF, True)
-        start = _attr_int(node, "start", 0)
-        end = _attr_int(node, "end", None)
-        return from_elems(dims[start:end], True)
-
-    def _index_arrays(self, node: ir.Node) -> list[np.ndarray | None]:
-        return [self.constant_array(v) if v is not None else None for v in node.inputs[1:]]
-
-    def gathered(self, node: ir.Node, data: Bound) -> Bound:
-        """Gather of a 1-D value with constant indices; else the data's interval."""
-        if data.elems is None:
-            return data.whole()
-        elems = list(data.elems)
-        arrays = self._index_arrays(node)
-        indices = arrays[0] if arrays else None
-        if indices is None or _attr_int(node, "axis", 0) not in (0, -1):
-            return data.whole()
-        picked = []
-        for index in indices.reshape(-1).tolist():
-            index = int(index) + (len(elems) if index < 0 else 0)
-            if not 0 <= index < len(elems):
-                return data.whole()
-            picked.append(elems[index])
-        return from_elems(picked, data.integral)
-
-    def sliced(self, node: ir.Node, data: Bound) -> Bound:
-        """Slice of a 1-D value with constant starts, ends, axes and steps; else the interval."""
-        if data.elems is None:
-            return data.whole()
-        elems = list(data.elems)
-        arrays = self._index_arrays(node)
-        starts, ends = (arrays + [None, None])[:2]
-        axes = arrays[2] if len(arrays) > 2 else None
-        steps = arrays[3] if len(arrays) > 3 else None
-        present = [len(node.inputs) > i and node.inputs[i] is not None for i in (3, 4)]
-        if starts is None or ends is None or starts.size != 1 or ends.size != 1:
-            return data.whole()
-        if (present[0] and (axes is None or int(axes.reshape(-1)[0]) not in (0, -1))) or (
-            present[1] and (steps is None or int(steps.reshape(-1)[0]) == 0)
-        ):
-            return data.whole()
-        step = int(steps.reshape(-1)[0]) if steps is not None else 1
-        picked = elems[int(starts.reshape(-1)[0]) : int(ends.reshape(-1)[0]) : step]
-        return from_elems(picked, data.integral)
-
-    def _output_bounds(self, node: ir.Node) -> list[Bound] | None:
-        rule = self.facts[node].interval
-        if rule is None or not is_default_domain(node.domain):
-            return None
-        if rule in _SHAPE_RULES:
-            return _INTERVAL_RULES[rule](self, node, [])
-        operands = [self.bound(v) for v in node.inputs if v is not None]
-        if not operands:
-            return None
-        return _INTERVAL_RULES[rule](self, node, operands)
-
-    def _record_bounds(self, node: ir.Node) -> None:
-        if not self.facts[node].shape_only and not any(
-            v is not None
-            and (self.taint.get(v) is not None or v.dtype in _INTEGER_OR_BOOL_TYPES)
-            for v in node.inputs
-        ):
-            return  # no integer chain: unbounded floats, typed integers (both read lazily)
-        bounds = self._output_bounds(node)
-        for index, out in enumerate(node.outputs):
-            if out is None:
-                continue
-            bound = bounds[index] if bounds is not None and index < len(bounds) else None
-            if out.dtype == ir.DataType.BOOL:
-                bound = BOOL
-            elif bound is None:
-                if is_constant(out):
-                    continue  # read lazily from the constant
-                bound = _type_bound(out.dtype)
-            elif _is_integer_type(out.dtype):
-                # Integer results: whole numbers, within the type's range (the bound is a claim
-                # about correct, non-wrapping arithmetic).
-                limits = _type_bound(out.dtype)
-                elems = None
-                if bound.elems is not None:
-                    elems = tuple(
-                        (max(floor(lo), limits.lo), min(ceil(hi), limits.hi))
-                        for lo, hi in bound.elems
-                    )
-                if elems is not None and any(lo > hi for lo, hi in elems):
-                    elems = None
-                lo, hi = max(floor(bound.lo), limits.lo), min(ceil(bound.hi), limits.hi)
-                bound = Bound(lo, hi, True, elems) if lo <= hi else limits
-            if bound.elems is not None and (out.shape is None or out.shape.rank() > 1):
-                bound = bound.whole()
-            self.bounds[out] = bound
-
-    def exact(self, value: ir.Value) -> bool:
-        """Whether every element of `value` is provably exact in the 16-bit type."""
-        bound = self.bound(value)
-        if bound.integral and bound.magnitude <= self.limit:
-            return True
-        if bound.lo == bound.hi and math.isfinite(bound.lo):
-            rounded = np.array(bound.lo, dtype=np.float64).astype(self.target.numpy_dtype)
-            return float(rounded.astype(np.float64)) == bound.lo
-        return False
-
     # -- forward: integer-meaning sources -----------------------------------------------
     def taint_of(self, value: ir.Value) -> _Taint | None:
         if value in self.taint:
@@ -324,14 +152,11 @@ class _Analysis:
         result: _Taint | None = None
         owner = self.formal_owner.get(value)
         if owner is not None and is_fp32_tensor(value):
-            outer = [self.taint_of(v) for v in _fp32_values(owner.inputs)]
-            found = next((t for t in outer if t is not None), None)
-            if found is not None:
-                result = _Taint(found.origin, any(t is not None and t.from_cast for t in outer))
+            result = _merged([self.taint_of(v) for v in _fp32_values(owner.inputs)])
         elif is_fp32_tensor(value) and is_constant(value):
-            bound = self.bound(value)
+            bound = self.bounds.bound(value)
             if (
-                self.constant_array(value) is not None
+                self.bounds.constant_array(value) is not None
                 and bound.integral
                 and bound.magnitude > self.limit
             ):
@@ -356,7 +181,21 @@ class _Analysis:
         self.int_origin[value] = origin
         return origin
 
+    def _carried_origin(self, node: ir.Node) -> str | None:
+        """The origin of a carrier's first tainted FP32 or non-constant integer input, if any."""
+        for value in node.inputs:
+            if value is None:
+                continue
+            if is_fp32_tensor(value):
+                taint = self.taint_of(value)
+                if taint is not None:
+                    return taint.origin
+            elif is_integer_type(value.dtype) and not is_constant(value):
+                return self.origin_of_int(value)
+        return None
+
     def _record_int_origin(self, node: ir.Node) -> None:
+        """Record where the node's non-FP32 outputs get integer meaning from (Shape, carriers)."""
         outs = [o for o in node.outputs if o is not None and not is_fp32_tensor(o)]
         if not outs or not is_default_domain(node.domain):
             return
@@ -365,17 +204,7 @@ class _Analysis:
         if facts.shape_only and node.inputs and node.inputs[0] is not None:
             origin = f"{node.op_type} of {node.inputs[0].name!r}"
         elif facts.carrier is not None:
-            for value in node.inputs:
-                if value is None:
-                    continue
-                if is_fp32_tensor(value):
-                    taint = self.taint_of(value)
-                    if taint is not None:
-                        origin = taint.origin
-                        break
-                elif _is_integer_type(value.dtype) and not is_constant(value):
-                    origin = self.origin_of_int(value)
-                    break
+            origin = self._carried_origin(node)
         if origin is not None:
             for out in outs:
                 self.int_origin[out] = origin
@@ -411,37 +240,42 @@ class _Analysis:
             return False
         return any(self.taint_of(v) is not None for v in values)
 
+    def _cast_taint(self, source: ir.Value) -> _Taint | None:
+        """The taint of a Cast of `source`: a source when it is an integer or bool."""
+        if source.dtype == ir.DataType.BOOL:
+            return _Taint(f"bool {source.name!r}", True)
+        if is_integer_type(source.dtype):
+            return _Taint(self.origin_of_int(source), True)
+        if is_fp32_tensor(source):
+            return self.taint_of(source)
+        return None
+
+    def _output_taint(self, node: ir.Node) -> _Taint | None:
+        """The taint of the node's FP32 outputs, from its subgraphs or inputs."""
+        facts = self.facts[node]
+        if node in self.owners:
+            subgraphs = subgraphs_of(node)
+            return _merged(
+                [self.taint_of(v) for sub in subgraphs for v in _fp32_values(sub.outputs)]
+            )
+        if not is_default_domain(node.domain):
+            return None
+        if node.op_type == "Cast" and node.inputs and node.inputs[0] is not None:
+            return self._cast_taint(node.inputs[0])
+        if facts.carrier is Carrier.GENERATOR:
+            # Float positions from integer bounds (Range): integers themselves.
+            taints = [self.taint_of(v) for v in _fp32_values(node.inputs)]
+            return next((t for t in taints if t is not None), None)
+        if facts.carries_floats and self.integer_operands(node):
+            return _merged([self.taint_of(v) for v in _fp32_values(node.inputs)])
+        return None
+
     def _record_taint(self, node: ir.Node) -> bool:
         """Record the taint of the node's FP32 outputs; whether one of them is tainted."""
         outs = _fp32_values(node.outputs)
         if not outs:
             return False
-        result: _Taint | None = None
-        facts = self.facts[node]
-        if node in self.owners:
-            subgraphs = subgraphs_of(node)
-            inner = [self.taint_of(v) for sub in subgraphs for v in _fp32_values(sub.outputs)]
-            found = next((t for t in inner if t is not None), None)
-            if found is not None:
-                result = _Taint(found.origin, any(t is not None and t.from_cast for t in inner))
-        elif not is_default_domain(node.domain):
-            result = None
-        elif node.op_type == "Cast" and node.inputs and node.inputs[0] is not None:
-            source = node.inputs[0]
-            if source.dtype == ir.DataType.BOOL:
-                result = _Taint(f"bool {source.name!r}", True)
-            elif _is_integer_type(source.dtype):
-                result = _Taint(self.origin_of_int(source), True)
-            elif is_fp32_tensor(source):
-                result = self.taint_of(source)
-        elif facts.carrier is Carrier.GENERATOR:
-            # Float positions from integer bounds (Range): integers themselves.
-            taints = [self.taint_of(v) for v in _fp32_values(node.inputs)]
-            result = next((t for t in taints if t is not None), None)
-        elif facts.carries_floats and self.integer_operands(node):
-            taints = [self.taint_of(v) for v in _fp32_values(node.inputs)]
-            first = next(t for t in taints if t is not None)
-            result = _Taint(first.origin, any(t is not None and t.from_cast for t in taints))
+        result = self._output_taint(node)
         for out in outs:
             if is_constant(out):
                 self.taint_of(out)
@@ -459,15 +293,21 @@ class _Analysis:
             for outer in _fp32_values(owner.inputs):
                 self._mark(table, outer, why)
 
-    def _propagate(self, node: ir.Node) -> None:
-        std = is_default_domain(node.domain)
-        facts = self.facts[node]
-        op = format_op_name(node.domain, node.op_type)
+    def _mark_cast_sink(self, node: ir.Node) -> None:
+        """Mark the input of a Cast to an integer type as an integer sink."""
         inputs = node.inputs
+        std = is_default_domain(node.domain)
         if std and node.op_type == "Cast" and inputs and inputs[0] is not None:
-            to = _attr_int(node, "to", None)
+            to = attr_int(node, "to", None)
             if to is not None and to != ir.DataType.BOOL and ir.DataType(to).is_integer():
                 self._mark(self.sink, inputs[0], f"Cast to {ir.DataType(to).name.lower()}")
+
+    def _mark_integer_sinks(self, node: ir.Node, op: str) -> None:
+        """Mark the inputs that must hold integers: of a Cast to an integer type, the op facts'
+        integer inputs, and the operands of a comparison between integers."""
+        facts = self.facts[node]
+        inputs = node.inputs
+        self._mark_cast_sink(node)
         if facts.integer_inputs:
             roles = dict(facts.integer_inputs)
             # Named by its roles, unless every input is one (Range).
@@ -479,169 +319,106 @@ class _Analysis:
         if facts.comparison and self.integer_operands(node):
             for value in inputs:
                 self._mark(self.sink, value, f"{op} of integers")
-        carrying = facts.carries_floats and any(
+
+    def _carry_back(self, node: ir.Node) -> None:
+        """Mark a carrier's inputs with the sink and exact use of its outputs."""
+        for table in (self.sink, self.exact_use):
+            why = next((table[o] for o in node.outputs if o is not None and o in table), None)
+            if why is not None:
+                for value in node.inputs:
+                    self._mark(table, value, why)
+
+    def _mark_exact_uses(self, node: ir.Node, op: str) -> None:
+        """Mark the tainted inputs of an exact use (op fact, subgraph owner, other domain)."""
+        std = is_default_domain(node.domain)
+        if std and not self.facts[node].exact_use and node not in self.owners:
+            return
+        for value in node.inputs:
+            if value is not None and self.taint_of(value) is not None:
+                self._mark(self.exact_use, value, f"{op} {node.name!r}" if node.name else op)
+
+    def _propagate(self, node: ir.Node) -> None:
+        """Mark the node's inputs that are integer sinks or exact uses (the backward pass)."""
+        op = format_op_name(node.domain, node.op_type)
+        self._mark_integer_sinks(node, op)
+        carrying = self.facts[node].carries_floats and any(
             self.taint_of(o) is not None for o in _fp32_values(node.outputs)
         )
         if carrying:
             # Only along integer paths: a carrier whose output is tainted forward.
-            for table in (self.sink, self.exact_use):
-                why = next((table[o] for o in node.outputs if o is not None and o in table), None)
-                if why is not None:
-                    for value in inputs:
-                        self._mark(table, value, why)
-            return
-        if std and not facts.exact_use and node not in self.owners:
-            return
-        for value in inputs:
-            if value is not None and self.taint_of(value) is not None:
-                self._mark(self.exact_use, value, f"{op} {node.name!r}" if node.name else op)
+            self._carry_back(node)
+        else:
+            self._mark_exact_uses(node, op)
 
     # -- decision -----------------------------------------------------------------------
-    def run(self) -> dict[ir.Node, str]:
-        tainted: list[ir.Node] = []  # nodes with an FP32 output of integer meaning, in order
+    def _on_integer_chain(self, node: ir.Node) -> bool:
+        """Whether the node reads shapes, tainted values or integers (else its outputs are
+        unbounded floats or typed integers, both read lazily)."""
+        return self.facts[node].shape_only or any(
+            v is not None and (self.taint.get(v) is not None or v.dtype in INTEGER_OR_BOOL_TYPES)
+            for v in node.inputs
+        )
+
+    def _forward(self) -> list[ir.Node]:
+        """Bounds, data-freeness, taint and integer origins in topological order; the nodes
+        with an FP32 output of integer meaning, in order."""
+        tainted: list[ir.Node] = []
         for node in self.order:
-            self._record_bounds(node)
+            if self._on_integer_chain(node):
+                self.bounds.record(node)
             self._record_data_free(node)
             if self._record_taint(node):
                 tainted.append(node)
             self._record_int_origin(node)
-        if not tainted:
-            return {}  # no float value carries integers: no sink or use can matter
+        return tainted
+
+    def _backward(self) -> None:
+        """Integer sinks and exact uses, from the boundaries back along the reverse order."""
         for value, why in self.boundary_outputs.items():
             self._mark(self.sink, value, why)
         for value in self.model_outputs:
             self._mark(self.exact_use, value, f"model output {value.name!r}")
         for node in reversed(self.order):
             self._propagate(node)
+
+    def _all_exact(self, node: ir.Node, outs: list[ir.Value]) -> bool:
+        """Whether every tainted value the node reads or writes is provably exact."""
+        touched = outs + [v for v in _fp32_values(node.inputs) if self.taint_of(v)]
+        return all(self.bounds.exact(v) for v in touched)
+
+    def _why_kept(self, node: ir.Node, limit: str) -> str | None:
+        """The evidence for keeping a tainted node FP32; None when it converts."""
+        if node in self.owners:
+            return None
+        outs = [(o, t) for o in _fp32_values(node.outputs) if (t := self.taint_of(o)) is not None]
+        if not outs:
+            return None
+        sink = next((self.sink[o] for o, _ in outs if o in self.sink), None)
+        use = next(
+            (self.exact_use[o] for o, t in outs if t.from_cast and o in self.exact_use), None
+        )
+        if sink is None and use is None:
+            return None
+        if self._all_exact(node, [o for o, _ in outs]):
+            return None
+        origin = outs[0][1].origin
+        if sink is not None:
+            return f"computes integers from {origin} for {sink} ({limit})"
+        return f"carries integers from {origin} into {use}, not provably exact ({limit})"
+
+    def run(self) -> dict[ir.Node, str]:
+        """Node -> evidence for the nodes to keep FP32."""
+        tainted = self._forward()
+        if not tainted:
+            return {}  # no float value carries integers: no sink or use can matter
+        self._backward()
         forced: dict[ir.Node, str] = {}
         limit = f"integers exact only to {self.limit} in {self.target.value}"
         for node in tainted:
-            if node in self.owners:
-                continue
-            outs = [
-                (o, t) for o in _fp32_values(node.outputs) if (t := self.taint_of(o)) is not None
-            ]
-            if not outs:
-                continue
-            sink = next((self.sink[o] for o, _ in outs if o in self.sink), None)
-            use = next(
-                (self.exact_use[o] for o, t in outs if t.from_cast and o in self.exact_use), None
-            )
-            if sink is None and use is None:
-                continue
-            touched = [o for o, _ in outs] + [
-                v for v in _fp32_values(node.inputs) if self.taint_of(v)
-            ]
-            if all(self.exact(v) for v in touched):
-                continue
-            origin = outs[0][1].origin
-            if sink is not None:
-                why = f"computes integers from {origin} for {sink} ({limit})"
-            else:
-                why = f"carries integers from {origin} into {use}, not provably exact ({limit})"
-            forced[node] = why
+            why = self._why_kept(node, limit)
+            if why is not None:
+                forced[node] = why
         return forced
-
-
-# -- interval rules (the `interval` fact): (analysis, node, bounds of its inputs) -> outputs ------
-
-_IntervalRule = Callable[[_Analysis, ir.Node, list[Bound]], list[Bound] | None]
-_SHAPE_RULES = frozenset({"shape", "size"})  # read the input's shape: no operand bounds
-
-
-def _same(analysis: _Analysis, node: ir.Node, operands: list[Bound]) -> list[Bound] | None:
-    return [analysis.bound(node.inputs[0])]
-
-
-def _whole(analysis: _Analysis, node: ir.Node, operands: list[Bound]) -> list[Bound] | None:
-    return [analysis.bound(node.inputs[0]).whole()] * len(node.outputs)
-
-
-def _concat(analysis: _Analysis, node: ir.Node, operands: list[Bound]) -> list[Bound] | None:
-    if all(b.elems is not None for b in operands):
-        elems = [e for b in operands for e in b.elems]  # type: ignore[union-attr]
-        return [from_elems(elems, all(b.integral for b in operands))]
-    return [
-        elementwise(
-            lambda *xs: (min(x[0] for x in xs), max(x[1] for x in xs)),
-            [b.whole() for b in operands],
-            all(b.integral for b in operands),
-        )
-    ]
-
-
-def _cast(analysis: _Analysis, node: ir.Node, operands: list[Bound]) -> list[Bound] | None:
-    if _attr_int(node, "to", None) == ir.DataType.BOOL:
-        return [BOOL]
-    return [analysis.bound(node.inputs[0])]  # integer targets are widened to integers later
-
-
-def _unary(name: str) -> _IntervalRule:
-    fn, integral_result = UNARY[name]
-
-    def rule(analysis: _Analysis, node: ir.Node, operands: list[Bound]) -> list[Bound] | None:
-        integral = integral_result or all(b.integral for b in operands)
-        return [elementwise(fn, [analysis.bound(node.inputs[0])], integral)]
-
-    return rule
-
-
-def _binary(name: str) -> _IntervalRule:
-    fn = BINARY[name]
-
-    def rule(analysis: _Analysis, node: ir.Node, operands: list[Bound]) -> list[Bound] | None:
-        integral = all(b.integral for b in operands)
-        bound = operands[0]
-        for other in operands[1:]:
-            bound = elementwise(fn, [bound, other], integral)
-        if name == "div" and not singletons_integral(bound):
-            bound = Bound(bound.lo, bound.hi, False, bound.elems)
-        return [bound]
-
-    return rule
-
-
-def _where(analysis: _Analysis, node: ir.Node, operands: list[Bound]) -> list[Bound] | None:
-    if len(node.inputs) != 3:
-        return None
-    a, b = analysis.bound(node.inputs[1]), analysis.bound(node.inputs[2])
-    return [Bound(min(a.lo, b.lo), max(a.hi, b.hi), a.integral and b.integral)]
-
-
-def _clip(analysis: _Analysis, node: ir.Node, operands: list[Bound]) -> list[Bound] | None:
-    inputs = node.inputs
-    first = analysis.bound(inputs[0])
-    lo, hi = first.lo, first.hi
-    if len(inputs) > 1 and inputs[1] is not None:
-        lo = max(lo, analysis.bound(inputs[1]).lo)
-    if len(inputs) > 2 and inputs[2] is not None:
-        hi = min(hi, analysis.bound(inputs[2]).hi)
-    return [Bound(min(lo, hi), max(lo, hi), all(b.integral for b in operands))]
-
-
-def _range(analysis: _Analysis, node: ir.Node, operands: list[Bound]) -> list[Bound] | None:
-    if len(node.inputs) != 3:
-        return None
-    start, limit = analysis.bound(node.inputs[0]), analysis.bound(node.inputs[1])
-    integral = all(b.integral for b in operands)
-    return [Bound(min(start.lo, limit.lo), max(start.hi, limit.hi), integral)]
-
-
-_INTERVAL_RULES: dict[str, _IntervalRule] = {
-    "same": _same,
-    "whole": _whole,
-    "gather": lambda analysis, node, _: [analysis.gathered(node, analysis.bound(node.inputs[0]))],
-    "slice": lambda analysis, node, _: [analysis.sliced(node, analysis.bound(node.inputs[0]))],
-    "concat": _concat,
-    "cast": _cast,
-    "where": _where,
-    "clip": _clip,
-    "range": _range,
-    "shape": lambda analysis, node, _: [analysis.shape_bound(node, size=False)],
-    "size": lambda analysis, node, _: [analysis.shape_bound(node, size=True)],
-    **{name: _unary(name) for name in UNARY},
-    **{name: _binary(name) for name in BINARY},
-}
 
 
 def _join(words: Iterable[str]) -> str:

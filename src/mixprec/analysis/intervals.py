@@ -1,6 +1,7 @@
 """Interval arithmetic over what is known of a value's elements, for the integer-semantics
 analysis (:mod:`mixprec.analysis.integer_semantics`): bounds, per-element intervals of short
-vectors, and the interval rules the op-facts table names (`interval = "add"`, ...)."""
+vectors; the interval rules the op-facts table names (`interval = "add"`, ...) are built from
+them in :mod:`mixprec.analysis.value_bounds`."""
 
 from __future__ import annotations
 

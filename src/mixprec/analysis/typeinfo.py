@@ -137,6 +137,38 @@ def _apply(graph: ir.Graph, proto: onnx.GraphProto, types: _TypeCache) -> int:
     return count
 
 
+def _infer_graph_types(model: ir.Model, source: Path | None) -> tuple[int, list[str], str | None]:
+    """Run ONNX shape inference on the graph and copy its types onto the IR.
+
+    Returns the number of values typed, the corrected output shapes, and the warning when
+    inference failed (then nothing is typed).
+    """
+    inferred = 0
+    corrected: list[str] = []
+    try:
+        proto = graph_only_proto(source) if source is not None else weight_free_proto(model)
+        _forget_output_shapes(proto.graph)
+        proto = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False)
+    except Exception as e:  # noqa: BLE001 - inference is best effort; the planner copes
+        warning = str(e).splitlines()[0] if str(e) else type(e).__name__
+        logger.warning("type inference failed, unknown types stay unconverted: %s", warning)
+        return inferred, corrected, warning
+    types = _TypeCache()
+    for graph, graph_proto in _graph_pairs(model.graph, proto.graph):
+        inferred += _apply(graph, graph_proto, types)
+        corrected.extend(_correct_output_shapes(graph, graph_proto, types))
+    return inferred, corrected, None
+
+
+def _fill_function_constant_types(function: ir.Function) -> None:
+    """Give the untyped Constant outputs of a typed function body their tensors' types."""
+    for node in walk_nodes(function.graph):
+        if node.op_type == "Constant" and node.outputs and node.outputs[0].dtype is None:
+            tensor = constant_node_tensor(node)
+            if tensor is not None:
+                node.outputs[0].dtype = tensor.dtype
+
+
 def infer_types(model: ir.Model, source: Path | None = None) -> TypeInfo:
     """Fill in element types and shapes of all values of `model` in place.
 
@@ -148,30 +180,11 @@ def infer_types(model: ir.Model, source: Path | None = None) -> TypeInfo:
     for value in model.graph.initializers.values():
         if value.const_value is not None and value.dtype is None:
             value.dtype = value.const_value.dtype
-    warning = None
-    inferred = 0
-    corrected: list[str] = []
-    try:
-        proto = graph_only_proto(source) if source is not None else weight_free_proto(model)
-        _forget_output_shapes(proto.graph)
-        proto = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False)
-    except Exception as e:  # noqa: BLE001 - inference is best effort; the planner copes
-        warning = str(e).splitlines()[0] if str(e) else type(e).__name__
-        logger.warning("type inference failed, unknown types stay unconverted: %s", warning)
-    else:
-        types = _TypeCache()
-        for graph, graph_proto in _graph_pairs(model.graph, proto.graph):
-            inferred += _apply(graph, graph_proto, types)
-            corrected.extend(_correct_output_shapes(graph, graph_proto, types))
+    inferred, corrected, warning = _infer_graph_types(model, source)
     main_nodes = walk_nodes(model.graph)
     _fill_constant_types(model, main_nodes)
-    typed = infer_function_types(model)
-    for function in typed:
-        for node in walk_nodes(function.graph):
-            if node.op_type == "Constant" and node.outputs and node.outputs[0].dtype is None:
-                tensor = constant_node_tensor(node)
-                if tensor is not None:
-                    node.outputs[0].dtype = tensor.dtype
+    for function in infer_function_types(model):
+        _fill_function_constant_types(function)
     propagate_by_signature(model, main_nodes)
     unknown = sum(
         1 for node in main_nodes for out in node.outputs if out.dtype is None and out.uses()
@@ -346,6 +359,44 @@ def _has_attribute_refs(function: ir.Function) -> bool:
     )
 
 
+def _call_signature(function: ir.Function, sites: list[ir.Node]) -> tuple[ir.DataType, ...] | None:
+    """The input element types every call site passes; None when they differ or are unknown."""
+    signatures = {tuple(v.dtype if v is not None else None for v in site.inputs) for site in sites}
+    if len(signatures) != 1:
+        return None
+    dtypes = signatures.pop()
+    if len(dtypes) != len(function.inputs) or any(d is None for d in dtypes):
+        return None
+    return dtypes  # type: ignore[return-value]
+
+
+def _body_model(
+    model: ir.Model,
+    function: ir.Function,
+    dtypes: tuple[ir.DataType, ...],
+    other_functions: list[onnx.FunctionProto],
+) -> onnx.ModelProto:
+    """A model whose graph is the function's body, its inputs of the call sites' types."""
+    function_proto = ir.to_proto(function)
+    graph = onnx.helper.make_graph(
+        list(function_proto.node),
+        f"{function.name}_body",
+        [
+            onnx.helper.make_tensor_value_info(name, int(dtype), None)  # type: ignore[arg-type]
+            for name, dtype in zip(function_proto.input, dtypes)
+        ],
+        [onnx.helper.make_empty_tensor_value_info(name) for name in function_proto.output],
+    )
+    opsets = dict(model.opset_imports)
+    opsets.update(function.opset_imports)
+    return onnx.helper.make_model(
+        graph,
+        opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()],
+        functions=other_functions,
+        ir_version=max(model.ir_version, 8),
+    )
+
+
 def infer_function_types(model: ir.Model) -> list[ir.Function]:
     """Type the bodies of model-local functions from their call sites.
 
@@ -364,41 +415,19 @@ def infer_function_types(model: ir.Model) -> list[ir.Function]:
         sites = calls.get(key, [])
         if not sites or _has_attribute_refs(function):
             continue
-        signatures = {
-            tuple(v.dtype if v is not None else None for v in site.inputs) for site in sites
-        }
-        if len(signatures) != 1:
+        dtypes = _call_signature(function, sites)
+        if dtypes is None:
             continue
-        dtypes = signatures.pop()
-        if len(dtypes) != len(function.inputs) or any(d is None for d in dtypes):
-            continue
-        function_proto = ir.to_proto(function)
-        graph = onnx.helper.make_graph(
-            list(function_proto.node),
-            f"{function.name}_body",
-            [
-                onnx.helper.make_tensor_value_info(name, int(dtype), None)  # type: ignore[arg-type]
-                for name, dtype in zip(function_proto.input, dtypes)
-            ],
-            [onnx.helper.make_empty_tensor_value_info(name) for name in function_proto.output],
-        )
-        opsets = dict(model.opset_imports)
-        opsets.update(function.opset_imports)
-        proto = onnx.helper.make_model(
-            graph,
-            opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()],
-            functions=other_functions,
-            ir_version=max(model.ir_version, 8),
-        )
+        body = _body_model(model, function, dtypes, other_functions)
         try:
-            proto = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False)
+            body = onnx.shape_inference.infer_shapes(body, check_type=False, strict_mode=False)
         except Exception as e:  # noqa: BLE001 - a body we cannot type stays as it is
             logger.info("cannot type function %s: %s", function.name, e)
             continue
         for value, dtype in zip(function.inputs, dtypes):
             if value.dtype is None:
                 value.dtype = dtype
-        for graph, graph_proto in _graph_pairs(function.graph, proto.graph):
+        for graph, graph_proto in _graph_pairs(function.graph, body.graph):
             _apply(graph, graph_proto, types)
         typed.append(function)
     return typed

@@ -2,7 +2,14 @@
 whole protobufs (`views`), and atomic publishing of outputs (`publishing`)."""
 
 from mixprec.io.loading import load_model
-from mixprec.io.publishing import check_output_path, save_model, staged_save, without_staging, write_text_atomic
+from mixprec.io.publishing import (
+    StagedModel,
+    check_output_path,
+    save_model,
+    staged_save,
+    without_staging,
+    write_text_atomic,
+)
 from mixprec.io.views import (
     EXTERNAL_DATA_THRESHOLD,
     graph_only_proto,
@@ -14,7 +21,7 @@ from mixprec.io.views import (
 )
 
 __all__ = [
-    "EXTERNAL_DATA_THRESHOLD", "check_output_path", "graph_only_proto", "load_model", "save_model",
+    "EXTERNAL_DATA_THRESHOLD", "StagedModel", "check_output_path", "graph_only_proto", "load_model", "save_model",
     "staged_save", "typed_values", "uses_external_data", "wants_external_data", "weight_bytes",
     "weight_free_proto", "without_staging", "write_text_atomic",
 ]

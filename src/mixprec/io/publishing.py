@@ -30,7 +30,7 @@ from mixprec.io.loading import _external_tensors
 from mixprec.io.views import uses_external_data, wants_external_data
 from mixprec.progress import Progress
 
-__all__ = ["check_output_path", "save_model", "staged_save", "without_staging", "write_text_atomic"]
+__all__ = ["StagedModel", "check_output_path", "save_model", "staged_save", "without_staging", "write_text_atomic"]
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +231,62 @@ def without_staging(text: str) -> str:
     return _STAGING_IN_TEXT.sub("", text)
 
 
+class StagedModel:
+    """A model written into a staging folder beside its destination: :meth:`publish` moves it
+    (and its data file) into place atomically, :meth:`discard` removes it. Until one of them
+    runs, the destination is untouched.
+
+    Attributes:
+        path: The staged model file (for checks).
+    """
+
+    def __init__(
+        self,
+        model: ir.Model,
+        destination: str | os.PathLike,
+        *,
+        external_data: bool | None = None,
+        progress: bool | None = False,
+        declared: set[str] | None = None,
+    ) -> None:
+        self.destination = check_output_path(destination)
+        self._parent = self.destination.parent if str(self.destination.parent) else Path(".")
+        self._previous = _data_files_of(self.destination)
+        _remove_leftovers(self.destination, self._previous)
+        if external_data is None:
+            external_data = wants_external_data(model)
+        token = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._data_name = f"{self.destination.name}.{token}.data" if external_data else None
+        self._staging = Path(tempfile.mkdtemp(prefix=f".{self.destination.name}.mixprec-{token}-", dir=self._parent))
+        self.path = self._staging / self.destination.name
+        try:
+            _write(model, self.path, self._data_name, progress, declared)
+        except BaseException:
+            self.discard()
+            raise
+
+    def publish(self) -> Path:
+        """Move the staged model into place (the atomic switch from the old pair to the new
+        one) and remove what the old model left that is ours."""
+        try:
+            if self._data_name is not None and (self._staging / self._data_name).exists():
+                os.replace(self._staging / self._data_name, self._parent / self._data_name)
+            os.replace(self.path, self.destination)
+        finally:
+            self.discard()
+        current = {self._data_name} if self._data_name is not None else set()  # what the new model refers to
+        name = self.destination.name
+        for old in self._previous - current:  # the old pair's data file, if it was one of ours
+            if old == f"{name}.data" or _OUR_DATA.match(old.removeprefix(f"{name}.")):
+                (self._parent / old).unlink(missing_ok=True)
+        _remove_leftovers(self.destination, current)
+        return self.destination
+
+    def discard(self) -> None:
+        """Remove the staging folder (nothing is published)."""
+        shutil.rmtree(self._staging, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def staged_save(
     model: ir.Model,
@@ -254,29 +310,13 @@ def staged_save(
         declared: Save the types and shapes of intermediate values only for these values
             (see `typed_values`); None: for every value that has them.
     """
-    destination = check_output_path(destination)
-    parent = destination.parent if str(destination.parent) else Path(".")
-    previous = _data_files_of(destination)
-    _remove_leftovers(destination, previous)
-    if external_data is None:
-        external_data = wants_external_data(model)
-    token = f"{os.getpid()}-{secrets.token_hex(4)}"
-    data_name = f"{destination.name}.{token}.data" if external_data else None
-    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.mixprec-{token}-", dir=parent))
-    staged = staging / destination.name
+    staged = StagedModel(model, destination, external_data=external_data, progress=progress, declared=declared)
     try:
-        _write(model, staged, data_name, progress, declared)
-        yield staged
-        if data_name is not None and (staging / data_name).exists():
-            os.replace(staging / data_name, parent / data_name)
-        os.replace(staged, destination)  # the atomic switch from the old pair to the new one
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    current = {data_name} if data_name is not None else set()  # what the new model refers to
-    for name in previous - current:  # the old pair's data file, if it was one of ours
-        if name == f"{destination.name}.data" or _OUR_DATA.match(name.removeprefix(f"{destination.name}.")):
-            (parent / name).unlink(missing_ok=True)
-    _remove_leftovers(destination, current)
+        yield staged.path
+    except BaseException:
+        staged.discard()
+        raise
+    staged.publish()
 
 
 def save_model(

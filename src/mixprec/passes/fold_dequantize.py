@@ -83,16 +83,31 @@ def fold_constant_dequantizations(model: ir.Model, profile: RuntimeProfile, targ
 
 
 def _foldable(node: ir.Node, facts: QuantizedGroups, profile: RuntimeProfile, target: LowPrecision) -> bool:
+    """Whether `node` is a constant dequantization `profile` computes in float, read only by
+    quantized groups that run in the target type."""
+    if not _float_constant_dequantization(node, facts):
+        return False
+    out = node.outputs[0]
+    if out.is_graph_output() or not out.uses() or _output_type(node) is None:
+        return False
+    return _readers_convert(node, profile, target)
+
+
+def _float_constant_dequantization(node: ir.Node, facts: QuantizedGroups) -> bool:
+    """Whether `node` is a DequantizeLinear of constants whose integer type the runtime
+    dequantizes in float."""
     if role(node) != "dequantize" or not node.inputs or not node.outputs:
         return False
     if not all(value is None or is_constant(value) for value in node.inputs):
         return False
     source = constant_tensor(node.inputs[0]) if node.inputs[0] is not None else None
-    if source is None or not facts.dequantizes_in_float(source.dtype):
-        return False
+    return source is not None and facts.dequantizes_in_float(source.dtype)
+
+
+def _readers_convert(node: ir.Node, profile: RuntimeProfile, target: LowPrecision) -> bool:
+    """Whether the runtime runs `node` and each of its readers (all in quantized groups) in the
+    target type."""
     out = node.outputs[0]
-    if out.is_graph_output() or not out.uses() or _output_type(node) is None:
-        return False
     if not profile.runs_in(node.domain, node.op_type, target.type_str):
         return False
     return all(

@@ -74,6 +74,24 @@ def _fold_of(
 ) -> tuple[ir.Value, np.ndarray, list[tuple[ir.Value, int]]] | None:
     """(scale, its values as a vector, [(weight, axis of the weight the scale multiplies)]), or
     None when the normalization does not fold."""
+    found = _scale_of(node, scale_index, bias_index, plan)
+    if found is None:
+        return None
+    scale, gamma = found
+    out = node.outputs[0]
+    if out.is_graph_output():
+        return None
+    weights = _weights_of(out, gamma, plan)
+    if weights is None:
+        return None
+    return scale, gamma, weights
+
+
+def _scale_of(
+    node: ir.Node, scale_index: int, bias_index: int | None, plan: PrecisionPlan
+) -> tuple[ir.Value, np.ndarray] | None:
+    """(scale, its values as a vector) when the normalization has no bias and its scale is a
+    16-bit-stored constant of its own, broadcast along the last axis, finite and not all zero."""
     if bias_index is not None and bias_index < len(node.inputs) and node.inputs[bias_index] is not None:
         return None
     scale = node.inputs[scale_index] if scale_index < len(node.inputs) else None
@@ -85,9 +103,12 @@ def _fold_of(
     gamma = array.reshape(-1).astype(np.float32)
     if not np.all(np.isfinite(gamma)) or not np.any(gamma):
         return None
-    out = node.outputs[0]
-    if out.is_graph_output():
-        return None
+    return scale, gamma
+
+
+def _weights_of(out: ir.Value, gamma: np.ndarray, plan: PrecisionPlan) -> list[tuple[ir.Value, int]] | None:
+    """[(weight, axis the scale multiplies)] of the matrix products reading `out`, when every
+    reader is one and every folded weight fits; None otherwise."""
     weights: list[tuple[ir.Value, int]] = []
     for use in out.uses():
         found = _weight_of(use.node, use.idx, gamma.size)
@@ -96,7 +117,7 @@ def _fold_of(
         weights.append(found)
     if not weights or not all(_fits(weight, gamma, plan) for weight, _ in weights):
         return None
-    return scale, gamma, weights
+    return weights
 
 
 def _weight_of(reader: ir.Node, index: int, size: int) -> tuple[ir.Value, int] | None:

@@ -51,26 +51,51 @@ def required_opset(
     current = default_opset(model)
     if current is None:
         return None
-    type_str = target.type_str
-    needed, ops = current, []
-    heavy = {
-        node.op_type
-        for node in all_nodes(model)
-        if normalize_domain(node.domain) == ""
-        and (rule := policy.rule_for("", node.op_type)) is not None
-        and rule.op_class is OpClass.LOW and rule.compute_bound
-        and (runtime is None or runtime.runs_in("", node.op_type, type_str))
-    }
+    needed, ops = _first_opsets(_heavy_ops(model, policy, target.type_str, runtime), current, target.type_str)
+    return (needed, ops) if needed > current else None
+
+
+def _runs(runtime: RuntimeProfile | None, op_type: str, type_str: str) -> bool:
+    """Whether the runtime (any, when None) has a `type_str` kernel for the default-domain op."""
+    return runtime is None or runtime.runs_in("", op_type, type_str)
+
+
+def _is_heavy(node: ir.Node, policy: Policy, type_str: str, runtime: RuntimeProfile | None) -> bool:
+    """Whether `node` is a default-domain compute-bound op of class LOW the runtime runs in
+    `type_str`."""
+    if normalize_domain(node.domain) != "":
+        return False
+    rule = policy.rule_for("", node.op_type)
+    return bool(
+        rule is not None and rule.op_class is OpClass.LOW and rule.compute_bound
+        and _runs(runtime, node.op_type, type_str)
+    )
+
+
+def _is_quantization_end(node: ir.Node, type_str: str, runtime: RuntimeProfile | None) -> bool:
+    """Whether `node` is a default-domain quantization end the runtime runs in `type_str`."""
+    return (
+        normalize_domain(node.domain) == ""
+        and op_facts("", node.op_type).quantization is not None
+        and _runs(runtime, node.op_type, type_str)
+    )
+
+
+def _heavy_ops(model: ir.Model, policy: Policy, type_str: str, runtime: RuntimeProfile | None) -> set[str]:
+    """The op types whose opset decides the upgrade: the compute-bound ones and, where there are
+    any, the quantization ends."""
+    heavy = {node.op_type for node in all_nodes(model) if _is_heavy(node, policy, type_str, runtime)}
     if heavy:
         # A QDQ model's compute ops convert only with their DequantizeLinear/QuantizeLinear
         # (16-bit from opset 19): those count like the compute ops they wrap.
-        heavy |= {
-            node.op_type
-            for node in all_nodes(model)
-            if normalize_domain(node.domain) == ""
-            and op_facts("", node.op_type).quantization is not None
-            and (runtime is None or runtime.runs_in("", node.op_type, type_str))
-        }
+        heavy |= {node.op_type for node in all_nodes(model) if _is_quantization_end(node, type_str, runtime)}
+    return heavy
+
+
+def _first_opsets(heavy: set[str], current: int, type_str: str) -> tuple[int, list[str]]:
+    """The lowest opset at which every op of `heavy` admits `type_str` (those that never do
+    aside), with the ops that need more than `current`."""
+    needed, ops = current, []
     for op_type in sorted(heavy):
         if admits(op_type, current, type_str):
             continue
@@ -78,7 +103,7 @@ def required_opset(
         if first is not None:
             needed = max(needed, first)
             ops.append(op_type)
-    return (needed, ops) if needed > current else None
+    return needed, ops
 
 
 def upgrade_opset(model: ir.Model, opset: int, skip: frozenset[ir.Node] = frozenset()) -> ir.Model:
@@ -105,13 +130,27 @@ def upgrade_opset(model: ir.Model, opset: int, skip: frozenset[ir.Node] = frozen
         for name, value in graph.initializers.items()
         if name not in kept and value.const_value is not None
     }
+    result = ir.serde.deserialize_model(_convert_version(proto, current, opset))
+    _restore_weights(result.graph, detached, inputs)
+    return result
+
+
+def _convert_version(proto: onnx.ModelProto, current: int | None, opset: int) -> onnx.ModelProto:
+    """The ONNX version converter's upgrade of `proto` to `opset`.
+
+    Raises:
+        InputError: The converter fails (naming the versions and its error's first line).
+    """
     try:
-        upgraded = onnx.version_converter.convert_version(proto, opset)
+        return onnx.version_converter.convert_version(proto, opset)
     except Exception as e:  # noqa: BLE001 - the converter raises several exception types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InputError(f"cannot upgrade the model from opset {current} to {opset}: {first}") from e
-    result = ir.serde.deserialize_model(upgraded)
-    new_graph = result.graph
+
+
+def _restore_weights(new_graph: ir.Graph, detached: dict[str, ir.TensorProtocol], inputs: set[str]) -> None:
+    """Put the detached weights back as initializers of the upgraded graph, and drop the graph
+    inputs that stood for them (those that were graph inputs before stay)."""
     by_name = {v.name: v for v in new_graph.inputs}
     for name, tensor in detached.items():
         value = by_name.get(name)
@@ -123,7 +162,6 @@ def upgrade_opset(model: ir.Model, opset: int, skip: frozenset[ir.Node] = frozen
         remaining = [v for v in new_graph.inputs if v.name not in detached or v.name in inputs]
         new_graph.inputs.clear()
         new_graph.inputs.extend(remaining)
-    return result
 
 
 # A constant attribute tensor larger than this stands in the sample model as one element of
@@ -189,17 +227,39 @@ def converter_keeps_every_node(model: ir.Model, opset: int, skip: frozenset[ir.N
         return False
     if current == opset:
         return True
+    samples = _samples(model, skip)
+    if samples is None:
+        return False
+    nodes, sample = _sample_model(list(samples.values()), current, model.ir_version)
+    try:
+        converted = onnx.version_converter.convert_version(sample, opset)
+    except Exception:  # noqa: BLE001 - the full conversion reports the converter's errors
+        return False
+    return _same_nodes(nodes, list(converted.graph.node))
+
+
+def _samples(model: ir.Model, skip: frozenset[ir.Node]) -> dict[tuple, ir.Node] | None:
+    """One default-domain node of each kind of the main graph (nodes in `skip` aside); None when
+    a node has a subgraph or a value of unknown type."""
     samples: dict[tuple, ir.Node] = {}
     for node in model.graph:
         if normalize_domain(node.domain) != "" or node in skip:
             continue
         if any(attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for attr in node.attributes.values()):
-            return False
+            return None
         if any(v is not None and v.dtype is None for v in (*node.inputs, *node.outputs)):
-            return False
+            return None
         samples.setdefault(_kind(node), node)
+    return samples
+
+
+def _sample_model(
+    samples: list[ir.Node], current: int, ir_version: int
+) -> tuple[list[onnx.NodeProto], onnx.ModelProto]:
+    """The sample model at opset `current` with one node per sample (each with inputs and outputs
+    of its own), and its nodes."""
     nodes, inputs, outputs = [], [], []
-    for index, node in enumerate(samples.values()):
+    for index, node in enumerate(samples):
         proto = _sample_node(node)
         proto.name = f"n{index}"
         for position, value in enumerate(node.inputs):
@@ -212,17 +272,18 @@ def converter_keeps_every_node(model: ir.Model, opset: int, skip: frozenset[ir.N
         nodes.append(proto)
     graph = onnx.helper.make_graph(nodes, "sample", inputs, outputs)
     sample = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", current)])
-    sample.ir_version = model.ir_version
-    try:
-        converted = onnx.version_converter.convert_version(sample, opset)
-    except Exception:  # noqa: BLE001 - the full conversion reports the converter's errors
-        return False
-    if len(converted.graph.node) != len(nodes):
+    sample.ir_version = ir_version
+    return nodes, sample
+
+
+def _same_nodes(nodes: list[onnx.NodeProto], converted: list[onnx.NodeProto]) -> bool:
+    """Whether the converter's nodes are the sample's, one for one (ops, names, attributes)."""
+    if len(converted) != len(nodes):
         return False
     return all(
         (a.op_type, a.domain, list(a.input), list(a.output)) == (b.op_type, b.domain, list(b.input), list(b.output))
         and sorted(x.SerializeToString() for x in a.attribute) == sorted(x.SerializeToString() for x in b.attribute)
-        for a, b in zip(nodes, converted.graph.node)
+        for a, b in zip(nodes, converted)
     )
 
 

@@ -108,6 +108,12 @@ class _Rewriter:
 
     # -- analysis of final types ----------------------------------------------------------
     def _collect(self) -> None:
+        """The FP32 values of the original model, and which of them end up 16-bit."""
+        self._collect_fp32()
+        self._collect_lowered()
+
+    def _collect_fp32(self) -> None:
+        """The FP32 graph inputs, initializers and node inputs and outputs."""
         plan = self.plan
         for graph in plan.graphs:
             for value in (*graph.inputs, *graph.initializers.values()):
@@ -117,6 +123,11 @@ class _Rewriter:
             for value in (*node.inputs, *node.outputs):
                 if value is not None and is_fp32_tensor(value):
                     self.fp32.add(value)
+
+    def _collect_lowered(self) -> None:
+        """The values that end up 16-bit: model inputs (without `keep_io_types`), constants
+        stored in 16 bits and the lowered outputs of 16-bit nodes."""
+        plan = self.plan
         if not plan.keep_io_types:
             self.lowered.update(v for v in self.model.graph.inputs if is_fp32_tensor(v))
         for value, storage in plan.storage.items():
@@ -250,35 +261,49 @@ class _Rewriter:
         decision = self.plan.decisions[node]
         attr_name = rule.dtype_attribute
         if decision.precision is not Precision.LOW:
-            # Keep the output FP32 even where it followed an input that is now 16-bit.
-            source = node.inputs[0] if node.inputs else None
-            if (
-                attr_name == "dtype"
-                and node.outputs
-                and is_fp32_tensor(node.outputs[0])
-                and node.attributes.get("dtype") is None
-                and source is not None
-                and source in self.lowered
-            ):
-                node.attributes["dtype"] = ir.AttrInt64("dtype", FLOAT)
+            if attr_name == "dtype":
+                self._keep_fp32_dtype(node)
             return
         if attr_name in ("to", "dtype"):
             node.attributes[attr_name] = ir.AttrInt64(attr_name, self.low)
         elif node.op_type == "Constant":
-            tensor = constant_tensor(node.outputs[0])
-            if tensor is None:
+            if not self._lower_constant_node(node):
                 return
-            array = np.asarray(tensor.numpy()).astype(self.target.numpy_dtype)
-            node.attributes.clear()
-            node.attributes["value"] = ir.AttrTensor("value", ir.Tensor(array, name=tensor.name))
-            self.stats.constants_lowered += 1  # a weight held in a Constant node
         else:  # ConstantOfShape
-            attr = node.attributes.get("value")
-            fill = attr.as_tensor().numpy() if attr is not None else np.zeros([1], np.float32)
-            node.attributes["value"] = ir.AttrTensor(
-                "value", ir.Tensor(np.asarray(fill).astype(self.target.numpy_dtype))
-            )
+            self._lower_fill_value(node)
         self.stats.retargeted.append(node.name or node.op_type)
+
+    def _keep_fp32_dtype(self, node: ir.Node) -> None:
+        """Keep an FP32 node's output FP32 (an explicit `dtype`) even where it followed an input
+        that is now 16-bit."""
+        source = node.inputs[0] if node.inputs else None
+        if (
+            node.outputs
+            and is_fp32_tensor(node.outputs[0])
+            and node.attributes.get("dtype") is None
+            and source is not None
+            and source in self.lowered
+        ):
+            node.attributes["dtype"] = ir.AttrInt64("dtype", FLOAT)
+
+    def _lower_constant_node(self, node: ir.Node) -> bool:
+        """Store a Constant node's tensor in the 16-bit type; False when it has none to read."""
+        tensor = constant_tensor(node.outputs[0])
+        if tensor is None:
+            return False
+        array = np.asarray(tensor.numpy()).astype(self.target.numpy_dtype)
+        node.attributes.clear()
+        node.attributes["value"] = ir.AttrTensor("value", ir.Tensor(array, name=tensor.name))
+        self.stats.constants_lowered += 1  # a weight held in a Constant node
+        return True
+
+    def _lower_fill_value(self, node: ir.Node) -> None:
+        """Give a ConstantOfShape node its fill value (zero when absent) in the 16-bit type."""
+        attr = node.attributes.get("value")
+        fill = attr.as_tensor().numpy() if attr is not None else np.zeros([1], np.float32)
+        node.attributes["value"] = ir.AttrTensor(
+            "value", ir.Tensor(np.asarray(fill).astype(self.target.numpy_dtype))
+        )
 
     def _lower_constants(self) -> None:
         """Rule 3."""

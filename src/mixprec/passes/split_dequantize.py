@@ -21,7 +21,9 @@ some are ops in `fp32_groups` and some are not. The twin is named `<node>` + :da
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import onnx_ir as ir
 
@@ -60,28 +62,55 @@ def split_shared_dequantizations(model: ir.Model, profile: RuntimeProfile, targe
     done = SplitDequantizations()
     if not facts.fp32_groups or target.ir_dtype not in facts.group_scales:
         return done
-    fresh: tuple[FreshNames, FreshNames] | None = None  # value and node names of the whole model
+    fresh = _ModelNames(model)
     for graph in all_graphs(model):
         for node in list(graph):
-            if role(node) != "dequantize" or not node.inputs or not node.outputs or node.inputs[0] is None:
+            others = _other_readers(node, facts.fp32_groups)
+            if others is None:
                 continue
-            if is_constant(node.inputs[0]) or node.outputs[0].is_graph_output():
-                continue
-            uses = list(node.outputs[0].uses())
-            others = [u for u in uses if (normalize_domain(u.node.domain), u.node.op_type) not in facts.fp32_groups]
-            if not others or len(others) == len(uses):
-                continue
-            values, names = fresh = fresh or model_names(model)
-            name = names((node.name or node.outputs[0].name or "DequantizeLinear") + SUFFIX)
-            out = node.outputs[0]
-            twin_out = ir.Value(name=values((out.name or name) + SUFFIX), type=out.type, shape=out.shape)
-            twin = ir.Node(
-                node.domain, node.op_type, list(node.inputs), list(node.attributes.values()),
-                outputs=[twin_out], name=name, version=node.version,
-            )
-            graph.insert_after(node, twin)
-            for use in others:
-                use.node.replace_input_with(use.idx, twin_out)
-            done.nodes.append(node.name or out.name or "DequantizeLinear")
+            _add_twin(graph, node, others, fresh)
+            done.nodes.append(node.name or node.outputs[0].name or "DequantizeLinear")
     return done
 
+
+class _ModelNames:
+    """The value and node names of the whole model, read once when first needed."""
+
+    def __init__(self, model: ir.Model) -> None:
+        self._model = model
+        self._names: tuple[FreshNames, FreshNames] | None = None
+
+    def get(self) -> tuple[FreshNames, FreshNames]:
+        """The fresh value names and node names."""
+        if self._names is None:
+            self._names = model_names(self._model)
+        return self._names
+
+
+def _other_readers(node: ir.Node, fp32_groups: Collection[tuple[str, str]]) -> list[Any] | None:
+    """The readers of a shared dequantization that are not in an FP32 group, or None when `node`
+    is not one to split (not a dequantization of a non-constant value read by both kinds)."""
+    if role(node) != "dequantize" or not node.inputs or not node.outputs or node.inputs[0] is None:
+        return None
+    if is_constant(node.inputs[0]) or node.outputs[0].is_graph_output():
+        return None
+    uses = list(node.outputs[0].uses())
+    others = [u for u in uses if (normalize_domain(u.node.domain), u.node.op_type) not in fp32_groups]
+    if not others or len(others) == len(uses):
+        return None
+    return others
+
+
+def _add_twin(graph: ir.Graph, node: ir.Node, others: list[Any], fresh: _ModelNames) -> None:
+    """Insert a twin of `node` after it and let `others` read the twin's output."""
+    values, names = fresh.get()
+    name = names((node.name or node.outputs[0].name or "DequantizeLinear") + SUFFIX)
+    out = node.outputs[0]
+    twin_out = ir.Value(name=values((out.name or name) + SUFFIX), type=out.type, shape=out.shape)
+    twin = ir.Node(
+        node.domain, node.op_type, list(node.inputs), list(node.attributes.values()),
+        outputs=[twin_out], name=name, version=node.version,
+    )
+    graph.insert_after(node, twin)
+    for use in others:
+        use.node.replace_input_with(use.idx, twin_out)

@@ -244,28 +244,38 @@ class _Islands:
         self.outputs: dict[ir.Node, list[ir.Value]] = {}
         self._elements: dict[int, int] = {}  # id(shape) -> elements (the values keep their shapes alive)
         self.model_inputs = planner.model_inputs
-        facts, decisions = planner.plan.facts, planner.plan.decisions
+        decisions = planner.plan.decisions
         self.quantized = any(op_facts(domain, op).quantization for op, domain in planner.op_types)
         for node in planner.plan.order:
-            decision = decisions[node]
-            if decision.category not in _FREE_CATEGORIES or decision.precision is Precision.NONE:
-                continue
-            fact = facts[node]
-            rule = fact.rule
-            if (
-                rule is None or rule.op_class is not OpClass.FOLLOW or rule.dtype_attribute is not None
-                or fact.sig is None or not fact.lowerable
-            ):
-                continue
-            if self.quantized and (qdq_role(node) is not None or _next_to_qdq(node)):
-                continue  # Q/DQ pairs have rules of their own (mixprec.plan.qdq_pairs)
-            found = _free_values(node, fact)
-            if found is None or planner.is_weight_heavy(node):
+            found = self._free_node_values(node)
+            if found is None:
                 continue
             self.free[node] = len(self.free)
             self.inputs[node], self.outputs[node] = found
+            decision = decisions[node]
             if decision.category is Category.FOLLOW and decision.precision is Precision.FP32:
                 self.reads_tainted.add(node)
+
+    def _free_node_values(self, node: ir.Node) -> tuple[list[ir.Value], list[ir.Value]] | None:
+        """The node's free FP32 inputs and outputs (:func:`_free_values`) when it is a free node:
+        decided by the follow rules alone, a lowerable follow-class op without a dtype attribute,
+        no part of a Q/DQ group and not kept for its weight; None otherwise."""
+        decision = self.view.decisions[node]
+        if decision.category not in _FREE_CATEGORIES or decision.precision is Precision.NONE:
+            return None
+        fact = self.view.facts[node]
+        rule = fact.rule
+        if (
+            rule is None or rule.op_class is not OpClass.FOLLOW or rule.dtype_attribute is not None
+            or fact.sig is None or not fact.lowerable
+        ):
+            return None
+        if self.quantized and (qdq_role(node) is not None or _next_to_qdq(node)):
+            return None  # Q/DQ pairs have rules of their own (mixprec.plan.qdq_pairs)
+        found = _free_values(node, fact)
+        if found is None or self.planner.is_weight_heavy(node):
+            return None
+        return found
 
     def elements(self, value: ir.Value) -> int:
         """Estimated elements of `value`: every dimension that is not static as `SYMBOLIC_DIM`, an
@@ -453,36 +463,62 @@ def _solve(problem: tuple, launch: int) -> tuple[bool, ...] | None:
     nodes, values = problem
     net = _Network()
     ids = [net.node() for _ in nodes]
-    for n, (touched, constraint, readers) in zip(ids, nodes):
-        net.edge(0, n, touched * _FP32_EXTRA_BYTES)  # cut when the node stays FP32
-        if constraint == 1:
-            net.edge(n, 1, _INF)
-        elif constraint == 2:
-            for reader in readers:
-                net.edge(n, 1 if reader < 0 else ids[reader], _INF)
-    for elements, producer_index, consumers_index, fixed_low_reader, fixed_high_reader in values:
-        cost = elements * _CAST_BYTES + launch
-        producer = ids[producer_index] if producer_index >= 0 else (0 if producer_index == -1 else 1)
-        consumers = [ids[c] for c in consumers_index]
-        if producer != 1:  # a 16-bit producer with an FP32 reader: one upcast
-            if fixed_high_reader:
-                if producer != 0:
-                    net.edge(producer, 1, cost)
-            elif consumers:
-                aux = net.node()
-                net.edge(producer, aux, cost)
-                for c in consumers:
-                    net.edge(aux, c, _INF)
-        if producer != 0:  # an FP32 producer with a 16-bit reader: one downcast
-            if fixed_low_reader:
-                if producer != 1:
-                    net.edge(0, producer, cost)
-            elif consumers:
-                aux = net.node()
-                net.edge(aux, producer, cost)
-                for c in consumers:
-                    net.edge(c, aux, _INF)
+    for n, spec in zip(ids, nodes):
+        _add_node_edges(net, ids, n, spec)
+    for spec in values:
+        _add_value_edges(net, ids, spec, launch)
     if net.max_flow() >= _INF:
         return None
     high = net.reaching_sink()
     return tuple(n not in high for n in ids)
+
+
+def _add_node_edges(net: _Network, ids: list[int], n: int, spec: tuple) -> None:
+    """The edges of free node `n` (network id) with its spec (elements, constraint, readers; see
+    `_Islands.problem`): its FP32 compute cost, and what its constraint forbids."""
+    touched, constraint, readers = spec
+    net.edge(0, n, touched * _FP32_EXTRA_BYTES)  # cut when the node stays FP32
+    if constraint == 1:
+        net.edge(n, 1, _INF)
+    elif constraint == 2:
+        for reader in readers:
+            net.edge(n, 1 if reader < 0 else ids[reader], _INF)
+
+
+def _add_value_edges(net: _Network, ids: list[int], spec: tuple, launch: int) -> None:
+    """The edges of one value (see `_Islands.problem`): its shared upcast and downcast, each
+    costing its bytes and `launch`."""
+    elements, producer_index, consumers_index, fixed_low_reader, fixed_high_reader = spec
+    cost = elements * _CAST_BYTES + launch
+    producer = ids[producer_index] if producer_index >= 0 else (0 if producer_index == -1 else 1)
+    consumers = [ids[c] for c in consumers_index]
+    if producer != 1:  # a 16-bit producer with an FP32 reader: one upcast
+        _add_upcast(net, producer, consumers, fixed_high_reader, cost)
+    if producer != 0:  # an FP32 producer with a 16-bit reader: one downcast
+        _add_downcast(net, producer, consumers, fixed_low_reader, cost)
+
+
+def _add_upcast(net: _Network, producer: int, consumers: list[int], fixed_high_reader: bool, cost: int) -> None:
+    """The upcast of a value: cut when its producer is 16-bit and a reader FP32 (a fixed one, or
+    one of `consumers` through a shared auxiliary node)."""
+    if fixed_high_reader:
+        if producer != 0:
+            net.edge(producer, 1, cost)
+    elif consumers:
+        aux = net.node()
+        net.edge(producer, aux, cost)
+        for c in consumers:
+            net.edge(aux, c, _INF)
+
+
+def _add_downcast(net: _Network, producer: int, consumers: list[int], fixed_low_reader: bool, cost: int) -> None:
+    """The downcast of a value: cut when its producer is FP32 and a reader 16-bit (a fixed one, or
+    one of `consumers` through a shared auxiliary node)."""
+    if fixed_low_reader:
+        if producer != 1:
+            net.edge(0, producer, cost)
+    elif consumers:
+        aux = net.node()
+        net.edge(aux, producer, cost)
+        for c in consumers:
+            net.edge(c, aux, _INF)

@@ -92,32 +92,63 @@ def read_inputs(node: ir.Node, facts: NodeFacts, context: PlanContext, evidence:
         context.classify(node, facts).op_class is OpClass.FOLLOW and fact.value_preserving
         and _only_flexible_tiny([v for _, v, _ in considered], states, context)
     )
-    lowerable = set(facts.lowerable)
-    pinned: list[str] = []
-    wide: list[tuple[int, ir.Value, State]] = []
-    castable: dict[ir.Value, str] = {}
-    saturated: list[ir.Value] = []
+    reading = _Reading(
+        node, context, evidence, moves_tiny, facts.rule.saturate_inputs, fact.adds, states, set(facts.lowerable)
+    )
     for index, value, var in considered:
-        state = states[value]
+        reading.read(index, value, var)
+    if reading.pinned or facts.pinned_evidence:  # else the facts are those given (nothing was pinned)
+        facts = replace(facts, lowerable=frozenset(reading.lowerable), pinned_evidence=tuple(reading.pinned))
+    return Inputs(
+        facts, considered, states, tuple(reading.wide), reading.castable, moves_tiny, tuple(reading.saturated)
+    )
+
+
+@dataclass
+class _Reading:
+    """The FP32 inputs of one node read one at a time (see :func:`read_inputs`): the states they
+    end in, the type variables still lowerable, and what is pinned, castable and saturated."""
+
+    node: ir.Node
+    context: PlanContext
+    evidence: Callable[[ir.Value], str]
+    moves_tiny: bool
+    saturate_inputs: frozenset[int]
+    adds: Callable[[int], bool]
+    states: dict[ir.Value, State]
+    lowerable: set[str]
+    pinned: list[str] = field(default_factory=list)
+    wide: list[tuple[int, ir.Value, State]] = field(default_factory=list)
+    castable: dict[ir.Value, str] = field(default_factory=dict)
+    saturated: list[ir.Value] = field(default_factory=list)
+
+    def read(self, index: int, value: ir.Value, var: str) -> None:
+        """Read input `index` (bound to type variable `var`): a wide or tiny value saturates
+        (a constant the rule saturates), flushes (where the node adds or moves it) or pins `var`
+        to FP32."""
+        state = self.states[value]
         if state not in (State.WIDE, State.TINY):
-            continue
-        if index in facts.rule.saturate_inputs and is_constant(value):
-            saturated.append(value)
-            states[value] = State.FLEX
-            continue
-        if state is State.TINY and (moves_tiny or (fact.adds(index) and not guards_zero(node))):
-            if context.is_flexible(value):
-                states[value] = State.FLEX
-            else:
-                states[value] = State.HIGH
-                castable[value] = f"what flushes to zero is below the rounding of the {context.target.short_name} sum"
-            continue
-        lowerable.discard(var)
-        wide.append((index, value, state))
-        pinned.append(f"{value.name}: {evidence(value)}")
-    if pinned or facts.pinned_evidence:  # else the facts are those given (nothing was pinned)
-        facts = replace(facts, lowerable=frozenset(lowerable), pinned_evidence=tuple(pinned))
-    return Inputs(facts, considered, states, tuple(wide), castable, moves_tiny, tuple(saturated))
+            return
+        if index in self.saturate_inputs and is_constant(value):
+            self.saturated.append(value)
+            self.states[value] = State.FLEX
+            return
+        if state is State.TINY and (self.moves_tiny or (self.adds(index) and not guards_zero(self.node))):
+            self._flush(value)
+            return
+        self.lowerable.discard(var)
+        self.wide.append((index, value, state))
+        self.pinned.append(f"{value.name}: {self.evidence(value)}")
+
+    def _flush(self, value: ir.Value) -> None:
+        """A tiny value that may flush to zero: flexible where it can be, else held FP32 with a
+        16-bit copy that is safe."""
+        context = self.context
+        if context.is_flexible(value):
+            self.states[value] = State.FLEX
+        else:
+            self.states[value] = State.HIGH
+            self.castable[value] = f"what flushes to zero is below the rounding of the {context.target.short_name} sum"
 
 
 def _considered(node: ir.Node, facts: NodeFacts) -> tuple[tuple[int, ir.Value, str], ...]:

@@ -224,15 +224,22 @@ def dtype_source(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Rulin
     if isinstance(generated, Ruling):
         return generated
     tiny, fill = generated
+    source = _followed_input(node, rule.dtype_attribute)
+    if source is not None:
+        return _copy(source, facts, fill, tiny, context)
+    return _flex(tiny=tiny, facts=facts, fill=fill)
+
+
+def _followed_input(node: ir.Node, dtype_attribute: str) -> ir.Value | None:
+    """The FP32 input whose type a dtype source's output follows (a Cast, or an op without its
+    dtype attribute set); None when there is none."""
     source = node.inputs[0] if node.inputs else None
     follows_input = (
         source is not None
         and is_fp32_tensor(source)
-        and (rule.dtype_attribute == "to" or node.attributes.get(rule.dtype_attribute) is None)
+        and (dtype_attribute == "to" or node.attributes.get(dtype_attribute) is None)
     )
-    if follows_input:
-        return _copy(source, facts, fill, tiny, context)  # type: ignore[arg-type]
-    return _flex(tiny=tiny, facts=facts, fill=fill)
+    return source if follows_input else None
 
 
 def _copy(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal
@@ -138,41 +138,69 @@ def parse_op_facts(document: Mapping[str, Any], source: str) -> Mapping[tuple[st
 
 
 def _parse_entry(entry: Mapping[str, Any], where: str) -> OpFacts:
-    values: dict[str, Any] = {}
-    for key in _FLAGS:
-        if key in entry:
-            if not isinstance(entry[key], bool):
-                raise PolicyError(f"{where}: {key!r} must be true or false, got {entry[key]!r}")
-            values[key] = entry[key]
-    for key, known in _NAMES.items():
-        if key in entry:
-            if entry[key] not in known:
-                names = ", ".join(sorted(known))
-                raise PolicyError(f"{where}: unknown {key} {entry[key]!r} (known: {names})")
-            values[key] = entry[key]
-    for key in _INDICES:
-        if key in entry:
-            index = entry[key]
-            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-                raise PolicyError(f"{where}: {key!r} must be an input index, got {index!r}")
-            values[key] = index
-    if "carrier" in entry:
-        try:
-            values["carrier"] = Carrier(entry["carrier"])
-        except ValueError:
-            known = ", ".join(c.value for c in Carrier)
-            carrier = entry["carrier"]
-            raise PolicyError(f"{where}: unknown carrier {carrier!r} (known: {known})") from None
-    if "dtype_attribute" in entry:
-        if not isinstance(entry["dtype_attribute"], str) or not entry["dtype_attribute"]:
-            raise PolicyError(f"{where}: 'dtype_attribute' must be an attribute name")
-        values["dtype_attribute"] = entry["dtype_attribute"]
-    if "integer_inputs" in entry:
-        values["integer_inputs"] = _integer_inputs(entry["integer_inputs"], where)
-    for key in _INPUT_SETS:
-        if key in entry:
-            values[key] = _input_set(entry[key], f"{where}: {key!r}")
-    return OpFacts(**values)
+    """One op's facts from its table (keys checked in the order of `_PARSERS`)."""
+    return OpFacts(**{key: parse(entry[key], key, where) for key, parse in _PARSERS.items() if key in entry})
+
+
+def _flag(value: Any, key: str, where: str) -> bool:
+    """A true/false fact."""
+    if not isinstance(value, bool):
+        raise PolicyError(f"{where}: {key!r} must be true or false, got {value!r}")
+    return value
+
+
+def _name(value: Any, key: str, where: str) -> str:
+    """A fact naming one of the rules or roles `_NAMES[key]` knows."""
+    known = _NAMES[key]
+    if value not in known:
+        names = ", ".join(sorted(known))
+        raise PolicyError(f"{where}: unknown {key} {value!r} (known: {names})")
+    return value
+
+
+def _index(value: Any, key: str, where: str) -> int:
+    """A fact naming one input by its index."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise PolicyError(f"{where}: {key!r} must be an input index, got {value!r}")
+    return value
+
+
+def _carrier(value: Any, key: str, where: str) -> Carrier:
+    """How integer values go through the op."""
+    try:
+        return Carrier(value)
+    except ValueError:
+        known = ", ".join(c.value for c in Carrier)
+        raise PolicyError(f"{where}: unknown carrier {value!r} (known: {known})") from None
+
+
+def _attribute_name(value: Any, key: str, where: str) -> str:
+    """The attribute that sets the op's output type."""
+    if not isinstance(value, str) or not value:
+        raise PolicyError(f"{where}: {key!r} must be an attribute name")
+    return value
+
+
+def _integer_inputs_of(value: Any, key: str, where: str) -> tuple[tuple[int, str], ...]:
+    """(input index, role) of the inputs that hold integers."""
+    return _integer_inputs(value, where)
+
+
+def _input_set_of(value: Any, key: str, where: str) -> InputSet:
+    """A set of input indices, or every input."""
+    return _input_set(value, f"{where}: {key!r}")
+
+
+# Key -> its parser (value, key, where), in the order the keys are checked.
+_PARSERS: dict[str, Callable[[Any, str, str], Any]] = {
+    **dict.fromkeys(_FLAGS, _flag),
+    **dict.fromkeys(_NAMES, _name),
+    **dict.fromkeys(_INDICES, _index),
+    "carrier": _carrier,
+    "dtype_attribute": _attribute_name,
+    "integer_inputs": _integer_inputs_of,
+    **dict.fromkeys(_INPUT_SETS, _input_set_of),
+}
 
 
 def _input_set(value: Any, where: str) -> InputSet:

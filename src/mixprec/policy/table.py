@@ -168,50 +168,75 @@ def parse_policy(document: Mapping[str, Any], target: LowPrecision, source: str)
     rules: dict[tuple[str, str], OpRule] = {}
     for index, entry in enumerate(document.get("rule", [])):
         where = f"{source}: rule {index}"
-        unknown = set(entry) - _RULE_KEYS
-        if unknown:
-            raise PolicyError(f"{where}: unknown keys {sorted(unknown)}")
-        try:
-            op_class = OpClass(entry["class"])
-        except (KeyError, ValueError) as e:
-            raise PolicyError(
-                f"{where}: 'class' must be one of {[c.value for c in OpClass]}"
-            ) from e
-        types = entry.get("types", [t.value for t in LowPrecision])
-        if any(t not in {x.value for x in LowPrecision} for t in types):
-            raise PolicyError(f"{where}: unknown entry in 'types': {types}")
-        if target.value not in types:
+        op_class = _rule_class(entry, where)
+        if not _rule_applies(entry, target, where):
             continue
-        condition = entry.get("condition")
-        if (op_class is OpClass.CONDITIONAL) != (condition is not None):
-            raise PolicyError(f"{where}: 'condition' is required exactly for class conditional")
-        if condition is not None:
-            from mixprec.policy.conditions import CONDITIONS  # noqa: PLC0415 - conditions read IR
-
-            if condition not in CONDITIONS:
-                raise PolicyError(
-                    f"{where}: unknown condition {condition!r} (known: {', '.join(sorted(CONDITIONS))})"
-                )
+        condition = _rule_condition(entry, op_class, where)
         ops = entry.get("ops")
         if not isinstance(ops, list) or not ops:
             raise PolicyError(f"{where}: 'ops' must be a non-empty list")
         for name in ops:
             domain, op_type = parse_op_name(name)
-            rules[(domain, op_type)] = OpRule(
-                op_type=op_type,
-                domain=domain,
-                op_class=op_class,
-                reason=str(entry.get("reason", op_class.value)),
-                fp32_inputs=_int_set(entry.get("fp32_inputs", []), where, "fp32_inputs"),
-                flexible_inputs=_int_set(entry.get("flexible_inputs", []), where, "flexible_inputs"),
-                saturate_inputs=_int_set(entry.get("saturate_inputs", []), where, "saturate_inputs"),
-                dtype_attribute=_dtype_attribute(entry, domain, op_type, where),
-                condition=condition,
-                params=MappingProxyType(dict(entry.get("params", {}))),
-                source=source,
-                compute_bound=_flag(entry.get("compute_bound", False), where, "compute_bound"),
-            )
+            rules[(domain, op_type)] = _op_rule(entry, domain, op_type, op_class, condition, where, source)
     return Policy(target, MappingProxyType(rules))
+
+
+def _rule_class(entry: Mapping[str, Any], where: str) -> OpClass:
+    """The class of a rule entry, whose keys must all be known."""
+    unknown = set(entry) - _RULE_KEYS
+    if unknown:
+        raise PolicyError(f"{where}: unknown keys {sorted(unknown)}")
+    try:
+        return OpClass(entry["class"])
+    except (KeyError, ValueError) as e:
+        raise PolicyError(
+            f"{where}: 'class' must be one of {[c.value for c in OpClass]}"
+        ) from e
+
+
+def _rule_applies(entry: Mapping[str, Any], target: LowPrecision, where: str) -> bool:
+    """Whether a rule entry's `types` (all of them by default) include `target`."""
+    types = entry.get("types", [t.value for t in LowPrecision])
+    if any(t not in {x.value for x in LowPrecision} for t in types):
+        raise PolicyError(f"{where}: unknown entry in 'types': {types}")
+    return target.value in types
+
+
+def _rule_condition(entry: Mapping[str, Any], op_class: OpClass, where: str) -> str | None:
+    """The named condition of a rule entry: required for class conditional, known, and
+    allowed for no other class."""
+    condition = entry.get("condition")
+    if (op_class is OpClass.CONDITIONAL) != (condition is not None):
+        raise PolicyError(f"{where}: 'condition' is required exactly for class conditional")
+    if condition is not None:
+        from mixprec.policy.conditions import CONDITIONS  # noqa: PLC0415 - conditions read IR
+
+        if condition not in CONDITIONS:
+            raise PolicyError(
+                f"{where}: unknown condition {condition!r} (known: {', '.join(sorted(CONDITIONS))})"
+            )
+    return condition
+
+
+def _op_rule(
+    entry: Mapping[str, Any], domain: str, op_type: str, op_class: OpClass, condition: str | None, where: str,
+    source: str,
+) -> OpRule:
+    """The rule a rule entry makes for one of its ops."""
+    return OpRule(
+        op_type=op_type,
+        domain=domain,
+        op_class=op_class,
+        reason=str(entry.get("reason", op_class.value)),
+        fp32_inputs=_int_set(entry.get("fp32_inputs", []), where, "fp32_inputs"),
+        flexible_inputs=_int_set(entry.get("flexible_inputs", []), where, "flexible_inputs"),
+        saturate_inputs=_int_set(entry.get("saturate_inputs", []), where, "saturate_inputs"),
+        dtype_attribute=_dtype_attribute(entry, domain, op_type, where),
+        condition=condition,
+        params=MappingProxyType(dict(entry.get("params", {}))),
+        source=source,
+        compute_bound=_flag(entry.get("compute_bound", False), where, "compute_bound"),
+    )
 
 
 def load_policy(target: LowPrecision, path: str | Path | None = None) -> Policy:

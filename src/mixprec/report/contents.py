@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -283,16 +284,17 @@ def build_report(
     weight_bytes_after: int,
     type_inference_warning: str | None,
     profile: RuntimeProfile | None = None,
+    notes: Sequence[str] = (),
+    validation: Validation | None = None,
 ) -> Report:
-    """Summarise a finished conversion (`profile`: the runtime it was converted for)."""
+    """Summarise a finished conversion (`profile`: the runtime it was converted for; `notes`:
+    what the steps said; `validation`: what the checks found)."""
     target = plan.target
     counts = _count_decisions(plan)
     runtime = [c for c in stats.casts if c.runtime]
     elements, cast_bytes, cast_estimate = _cast_traffic(runtime)
-    notes = []
     opset_note = _newer_opset_note(model, plan, profile)
-    if opset_note is not None:
-        notes.append(opset_note)
+    notes = [*([opset_note] if opset_note is not None else []), *notes]
     cost = runtime_cost(profile.name if profile is not None else None, target.value)
     # Casts of stored constants are folded by the runtime when it loads the model: no time.
     estimate = estimate_plan(plan, [c.guessed_elements for c in runtime if not c.of_constant], cost)
@@ -326,6 +328,7 @@ def build_report(
         cost_device=cost.device,
         cost_limitation=cost.limitation,
         quantization=quantized_summary(plan),
+        validation=validation if validation is not None else Validation(),
     )
 
 
@@ -415,24 +418,7 @@ def node_graph(plan: PrecisionPlan) -> NodeGraph:
         precision.append(letters[decision.precision])
         category.append(categories.setdefault(decision.category, len(categories)))
         reason.append(reasons.setdefault(decision.reason, len(reasons)))
-        preds: list[int] = []
-        cast_from: list[int] = []
-        constants = 0
-        only_constants = not has_subgraphs(node)
-        for value in node.inputs:
-            if value is None:
-                continue
-            source, through_cast, stored = _trace_input(value, index)
-            if source is not None and source not in preds:
-                preds.append(source)
-            if through_cast and (-1 if source is None else source) not in cast_from:
-                cast_from.append(-1 if source is None else source)
-            # A source later in the order (reached through a Cast the rewrite shared) is not known
-            # to be constant yet: count it as computed.
-            if stored or (source is not None and source < len(constant) and constant[source]):
-                constants += 1
-            else:
-                only_constants = False
+        preds, cast_from, constants, only_constants = _node_inputs(node, index, constant)
         inputs.append(preds)
         constant.append(only_constants)
         constant_inputs.append(constants)
@@ -444,6 +430,40 @@ def node_graph(plan: PrecisionPlan) -> NodeGraph:
         constant="".join("1" if c else "0" for c in constant),
         constant_inputs=constant_inputs, cast_inputs=cast_inputs, cast_outputs=cast_outputs,
     )
+
+
+def _node_inputs(
+    node: ir.Node, index: dict[ir.Node, int], constant: list[bool]
+) -> tuple[list[int], list[int], int, bool]:
+    """Where `node`'s inputs come from, given the planned nodes' `index` and the constant flags
+    of the nodes listed so far: its producers (planned node indices, each once), the sources of
+    inputs reached through an inserted Cast (-1 for a model input or stored value), how many
+    inputs are constant, and whether all are (never for a node with subgraphs)."""
+    preds: list[int] = []
+    cast_from: list[int] = []
+    constants = 0
+    only_constants = not has_subgraphs(node)
+    for value in node.inputs:
+        if value is None:
+            continue
+        source, through_cast, stored = _trace_input(value, index)
+        if source is not None and source not in preds:
+            preds.append(source)
+        origin = -1 if source is None else source
+        if through_cast and origin not in cast_from:
+            cast_from.append(origin)
+        if stored or _listed_constant(source, constant):
+            constants += 1
+        else:
+            only_constants = False
+    return preds, cast_from, constants, only_constants
+
+
+def _listed_constant(source: int | None, constant: list[bool]) -> bool:
+    """Whether planned node `source` is already listed as constant. A source later in the order
+    (reached through a Cast the rewrite shared) is not known to be constant yet: it counts as
+    computed."""
+    return source is not None and source < len(constant) and constant[source]
 
 
 def _trace_input(value: ir.Value, index: dict[ir.Node, int]) -> tuple[int | None, bool, bool]:

@@ -17,6 +17,7 @@ import subprocess
 from dataclasses import dataclass, field
 
 from mixprec.report.contents import NodeGraph
+from mixprec.report.layer_order import longest_path_layers, order_layers
 
 # Up to this many drawn nodes, Graphviz dot lays the graph out. Measured with dot 2.43 and the
 # iteration limits below, on generated graphs, 2 CPU cores: transformer-like blocks (three
@@ -36,11 +37,6 @@ LABELLED_MAX_NODES = 400
 # the columns fit the width.
 DRAWING_WIDTH = 1090
 DRAWING_HEIGHT = 900
-# Barycentre sweeps of the built-in ordering, and the most placeholder nodes it adds on long
-# edges (more would cost seconds on the largest graphs; long edges beyond it are left out of the
-# ordering).
-_SWEEPS = 8
-_MAX_PLACEHOLDERS = 12000
 
 DOT = "graphviz dot"
 BUILT_IN = "built-in"
@@ -215,22 +211,9 @@ def _read_plain(text: str, folded: FoldedGraph, labelled: bool) -> GraphLayout:
     band to another is drawn as a stub out of its producer and one into its consumer."""
     margin, gap = 8.0, 36.0 if labelled else 14.0
     box_w, box_h = _box_size(labelled)
-    height, centres, splines = _parse_plain(text)
-    if height is None or set(centres) != set(folded.nodes):
-        raise ValueError("nodes missing")
-    # From here y points downwards; boxes are given by their top-left corners.
-    left = {i: x - box_w / 2 for i, (x, _) in centres.items()}
-    top = {i: height - y - box_h / 2 for i, (_, y) in centres.items()}
-    routes = {
-        (p, i): [(x, height - y) for x, y in pts]
-        for (p, i), pts in splines.items()
-        if len(pts) >= 4 and (len(pts) - 1) % 3 == 0
-    }
-    rows = sorted({round(t, 1) for t in top.values()})
-    row_index = {t: r for r, t in enumerate(rows)}
-    row_of = {i: row_index[round(t, 1)] for i, t in top.items()}
-    items = _band_items(left, top, routes, row_of, box_w, box_h)
-    band_of_row, extents = _bands(rows, height, items, gap)
+    boxes = _plain_boxes(text, folded, box_w, box_h)
+    items = _band_items(boxes.left, boxes.top, boxes.routes, boxes.row_of, box_w, box_h)
+    band_of_row, extents = _bands(boxes.rows, boxes.height, items, gap)
 
     bands = sorted(extents)
     offsets, right = _band_offsets(bands, extents, margin, gap)
@@ -242,18 +225,76 @@ def _read_plain(text: str, folded: FoldedGraph, labelled: bool) -> GraphLayout:
         box_h=box_h,
         labelled=labelled,
     )
-    for i in folded.nodes:
-        band = band_of_row[row_of[i]]
-        dx, dy = offsets[band]
-        layout.x[i], layout.y[i] = left[i] + dx, top[i] + dy
-        layout.rank[i] = row_of[i]
-        layout.column[i] = bands.index(band)
+    band_of = {i: band_of_row[boxes.row_of[i]] for i in folded.nodes}
+    _place_in_bands(layout, boxes, band_of, offsets, bands)
     stub = (0.3 if labelled else 0.16) * 72 / 2
     for p, i in folded.edges():
-        spline = routes.get((p, i), [])
-        layout.edges.append(_edge_route(layout, p, i, spline, offsets[band_of_row[row_of[i]]], stub))
+        spline = boxes.routes.get((p, i), [])
+        layout.edges.append(_edge_route(layout, p, i, spline, offsets[band_of[i]], stub))
     return layout
 
+
+@dataclass
+class _PlainBoxes:
+    """The boxes and edge routes of dot's output, in points with y downwards.
+
+    Attributes:
+        left: Per node, the x of its box's left side.
+        top: Per node, the y of its box's top.
+        routes: Per edge (producer, consumer), its spline points.
+        rows: The distinct box tops (rounded to 0.1), top to bottom.
+        row_of: Per node, the index of its row in `rows`.
+        height: The drawing's height.
+    """
+
+    left: dict[int, float]
+    top: dict[int, float]
+    routes: dict[tuple[int, int], list[tuple[float, float]]]
+    rows: list[float]
+    row_of: dict[int, int]
+    height: float
+
+
+def _plain_boxes(text: str, folded: FoldedGraph, box_w: float, box_h: float) -> _PlainBoxes:
+    """Read dot's ``-Tplain`` `text` into boxes of `box_w` by `box_h` (top-left corners, y
+    downwards) grouped into rows, and edge routes; ValueError when a drawn node is missing."""
+    height, centres, splines = _parse_plain(text)
+    if height is None or set(centres) != set(folded.nodes):
+        raise ValueError("nodes missing")
+    left = {i: x - box_w / 2 for i, (x, _) in centres.items()}
+    top = {i: height - y - box_h / 2 for i, (_, y) in centres.items()}
+    rows = sorted({round(t, 1) for t in top.values()})
+    row_index = {t: r for r, t in enumerate(rows)}
+    row_of = {i: row_index[round(t, 1)] for i, t in top.items()}
+    return _PlainBoxes(left, top, _flipped_routes(splines, height), rows, row_of, height)
+
+
+def _flipped_routes(
+    splines: dict[tuple[int, int], list[tuple[float, float]]], height: float
+) -> dict[tuple[int, int], list[tuple[float, float]]]:
+    """The well-formed `splines` (a start point, then three points per Bézier segment) with y
+    turned downwards in a drawing of `height`."""
+    return {
+        (p, i): [(x, height - y) for x, y in pts]
+        for (p, i), pts in splines.items()
+        if len(pts) >= 4 and (len(pts) - 1) % 3 == 0
+    }
+
+
+def _place_in_bands(
+    layout: GraphLayout,
+    boxes: _PlainBoxes,
+    band_of: dict[int, int],
+    offsets: dict[int, tuple[float, float]],
+    bands: list[int],
+) -> None:
+    """Put each node of `band_of` (node -> its band) into `layout`: its box shifted by its
+    band's offset, its row as rank and its band's position in `bands` as column."""
+    for i, band in band_of.items():
+        dx, dy = offsets[band]
+        layout.x[i], layout.y[i] = boxes.left[i] + dx, boxes.top[i] + dy
+        layout.rank[i] = boxes.row_of[i]
+        layout.column[i] = bands.index(band)
 
 
 def _band_items(
@@ -393,167 +434,111 @@ def _spline_middle(pts: list[tuple[float, float]]) -> tuple[float, float]:
 # Built-in layered layout
 
 
-def longest_path_layers(folded: FoldedGraph) -> dict[int, int]:
-    """Layer of every drawn node: 0 without drawn producers, else one below its lowest one."""
-    layer: dict[int, int] = {}
-    for i in folded.nodes:
-        layer[i] = 1 + max((layer[p] for p in folded.preds[i]), default=-1)
-    return layer
-
-
-def order_layers(layers: list[list[int]], edges: list[tuple[int, int]]) -> list[list[int]]:
-    """Reorder each layer to reduce edge crossings: alternating downward and upward barycentre
-    sweeps over the layers with placeholders on long edges; the order with the fewest crossings
-    wins. `edges` go from a lower layer to a higher one."""
-    order = [list(nodes) for nodes in layers]
-    steps = _one_layer_steps(order, edges)
-    up: dict[int, list[int]] = {}
-    down: dict[int, list[int]] = {}
-    for u, v in steps:
-        down.setdefault(u, []).append(v)
-        up.setdefault(v, []).append(u)
-
-    best = [list(nodes) for nodes in order]
-    best_crossings = count_crossings(order, steps)
-    for sweep in range(_SWEEPS):
-        if best_crossings == 0:
-            break
-        downward = sweep % 2 == 0
-        _barycentre_sweep(order, up if downward else down, downward)
-        crossings = count_crossings(order, steps)
-        if crossings < best_crossings:
-            best, best_crossings = [list(nodes) for nodes in order], crossings
-    return [[v for v in nodes if v >= 0] for nodes in best]
-
-
-def _one_layer_steps(order: list[list[int]], edges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The edges as one-layer steps: placeholders (negative ids, appended to the layers of
-    `order`) split long edges, shortest edges first, while :data:`_MAX_PLACEHOLDERS` allows."""
-    layer_of = {v: k for k, nodes in enumerate(order) for v in nodes}
-    steps: list[tuple[int, int]] = []
-    budget = _MAX_PLACEHOLDERS
-    next_id = -1
-    for u, v in sorted(edges, key=lambda e: layer_of[e[1]] - layer_of[e[0]]):
-        span = layer_of[v] - layer_of[u]
-        if span == 1:
-            steps.append((u, v))
-            continue
-        if span - 1 > budget:
-            continue
-        budget -= span - 1
-        previous = u
-        for k in range(layer_of[u] + 1, layer_of[v]):
-            order[k].append(next_id)
-            steps.append((previous, next_id))
-            previous, next_id = next_id, next_id - 1
-        steps.append((previous, v))
-    return steps
-
-
-def _barycentre_sweep(order: list[list[int]], neighbours: dict[int, list[int]], downward: bool) -> None:
-    """Sort each layer of `order` in place by the mean position of its nodes' `neighbours` in
-    the layer before it (`downward`) or after it."""
-    indices = range(1, len(order)) if downward else range(len(order) - 2, -1, -1)
-    for k in indices:
-        fixed = order[k - 1] if downward else order[k + 1]
-        position = {v: p for p, v in enumerate(fixed)}
-        stretch = len(fixed) / max(len(order[k]), 1)
-        keys: dict[int, tuple[float, int]] = {}
-        for here, v in enumerate(order[k]):
-            linked = [position[w] for w in neighbours.get(v, ()) if w in position]
-            # Without a neighbour on that side a node keeps its relative place.
-            centre = sum(linked) / len(linked) if linked else here * stretch
-            keys[v] = (centre, here)
-        order[k].sort(key=keys.__getitem__)
-
-
-def count_crossings(order: list[list[int]], edges: list[tuple[int, int]]) -> int:
-    """Crossings between the edges of adjacent layers (edges spanning more layers are skipped),
-    counted as inversions with a Fenwick tree."""
-    position = {v: p for nodes in order for p, v in enumerate(nodes)}
-    layer_of = {v: k for k, nodes in enumerate(order) for v in nodes}
-    by_layer: dict[int, list[tuple[int, int]]] = {}
-    for u, v in edges:
-        if u in layer_of and v in layer_of and layer_of[v] == layer_of[u] + 1:
-            by_layer.setdefault(layer_of[u], []).append((position[u], position[v]))
-    total = 0
-    for k, pairs in by_layer.items():
-        size = len(order[k + 1])
-        tree = [0] * (size + 1)
-        pairs.sort()
-        for seen, (_, target) in enumerate(pairs):
-            at_most = 0
-            j = target + 1
-            while j > 0:
-                at_most += tree[j]
-                j -= j & -j
-            total += seen - at_most
-            j = target + 1
-            while j <= size:
-                tree[j] += 1
-                j += j & -j
-    return total
-
-
 def _builtin_layout(folded: FoldedGraph, labelled: bool) -> GraphLayout:
     """Layers top to bottom, one row per layer (wrapped when wide); a deep graph continues in
     further columns to the right, like a newspaper."""
     box_w, box_h = _box_size(labelled)
-    step_x, step_y, per_row = (104, 44, 10) if labelled else (15, 24, 70)
-    margin, gap = 8, (36 if labelled else 14)
+    grid = _Grid.of(labelled)
+    columns = _newspaper_columns(_wrapped_layers(folded, grid.per_row), grid)
+    layout = GraphLayout(BUILT_IN, 0, 0, box_w, box_h, labelled)
+    left = _place_columns(layout, columns, grid)
+    layout.width = round(left - grid.gap + grid.margin)
+    layout.height = round(
+        grid.margin * 2 + max(len(c) for c in columns) * grid.step_y - (grid.step_y - box_h)
+    )
+    stub = (grid.step_y - box_h) / 2
+    layout.edges.extend(_builtin_edge(layout, p, i, grid.step_y, stub) for p, i in folded.edges())
+    return layout
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """Spacing of the built-in layout: the pitch of boxes across (`step_x`) and down
+    (`step_y`), the most boxes in a row, the margin around the drawing and the gap between
+    columns."""
+
+    step_x: int
+    step_y: int
+    per_row: int
+    margin: int
+    gap: int
+
+    @staticmethod
+    def of(labelled: bool) -> _Grid:
+        """The spacing for labelled boxes or for small unlabelled ones."""
+        step_x, step_y, per_row = (104, 44, 10) if labelled else (15, 24, 70)
+        return _Grid(step_x, step_y, per_row, 8, 36 if labelled else 14)
+
+
+def _wrapped_layers(folded: FoldedGraph, per_row: int) -> list[list[int]]:
+    """The rows of the drawing: the longest-path layers in their crossing-reduced order, each
+    wrapped into rows of at most `per_row` nodes."""
     layer = longest_path_layers(folded)
     by_layer: list[list[int]] = [[] for _ in range(max(layer.values(), default=-1) + 1)]
     for i in folded.nodes:
         by_layer[layer[i]].append(i)
-    rows = [
+    return [
         nodes[start : start + per_row]
         for nodes in order_layers(by_layer, folded.edges())
         for start in range(0, len(nodes), per_row)
     ]
 
-    # As many columns as fit DRAWING_WIDTH, until the drawing is no taller than DRAWING_HEIGHT.
-    def split(count: int) -> list[list[list[int]]]:
-        per_column = -(-len(rows) // count)
-        return [rows[j : j + per_column] for j in range(0, len(rows), per_column)]
 
-    def drawing_width(columns: list[list[list[int]]]) -> int:
-        return sum(max(len(r) for r in c) * step_x for c in columns) + gap * (len(columns) - 1)
-
-    columns = split(1) if rows else [[[]]]
+def _newspaper_columns(rows: list[list[int]], grid: _Grid) -> list[list[list[int]]]:
+    """The rows split into as many columns as fit :data:`DRAWING_WIDTH`, until the drawing is
+    no taller than :data:`DRAWING_HEIGHT` (one empty row when there are no rows)."""
+    columns = _split_rows(rows, 1) if rows else [[[]]]
     count = 1
-    while len(columns[0]) * step_y > DRAWING_HEIGHT and count < len(rows):
+    while len(columns[0]) * grid.step_y > DRAWING_HEIGHT and count < len(rows):
         count += 1
-        candidate = split(count)
-        if drawing_width(candidate) > DRAWING_WIDTH:
+        candidate = _split_rows(rows, count)
+        if _columns_width(candidate, grid) > DRAWING_WIDTH:
             break
         columns = candidate
+    return columns
 
-    layout = GraphLayout(BUILT_IN, 0, 0, box_w, box_h, labelled)
-    left = float(margin)
+
+def _split_rows(rows: list[list[int]], count: int) -> list[list[list[int]]]:
+    """`rows` cut into `count` columns of equal length (the last may be shorter, or missing
+    when the rows run out)."""
+    per_column = -(-len(rows) // count)
+    return [rows[j : j + per_column] for j in range(0, len(rows), per_column)]
+
+
+def _columns_width(columns: list[list[list[int]]], grid: _Grid) -> int:
+    """The width of `columns` set side by side: each as wide as its widest row, gaps between."""
+    widths = sum(max(len(r) for r in c) * grid.step_x for c in columns)
+    return widths + grid.gap * (len(columns) - 1)
+
+
+def _place_columns(layout: GraphLayout, columns: list[list[list[int]]], grid: _Grid) -> float:
+    """Put the nodes of `columns` into `layout`, each row centred in its column and ranked top
+    to bottom, column after column; return the x after the last column and its gap."""
+    step_x = grid.step_x
+    left = float(grid.margin)
     rank = 0
     for c, column in enumerate(columns):
         column_w = max(len(r) for r in column) * step_x
         for r, row in enumerate(column):
-            x0 = left + (column_w - len(row) * step_x) / 2 + (step_x - box_w) / 2
+            x0 = left + (column_w - len(row) * step_x) / 2 + (step_x - layout.box_w) / 2
             for k, i in enumerate(row):
                 layout.x[i] = x0 + k * step_x
-                layout.y[i] = margin + r * step_y
+                layout.y[i] = grid.margin + r * grid.step_y
                 layout.rank[i] = rank
                 layout.column[i] = c
             rank += 1
-        left += column_w + gap
-    layout.width = round(left - gap + margin)
-    layout.height = round(margin * 2 + max(len(c) for c in columns) * step_y - (step_y - box_h))
+        left += column_w + grid.gap
+    return left
 
-    stub = (step_y - box_h) / 2
-    for p, i in folded.edges():
-        x1, y1 = layout.x[p] + box_w / 2, layout.y[p] + box_h
-        x2, y2 = layout.x[i] + box_w / 2, layout.y[i]
-        if layout.column[p] == layout.column[i]:
-            ym = (y1 + y2) / 2 if y2 - y1 <= step_y else y2 - stub
-            path = f"M{x1:.0f} {y1:.0f}C{x1:.0f} {ym:.0f} {x2:.0f} {ym:.0f} {x2:.0f} {y2:.0f}"
-            mid = _spline_middle([(x1, y1), (x1, ym), (x2, ym), (x2, y2)])
-            layout.edges.append(EdgeRoute(p, i, path, mid))
-        else:
-            layout.edges.append(EdgeRoute(p, i, *_stubs(x1, y1, x2, y2, stub)))
-    return layout
+
+def _builtin_edge(layout: GraphLayout, p: int, i: int, step_y: int, stub: float) -> EdgeRoute:
+    """The edge from `p` to `i`: a curve within a column (bending just above the consumer when
+    it skips rows), else stubs out of the producer and into the consumer."""
+    x1, y1 = layout.x[p] + layout.box_w / 2, layout.y[p] + layout.box_h
+    x2, y2 = layout.x[i] + layout.box_w / 2, layout.y[i]
+    if layout.column[p] != layout.column[i]:
+        return EdgeRoute(p, i, *_stubs(x1, y1, x2, y2, stub))
+    ym = (y1 + y2) / 2 if y2 - y1 <= step_y else y2 - stub
+    path = f"M{x1:.0f} {y1:.0f}C{x1:.0f} {ym:.0f} {x2:.0f} {ym:.0f} {x2:.0f} {y2:.0f}"
+    mid = _spline_middle([(x1, y1), (x1, ym), (x2, ym), (x2, y2)])
+    return EdgeRoute(p, i, path, mid)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import html
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from mixprec.report.layout import (
     BUILT_IN,
@@ -203,64 +203,89 @@ def graph_section(report: Report, page: Page) -> tuple[str, str]:
 def _dag_svg(graph: NodeGraph, folded: FoldedGraph, layout: GraphLayout, page: Page) -> str:
     """The laid-out nodes as boxes coloured by precision, the edges between them, and a marker
     on every Cast the conversion inserted."""
-    precision = graph.precision
-    casts_known = len(graph.cast_inputs) == len(graph)
-    outputs_known = len(graph.cast_outputs) == len(graph)
-    box_w, box_h = layout.box_w, layout.box_h
     size = 6.0 if layout.labelled else 3.5
-    normal: list[str] = []
-    boundary: list[str] = []
-    markers: list[str] = []
-    for edge in layout.edges:
-        p, i = edge.source, edge.target
-        if {precision[p], precision[i]} == {"l", "f"}:
-            boundary.append(edge.path)
-        else:
-            normal.append(edge.path)
-        if casts_known and p in graph.cast_inputs[i]:
-            markers.append(
-                _diamond(
-                    *edge.mid, size,
-                    f"Cast between {graph.names[p] or graph.op_types[p]} "
-                    f"({page.labels[precision[p]]}) and {graph.names[i] or graph.op_types[i]} "
-                    f"({page.labels[precision[i]]})",
-                )
-            )
+    normal, boundary, markers = _dag_edges(graph, layout, page, size)
     out = [svg_open(layout.width, layout.height, "graph nodes by precision")]
     if normal:
         out.append(f'<path class="e" d="{"".join(normal)}"/>')
     if boundary:
         out.append(f'<path class="eb" d="{"".join(boundary)}"/>')
-    chars = max(3, int(box_w - 8) // 6)
     for i in folded.nodes:
-        letter = precision[i]
-        cls = f"p{letter}" + (" bf" if letter == "f" else "")
-        x, y = layout.x[i], layout.y[i]
-        tip = _tooltip(graph, i, page, folded.folded[i])
-        if layout.labelled:
-            op = graph.op_types[i]
-            label = op if len(op) <= chars else op[: chars - 1] + "\u2026"
-            out.append(
-                f'<g><title>{tip}</title><rect x="{x:.0f}" y="{y:.0f}" width="{box_w:g}" '
-                f'height="{box_h:g}" rx="4" class="{cls}"/><text x="{x + box_w / 2:.0f}" '
-                f'y="{y + box_h / 2 + 4:.0f}" text-anchor="middle" class="t{letter}">'
-                f"{esc(label)}</text></g>"
-            )
-        else:
-            out.append(
-                f'<rect x="{x:.0f}" y="{y:.0f}" width="{box_w:g}" height="{box_h:g}" rx="2" '
-                f'class="{cls}"><title>{tip}</title></rect>'
-            )
-        name = graph.names[i] or graph.op_types[i]
-        if casts_known and -1 in graph.cast_inputs[i]:
-            markers.append(_diamond(x, y, size, f"Cast of a model input into {name}"))
-        if outputs_known and graph.cast_outputs[i]:
-            markers.append(
-                _diamond(x + box_w, y + box_h, size, f"Cast of {name}'s output to a model output")
-            )
+        out.append(_dag_box(graph, layout, page, i, folded.folded[i]))
+        markers.extend(_dag_node_markers(graph, layout, i, size))
     out.extend(markers)
     out.append("</svg>")
     return "".join(out)
+
+
+def _dag_edges(
+    graph: NodeGraph, layout: GraphLayout, page: Page, size: float
+) -> tuple[list[str], list[str], list[str]]:
+    """The edge paths, split into ordinary ones and those between a 16-bit and an FP32 node,
+    and a Cast marker (of `size`) on every edge the conversion put a Cast on."""
+    precision = graph.precision
+    casts_known = len(graph.cast_inputs) == len(graph)
+    normal: list[str] = []
+    boundary: list[str] = []
+    markers: list[str] = []
+    for edge in layout.edges:
+        p, i = edge.source, edge.target
+        (boundary if {precision[p], precision[i]} == {"l", "f"} else normal).append(edge.path)
+        if casts_known and p in graph.cast_inputs[i]:
+            markers.append(_diamond(*edge.mid, size, _edge_cast_tip(graph, page, p, i)))
+    return normal, boundary, markers
+
+
+def _edge_cast_tip(graph: NodeGraph, page: Page, p: int, i: int) -> str:
+    """The tooltip of the Cast marker on the edge from node `p` to node `i`."""
+    precision = graph.precision
+    return (
+        f"Cast between {graph.names[p] or graph.op_types[p]} "
+        f"({page.labels[precision[p]]}) and {graph.names[i] or graph.op_types[i]} "
+        f"({page.labels[precision[i]]})"
+    )
+
+
+def _dag_box(graph: NodeGraph, layout: GraphLayout, page: Page, i: int, folded: int) -> str:
+    """Node `i` as a box coloured by its precision (labelled with its op type when the layout
+    is labelled), with its tooltip; `folded` constant inputs are mentioned in the tooltip."""
+    box_w, box_h = layout.box_w, layout.box_h
+    letter = graph.precision[i]
+    cls = f"p{letter}" + (" bf" if letter == "f" else "")
+    x, y = layout.x[i], layout.y[i]
+    tip = _tooltip(graph, i, page, folded)
+    if not layout.labelled:
+        return (
+            f'<rect x="{x:.0f}" y="{y:.0f}" width="{box_w:g}" height="{box_h:g}" rx="2" '
+            f'class="{cls}"><title>{tip}</title></rect>'
+        )
+    chars = max(3, int(box_w - 8) // 6)
+    op = graph.op_types[i]
+    label = op if len(op) <= chars else op[: chars - 1] + "\u2026"
+    return (
+        f'<g><title>{tip}</title><rect x="{x:.0f}" y="{y:.0f}" width="{box_w:g}" '
+        f'height="{box_h:g}" rx="4" class="{cls}"/><text x="{x + box_w / 2:.0f}" '
+        f'y="{y + box_h / 2 + 4:.0f}" text-anchor="middle" class="t{letter}">'
+        f"{esc(label)}</text></g>"
+    )
+
+
+def _dag_node_markers(graph: NodeGraph, layout: GraphLayout, i: int, size: float) -> list[str]:
+    """Cast markers at node `i`'s corners: top left for a Cast of a model input into it, bottom
+    right for a Cast of its output to a model output."""
+    name = graph.names[i] or graph.op_types[i]
+    x, y = layout.x[i], layout.y[i]
+    markers = []
+    if len(graph.cast_inputs) == len(graph) and -1 in graph.cast_inputs[i]:
+        markers.append(_diamond(x, y, size, f"Cast of a model input into {name}"))
+    if len(graph.cast_outputs) == len(graph) and graph.cast_outputs[i]:
+        markers.append(
+            _diamond(
+                x + layout.box_w, y + layout.box_h, size,
+                f"Cast of {name}'s output to a model output",
+            )
+        )
+    return markers
 
 
 def _strip_svg(graph: NodeGraph, page: Page) -> str:
@@ -334,62 +359,101 @@ def _depth_svg(graph: NodeGraph, layers: list[int], page: Page) -> str:
     return "".join(out)
 
 
+# The per-node error chart's margins around its plot, and the plot's size.
+_ERR_LEFT, _ERR_RIGHT, _ERR_TOP, _ERR_BOTTOM = 64, 12, 10, 26
+_ERR_PLOT_W, _ERR_PLOT_H = 1000, 220
+
+_Scale = Callable[[float], float]
+
+
 def errors_svg(rows: Sequence[PerNodeError], bars: int, page: Page) -> str:
     """Per-node errors as bars (the worst of the nodes sharing a bar), log scale when they span
     more than three decades."""
-    n = len(rows)
-    left, right, top, bottom = 64, 12, 10, 26
-    plot_w, plot_h = 1000, 220
+    scale, ticks, use_log = _error_scale(rows)
+    width, height = _ERR_LEFT + _ERR_PLOT_W + _ERR_RIGHT, _ERR_TOP + _ERR_PLOT_H + _ERR_BOTTOM
+    out = [svg_open(width, height, "error per node")]
+    out.extend(_error_gridline(value, label, scale) for value, label in ticks)
+    bar_w = _ERR_PLOT_W / bars
+    out.extend(_error_bar(rows, b, bars, bar_w, scale, page) for b in range(bars))
+    out.append(_error_axes(len(rows), height, use_log))
+    return "".join(out)
+
+
+def _error_scale(rows: Sequence[PerNodeError]) -> tuple[_Scale, list[tuple[float, str]], bool]:
+    """The chart's scale (error -> share of the plot height), its ticks (value, label), and
+    whether it is logarithmic (when the finite nonzero errors span more than three decades)."""
     finite = [abs(e) for _, _, e in rows if math.isfinite(e)]
     positive = [e for e in finite if e > 0]
     vmax = max(finite) if finite else 0.0
-    use_log = bool(positive) and vmax / min(positive) > 1e3
-    if use_log:
-        lo = math.floor(math.log10(min(positive)))
-        hi = math.ceil(math.log10(vmax))
-        hi = hi if hi > lo else lo + 1
+    if positive and vmax / min(positive) > 1e3:
+        return (*_log_scale(min(positive), vmax), True)
+    return (*_linear_scale(vmax), False)
 
-        def scale(v: float) -> float:
-            return 0.0 if v <= 0 else max(0.0, (math.log10(v) - lo) / (hi - lo))
 
-        step = max(1, -(-(hi - lo) // 6))
-        ticks = [(10.0**k, f"1e{k}") for k in range(lo, hi + 1, step)]
+def _log_scale(smallest: float, vmax: float) -> tuple[_Scale, list[tuple[float, str]]]:
+    """A log scale over whole decades from `smallest` to `vmax`, with at most seven ticks."""
+    lo = math.floor(math.log10(smallest))
+    hi = math.ceil(math.log10(vmax))
+    hi = hi if hi > lo else lo + 1
+
+    def scale(v: float) -> float:
+        return 0.0 if v <= 0 else max(0.0, (math.log10(v) - lo) / (hi - lo))
+
+    step = max(1, -(-(hi - lo) // 6))
+    return scale, [(10.0**k, f"1e{k}") for k in range(lo, hi + 1, step)]
+
+
+def _linear_scale(vmax: float) -> tuple[_Scale, list[tuple[float, str]]]:
+    """A linear scale from 0 to `vmax` (to 1 when `vmax` is not positive), five ticks."""
+    top_value = vmax if vmax > 0 else 1.0
+
+    def scale(v: float) -> float:
+        return max(0.0, v / top_value)
+
+    return scale, [(top_value * k / 4, num(top_value * k / 4)) for k in range(5)]
+
+
+def _error_gridline(value: float, label: str, scale: _Scale) -> str:
+    """A horizontal grid line at `value` with its `label` left of the plot."""
+    y = _ERR_TOP + _ERR_PLOT_H * (1 - scale(value))
+    return (
+        f'<line class="gr" x1="{_ERR_LEFT}" x2="{_ERR_LEFT + _ERR_PLOT_W}" '
+        f'y1="{y:.1f}" y2="{y:.1f}"/>'
+        f'<text x="{_ERR_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{esc(label)}</text>'
+    )
+
+
+def _error_bar(
+    rows: Sequence[PerNodeError], b: int, bars: int, bar_w: float, scale: _Scale, page: Page
+) -> str:
+    """Bar `b` of `bars` (each `bar_w` wide): the worst error of the nodes it covers, coloured
+    by that node's precision (red when not finite), at least 1 pixel high."""
+    n = len(rows)
+    first, stop = b * n // bars, (b + 1) * n // bars
+    worst = max(range(first, stop), key=lambda i: _bar_key(rows[i][2]))
+    name, op, err = rows[worst]
+    if math.isfinite(err):
+        h = _ERR_PLOT_H * min(1.0, scale(abs(err)))
+        colour = _COLOURS.get(page.precision_of(name) or "", _NEUTRAL)
     else:
-        top_value = vmax if vmax > 0 else 1.0
+        h, colour = _ERR_PLOT_H, _NONFINITE
+    h = max(h, 1.0)
+    if stop - first == 1:
+        tip = f"#{first} {name} ({op}): error {num(err)}"
+    else:
+        tip = f"nodes #{first}\u2013{stop - 1}: worst {name} ({op}): error {num(err)}"
+    return (
+        f'<rect x="{_ERR_LEFT + b * bar_w:.2f}" y="{_ERR_TOP + _ERR_PLOT_H - h:.1f}" '
+        f'width="{max(bar_w * 0.85, 0.8):.2f}" height="{h:.1f}" fill="{colour}">'
+        f"<title>{esc(tip)}</title></rect>"
+    )
 
-        def scale(v: float) -> float:
-            return max(0.0, v / top_value)
 
-        ticks = [(top_value * k / 4, num(top_value * k / 4)) for k in range(5)]
-    width, height = left + plot_w + right, top + plot_h + bottom
-    out = [svg_open(width, height, "error per node")]
-    for value, label in ticks:
-        y = top + plot_h * (1 - scale(value))
-        out.append(
-            f'<line class="gr" x1="{left}" x2="{left + plot_w}" y1="{y:.1f}" y2="{y:.1f}"/>'
-            f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{esc(label)}</text>'
-        )
-    bar_w = plot_w / bars
-    for b in range(bars):
-        first, stop = b * n // bars, (b + 1) * n // bars
-        worst = max(range(first, stop), key=lambda i: _bar_key(rows[i][2]))
-        name, op, err = rows[worst]
-        if math.isfinite(err):
-            h = plot_h * min(1.0, scale(abs(err)))
-            colour = _COLOURS.get(page.precision_of(name) or "", _NEUTRAL)
-        else:
-            h, colour = plot_h, _NONFINITE
-        h = max(h, 1.0)
-        if stop - first == 1:
-            tip = f"#{first} {name} ({op}): error {num(err)}"
-        else:
-            tip = f"nodes #{first}\u2013{stop - 1}: worst {name} ({op}): error {num(err)}"
-        out.append(
-            f'<rect x="{left + b * bar_w:.2f}" y="{top + plot_h - h:.1f}" '
-            f'width="{max(bar_w * 0.85, 0.8):.2f}" height="{h:.1f}" fill="{colour}">'
-            f"<title>{esc(tip)}</title></rect>"
-        )
-    out.append(
+def _error_axes(n: int, height: int, use_log: bool) -> str:
+    """The chart's axes, their labels (first and last of `n` nodes, the scale) and the closing
+    tag."""
+    left, top, plot_w, plot_h = _ERR_LEFT, _ERR_TOP, _ERR_PLOT_W, _ERR_PLOT_H
+    return (
         f'<line class="ax" x1="{left}" x2="{left}" y1="{top}" y2="{top + plot_h}"/>'
         f'<line class="ax" x1="{left}" x2="{left + plot_w}" y1="{top + plot_h}" '
         f'y2="{top + plot_h}"/>'
@@ -398,7 +462,6 @@ def errors_svg(rows: Sequence[PerNodeError], bars: int, page: Page) -> str:
         f'<text x="{left + plot_w / 2:.0f}" y="{height - 8}" text-anchor="middle">'
         f"{'log scale' if use_log else 'linear scale'}</text></svg>"
     )
-    return "".join(out)
 
 
 def _bar_key(x: float) -> float:

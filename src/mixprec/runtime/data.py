@@ -311,6 +311,16 @@ def load_batches(
         raise InputError(f"input data path is neither a file nor a directory: {root}")
     if _pb_files(root, _INPUT_PB_RE):
         return _iter_test_sets([root], names)
+    return _directory_batches(root, names)
+
+
+def _directory_batches(root: Path, names: list[str]) -> Iterator[dict[str, np.ndarray]]:
+    """The batches of a directory of ``.npz`` files or of ``test_data_set_N`` directories (not
+    both).
+
+    Raises:
+        InputError: The directory cannot be listed, holds both kinds or neither.
+    """
     try:
         entries = sorted(root.iterdir(), key=lambda p: p.name)
     except OSError as exc:

@@ -109,41 +109,63 @@ class ProbeBuilder:
         return self._op(nodes, "Max", [self._op(nodes, "ReduceMax", [flags], keepdims=0), self.zero])
 
     def _node(self, graph: ir.Graph, node: ir.Node, spec: Candidate) -> ir.Value | None:
+        """Probe `node`: its 16-bit duplicate and the largest error of the outputs `spec`
+        names, inserted after it; None when nothing is measured."""
         if not spec.outputs:
             return None
         nodes: list[ir.Node] = []
-        if op_facts(node.domain, node.op_type).random:
-            # A duplicate would draw other random numbers: only the output rounding is measured.
-            outputs = {i: node.outputs[i] for i, _ in spec.outputs}
-        else:
-            inputs = [
-                self._round(graph, nodes, v) if v is not None and i in spec.lowered_inputs else v
-                for i, v in enumerate(node.inputs)
-            ]
-            attributes = [ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()]
-            duplicate = ir.Node(
-                node.domain, node.op_type, inputs, attributes, overload=node.overload,
-                num_outputs=len(node.outputs), version=node.version, name=self._name(node.op_type),
-            )
-            for out in duplicate.outputs:
-                out.name = self._name("dup")
-            nodes.append(duplicate)
-            outputs = {i: duplicate.outputs[i] for i, _ in spec.outputs}
+        outputs = self._candidate_outputs(graph, nodes, node, spec)
         errors = []
         for i, kind in spec.outputs:
-            ref = node.outputs[i]
-            if kind == "exact":
-                if not self.masked:
-                    continue
-                errors.append(self._exact_error(nodes, outputs[i], ref))
-                continue
-            cand = self._round(graph, nodes, outputs[i]) if kind == "round" else outputs[i]
-            errors.append(self._float_error(nodes, cand, ref))
+            error = self._output_error(graph, nodes, kind, outputs[i], node.outputs[i])
+            if error is not None:
+                errors.append(error)
         if not errors:
             return None
         error = errors[0] if len(errors) == 1 else self._op(nodes, "Max", errors)
         graph.insert_after(node, nodes)
         return self._scalar(error)
+
+    def _candidate_outputs(
+        self, graph: ir.Graph, nodes: list[ir.Node], node: ir.Node, spec: Candidate
+    ) -> dict[int, ir.Value]:
+        """The probed outputs of `node` computed as in 16 bits: its duplicate's, or for a random
+        op (a duplicate would draw other random numbers) its own, whose rounding alone is
+        measured."""
+        if op_facts(node.domain, node.op_type).random:
+            return {i: node.outputs[i] for i, _ in spec.outputs}
+        duplicate = self._duplicate(graph, nodes, node, spec)
+        return {i: duplicate.outputs[i] for i, _ in spec.outputs}
+
+    def _duplicate(
+        self, graph: ir.Graph, nodes: list[ir.Node], node: ir.Node, spec: Candidate
+    ) -> ir.Node:
+        """A copy of `node` whose lowered inputs are rounded to 16 bits, added to `nodes`."""
+        inputs = [
+            self._round(graph, nodes, v) if v is not None and i in spec.lowered_inputs else v
+            for i, v in enumerate(node.inputs)
+        ]
+        attributes = [ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()]
+        duplicate = ir.Node(
+            node.domain, node.op_type, inputs, attributes, overload=node.overload,
+            num_outputs=len(node.outputs), version=node.version, name=self._name(node.op_type),
+        )
+        for out in duplicate.outputs:
+            out.name = self._name("dup")
+        nodes.append(duplicate)
+        return duplicate
+
+    def _output_error(
+        self, graph: ir.Graph, nodes: list[ir.Node], kind: str, cand: ir.Value, ref: ir.Value
+    ) -> ir.Value | None:
+        """The error of output `cand` against the reference `ref` by its `kind`: "exact" (any
+        difference; None where unmasked comparison is not possible), "round" (rounded to 16 bits
+        first) or "float"."""
+        if kind == "exact":
+            return self._exact_error(nodes, cand, ref) if self.masked else None
+        if kind == "round":
+            cand = self._round(graph, nodes, cand)
+        return self._float_error(nodes, cand, ref)
 
     # -- graphs
     def _graph(self, graph: ir.Graph) -> list[tuple[str, ir.Value]]:
@@ -160,38 +182,50 @@ class ProbeBuilder:
         return results
 
     def _control_flow(self, graph: ir.Graph, node: ir.Node) -> list[tuple[str, ir.Value]]:
+        """Probe the subgraphs of an If, Loop or Scan `node` and carry their errors out of it
+        as extra outputs (none for other ops or domains)."""
         if not is_default_domain(node.domain):
             return []
-        if node.op_type == "If":
-            branches = [node.attributes["then_branch"].as_graph(), node.attributes["else_branch"].as_graph()]
-            found = [self._graph(branch) for branch in branches]
-            names = list(dict.fromkeys(name for result in found for name, _ in result))
-            if not names:
-                return []
-            for branch, result in zip(branches, found):
-                have = dict(result)
-                for name in names:
-                    value = have.get(name)
-                    if value is None:
-                        nodes: list[ir.Node] = []
-                        value = self._scalar(self._op(nodes, "Identity", [self.zero]))
-                        branch.extend(nodes)
-                    branch.outputs.append(value)
-            return self._add_outputs(graph, node, names, reduce=False)
-        if node.op_type in ("Loop", "Scan"):
-            body = node.attributes["body"].as_graph()
-            result = self._graph(body)
-            if not result:
-                return []
-            for _, value in result:
-                body.outputs.append(value)
-            if node.op_type == "Scan":
-                for key in ("scan_output_axes", "scan_output_directions"):
-                    attr = node.attributes.get(key)
-                    if attr is not None:
-                        node.attributes[key] = ir.AttrInt64s(key, [*attr.as_ints(), *([0] * len(result))])
-            return self._add_outputs(graph, node, [name for name, _ in result], reduce=True)
-        return []
+        handler = {"If": self._if, "Loop": self._loop, "Scan": self._loop}.get(node.op_type)
+        return [] if handler is None else handler(graph, node)
+
+    def _if(self, graph: ir.Graph, node: ir.Node) -> list[tuple[str, ir.Value]]:
+        """Probe both branches of If `node`; each branch outputs every probed node's error (0
+        for the other branch's nodes)."""
+        branches = [node.attributes["then_branch"].as_graph(), node.attributes["else_branch"].as_graph()]
+        found = [self._graph(branch) for branch in branches]
+        names = list(dict.fromkeys(name for result in found for name, _ in result))
+        if not names:
+            return []
+        for branch, result in zip(branches, found):
+            self._branch_outputs(branch, dict(result), names)
+        return self._add_outputs(graph, node, names, reduce=False)
+
+    def _branch_outputs(
+        self, branch: ir.Graph, have: dict[str, ir.Value], names: Sequence[str]
+    ) -> None:
+        """Append to `branch`'s outputs the error of each of `names`: the one it `have`s, else
+        a zero."""
+        for name in names:
+            value = have.get(name)
+            if value is None:
+                nodes: list[ir.Node] = []
+                value = self._scalar(self._op(nodes, "Identity", [self.zero]))
+                branch.extend(nodes)
+            branch.outputs.append(value)
+
+    def _loop(self, graph: ir.Graph, node: ir.Node) -> list[tuple[str, ir.Value]]:
+        """Probe the body of Loop or Scan `node`; its per-iteration errors become scan outputs,
+        reduced to their largest."""
+        body = node.attributes["body"].as_graph()
+        result = self._graph(body)
+        if not result:
+            return []
+        for _, value in result:
+            body.outputs.append(value)
+        if node.op_type == "Scan":
+            _extend_scan_attributes(node, len(result))
+        return self._add_outputs(graph, node, [name for name, _ in result], reduce=True)
 
     def _add_outputs(
         self, graph: ir.Graph, node: ir.Node, names: Sequence[str], *, reduce: bool
@@ -214,3 +248,12 @@ class ProbeBuilder:
         if nodes:
             graph.insert_after(node, nodes)
         return results
+
+
+def _extend_scan_attributes(node: ir.Node, added: int) -> None:
+    """Give Scan `node`'s per-output attributes (axes, directions) a default 0 for each of the
+    `added` scan outputs."""
+    for key in ("scan_output_axes", "scan_output_directions"):
+        attr = node.attributes.get(key)
+        if attr is not None:
+            node.attributes[key] = ir.AttrInt64s(key, [*attr.as_ints(), *([0] * added)])

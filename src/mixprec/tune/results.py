@@ -130,41 +130,62 @@ class TuneResult:
 
     def format_text(self, top: int = 10) -> str:
         """A readable summary."""
-        verdict = "met" if self.met else "NOT met"
-        tol = self.tolerance.describe() if self.tolerance else "metric"
-        lines = [
-            (
-                f"tolerance ({tol}) {verdict} with {len(self.fp32_nodes)} of {self.candidates} "
-                f"candidate node(s) kept FP32; {self.evaluations} evaluation(s) "
-                f"(bound {self.max_evaluations})"
-            ),
-            f"FP32 share: {_pct(self.fp32_share_nodes)} of nodes"
-            + (f", {_pct(self.fp32_share_flops)} of FLOPs" if self.fp32_share_flops is not None else "")
-            + f" (default plan: {_pct(self.default_fp32_share_nodes)}"
-            + (f", {_pct(self.default_fp32_share_flops)}" if self.default_fp32_share_flops is not None else "")
-            + ")",
-        ]
+        lines = [self._verdict_line(), self._share_line()]
         if self.estimated_speedup is not None and self.report is not None:
-            lines.append(
-                f"estimated speed: about {self.estimated_speedup:.2f}x FP32 on {self.report.cost_device} "
-                "(cost model, not measured)"
-                + (f"; {self.report.cost_limitation}" if self.report.cost_limitation else "")
-            )
+            lines.append(self._speed_line(self.estimated_speedup, self.report))
         if self.fp32_nodes:
             lines.append("kept FP32: " + ", ".join(self.fp32_nodes[:top]) + (" ..." if len(self.fp32_nodes) > top else ""))
         lines.append("largest own errors (normalised):")
         for name, op_type, error in self.contributions[:top]:
             lines.append(f"  {error:10.3g}  {op_type:<18} {name}")
         lines.append("outputs:")
-        for o in self.outputs:
-            agree = f", top-1 agreement {o.topk_agreement:.4f}" if o.topk_agreement is not None else ""
-            status = ("ok" if o.passed else "FAILS") if o.checked else "not checked"
-            lines.append(
-                f"  {o.name}: max abs {o.max_abs_error:.3g}, max rel {o.max_rel_error:.3g}, "
-                f"cosine {o.cosine:.6f}{agree}: {status}"
-            )
+        lines.extend(_output_line(o) for o in self.outputs)
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+    def _verdict_line(self) -> str:
+        """Whether the tolerance was met, with how many nodes kept FP32 and evaluations."""
+        verdict = "met" if self.met else "NOT met"
+        tol = self.tolerance.describe() if self.tolerance else "metric"
+        return (
+            f"tolerance ({tol}) {verdict} with {len(self.fp32_nodes)} of {self.candidates} "
+            f"candidate node(s) kept FP32; {self.evaluations} evaluation(s) "
+            f"(bound {self.max_evaluations})"
+        )
+
+    def _share_line(self) -> str:
+        """The FP32 share of nodes (and FLOPs where known), final plan and default plan."""
+        return (
+            f"FP32 share: {_pct(self.fp32_share_nodes)} of nodes"
+            + _optional_pct(", {} of FLOPs", self.fp32_share_flops)
+            + f" (default plan: {_pct(self.default_fp32_share_nodes)}"
+            + _optional_pct(", {}", self.default_fp32_share_flops)
+            + ")"
+        )
+
+    @staticmethod
+    def _speed_line(speedup: float, report: Report) -> str:
+        """The cost model's speed estimate of the final model from its `report`."""
+        return (
+            f"estimated speed: about {speedup:.2f}x FP32 on {report.cost_device} "
+            "(cost model, not measured)"
+            + (f"; {report.cost_limitation}" if report.cost_limitation else "")
+        )
+
+
+def _output_line(o: OutputMetrics) -> str:
+    """One output's metrics and whether it passes, for :meth:`TuneResult.format_text`."""
+    agree = f", top-1 agreement {o.topk_agreement:.4f}" if o.topk_agreement is not None else ""
+    status = ("ok" if o.passed else "FAILS") if o.checked else "not checked"
+    return (
+        f"  {o.name}: max abs {o.max_abs_error:.3g}, max rel {o.max_rel_error:.3g}, "
+        f"cosine {o.cosine:.6f}{agree}: {status}"
+    )
+
+
+def _optional_pct(template: str, share: float | None) -> str:
+    """`template` with `share` as a percentage filled in; empty when `share` is None."""
+    return "" if share is None else template.format(_pct(share))
 
 
 def _json_safe(value: Any) -> Any:

@@ -373,12 +373,12 @@ class _Search:
         before planning (an opset upgrade: bfloat16 Cast needs 13; fused normalizations; folded
         dequantizations); then the prepared model, whose node keys are the candidates' own."""
         assert self.prepared is not None
-        conversion = self.prepared.conversion
-        if conversion.unchanged_source is not None:
+        prepared = self.prepared
+        if prepared.unchanged is not None:
             return model_path
         path = folder / "prepared.onnx"
-        external = wants_external_data(conversion.model)
-        ir.save(conversion.model, path, external_data="prepared.onnx.data" if external else None)
+        external = wants_external_data(prepared.model)
+        ir.save(prepared.model, path, external_data="prepared.onnx.data" if external else None)
         return path
 
     def _probe(
@@ -391,7 +391,7 @@ class _Search:
 
         with IntermediateRunner(model_path) as exposer:
             assert self.prepared is not None
-            cost = runtime_cost(self.prepared.conversion.profile.name, self.prepared.conversion.target.value)
+            cost = runtime_cost(self.prepared.profile.name, self.prepared.target.value)
             costs = node_costs(exposer.proto, self.batches[0], cost)
             reference_names = [o.name for o in exposer.proto.graph.output]
             errors: dict[str, float] = {}

@@ -284,43 +284,77 @@ def _emulate_graph(graph: ir.Graph, is_main: bool, names: _Names, untyped: set[s
     return rounded
 
 
+def _emulate_cast(graph: ir.Graph, node: ir.Node, names: _Names) -> int:
+    """A Cast to 16-bit keeps its rounding and gets a Cast to FLOAT after it; others are
+    retyped. Returns the number of rounding points."""
+    to = ir.DataType(node.attributes["to"].value)
+    out = node.outputs[0]
+    if to in _LOW:
+        out.type = ir.TensorType(to)  # a new type object: the model may share types with its original
+        _append_cast_to_float(graph, node, out, to, names)
+        return 1
+    _retype(out)
+    return 0
+
+
+def _emulate_cast_like(graph: ir.Graph, node: ir.Node, names: _Names, untyped: set[str]) -> int:
+    """A CastLike to 16-bit becomes a Cast pair; others are retyped. Returns the number of
+    rounding points."""
+    out = node.outputs[0]
+    low = _low_dtype(out)  # the target's type: inputs may be retyped already
+    if low is not None:
+        _replace_cast_like(graph, node, low, names)
+        return 1
+    if out.type is None:
+        untyped.add("CastLike")
+    _retype(out)
+    return 0
+
+
+def _float_dtype_attribute(node: ir.Node, attribute: str | None) -> ir.DataType | None:
+    """Make the element-type attribute `attribute` FLOAT where it names a 16-bit type; the
+    16-bit type it named, else None."""
+    if attribute is None:
+        return None
+    attr = node.attributes.get(attribute)
+    # An element type (an int); the "value" tensors of constants were converted before.
+    if attr is None or attr.type != ir.AttributeType.INT:
+        return None
+    dtype = ir.DataType(attr.value)
+    if dtype not in _LOW:
+        return None
+    node.attributes[attr.name] = ir.AttrInt64(attr.name, _FLOAT)
+    return dtype
+
+
 def _emulate_node(graph: ir.Graph, node: ir.Node, names: _Names, untyped: set[str]) -> int:
+    """Rewrite one node for emulation; return the number of rounding points."""
     op = node.op_type if is_default_domain(node.domain) else None
     facts = op_facts("", op) if op is not None else NO_FACTS
     if op in _CONSTANTS:
         _convert_tensor_attributes(node)
     if op == "Cast" and "to" in node.attributes:
-        to = ir.DataType(node.attributes["to"].value)
-        out = node.outputs[0]
-        if to in _LOW:
-            out.type = ir.TensorType(to)  # a new type object: the model may share types with its original
-            _append_cast_to_float(graph, node, out, to, names)
-            return 1
-        _retype(out)
-        return 0
+        return _emulate_cast(graph, node, names)
     if op == "CastLike":
-        out = node.outputs[0]
-        low = _low_dtype(out)  # the target's type: inputs may be retyped already
-        if low is not None:
-            _replace_cast_like(graph, node, low, names)
-            return 1
-        if out.type is None:
-            untyped.add("CastLike")
-        _retype(out)
-        return 0
-
-    attr_low: ir.DataType | None = None
-    if facts.dtype_attribute is not None:
-        attr = node.attributes.get(facts.dtype_attribute)
-        # An element type (an int); the "value" tensors of constants were converted above.
-        if attr is not None and attr.type == ir.AttributeType.INT:
-            dtype = ir.DataType(attr.value)
-            if dtype in _LOW:
-                attr_low = dtype
-                node.attributes[attr.name] = ir.AttrInt64(attr.name, _FLOAT)
-
-    rounded = 0
+        return _emulate_cast_like(graph, node, names, untyped)
+    attr_low = _float_dtype_attribute(node, facts.dtype_attribute)
     skip_rounding = facts.value_preserving or op in _CONTROL_FLOW or op in _CONSTANTS
+    return _round_outputs(graph, node, op, attr_low, skip_rounding, names, untyped)
+
+
+def _round_outputs(
+    graph: ir.Graph,
+    node: ir.Node,
+    op: str | None,
+    attr_low: ir.DataType | None,
+    skip_rounding: bool,
+    names: _Names,
+    untyped: set[str],
+) -> int:
+    """Retype the node's outputs to FLOAT and round those that were 16-bit (unless
+    `skip_rounding`); outputs without a type take `attr_low`, else are noted in `untyped`.
+    Returns the number of rounding points."""
+    rounded = 0
     for out in node.outputs:
         if not out.name:
             continue  # omitted optional output

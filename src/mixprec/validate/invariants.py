@@ -320,34 +320,38 @@ def _edge_problem(scope: _Scope, value: ir.Value, reader: int) -> str | None:
     return f"reads {name!r}, which is defined outside its scope (in another graph)"
 
 
-def _check_types(node: ir.Node, label: str, findings: list[_Finding]) -> None:
-    """A node's output types against the ones its op and input types fix (Cast, CastLike,
-    elementwise ops); unknown types are not judged."""
-    if not is_default_domain(node.domain):
+def _cast_target(node: ir.Node) -> int | None:
+    """The element type a Cast (its ``to``) or CastLike (its second input's type) converts to;
+    None when unknown."""
+    if node.op_type == "Cast":
+        attr = node.attributes.get("to")
+        if attr is None or not isinstance(attr.value, int):
+            return None
+        return attr.value
+    if len(node.inputs) < 2 or node.inputs[1] is None or node.inputs[1].dtype is None:
+        return None
+    return int(node.inputs[1].dtype)
+
+
+def _check_cast_type(node: ir.Node, label: str, findings: list[_Finding]) -> None:
+    """A Cast's or CastLike's output type against the type it converts to."""
+    if not node.outputs or node.outputs[0].dtype is None:
         return
+    want = _cast_target(node)
+    if want is None:
+        return
+    out = node.outputs[0]
+    if int(out.dtype) != want:  # type: ignore[arg-type]
+        findings.append((
+            f"type:{out.name}",
+            f"{label}: {_node(node)} converts to {_type_name(want)} but its output "
+            f"{out.name!r} is typed {_type_name(out.dtype)}",
+        ))
+
+
+def _check_same_float_type(node: ir.Node, label: str, findings: list[_Finding]) -> None:
+    """An elementwise op's float inputs and outputs against one another (one float type)."""
     op = node.op_type
-    if op == "Cast" or op == "CastLike":
-        if not node.outputs or node.outputs[0].dtype is None:
-            return
-        if op == "Cast":
-            attr = node.attributes.get("to")
-            if attr is None or not isinstance(attr.value, int):
-                return
-            want = attr.value
-        else:
-            if len(node.inputs) < 2 or node.inputs[1] is None or node.inputs[1].dtype is None:
-                return
-            want = int(node.inputs[1].dtype)
-        out = node.outputs[0]
-        if int(out.dtype) != want:  # type: ignore[arg-type]
-            findings.append((
-                f"type:{out.name}",
-                f"{label}: {_node(node)} converts to {_type_name(want)} but its output "
-                f"{out.name!r} is typed {_type_name(out.dtype)}",
-            ))
-        return
-    if op not in _SAME_FLOAT_TYPE:
-        return
     floats = {v.dtype for v in node.inputs if v is not None and v.dtype in _FLOATS}
     if len(floats) > 1:
         findings.append((
@@ -366,6 +370,24 @@ def _check_types(node: ir.Node, label: str, findings: list[_Finding]) -> None:
                 f"{label}: {_node(node)} reads {_type_name(want_type)} but its output {out.name!r} "
                 f"is typed {_type_name(out.dtype)}",
             ))
+
+
+# Default-domain op -> the check of its output types.
+_TYPE_CHECKS = {
+    "Cast": _check_cast_type,
+    "CastLike": _check_cast_type,
+    **{op: _check_same_float_type for op in _SAME_FLOAT_TYPE},
+}
+
+
+def _check_types(node: ir.Node, label: str, findings: list[_Finding]) -> None:
+    """A node's output types against the ones its op and input types fix (Cast, CastLike,
+    elementwise ops); unknown types are not judged."""
+    if not is_default_domain(node.domain):
+        return
+    check = _TYPE_CHECKS.get(node.op_type)
+    if check is not None:
+        check(node, label, findings)
 
 
 def _check_initializers(scope: _Scope, findings: list[_Finding], source: frozenset[str] | None) -> None:
@@ -402,15 +424,20 @@ def _io_findings(model: ir.Model, baseline: Baseline) -> list[_Finding]:
             ))
             continue
         for (name, elem), (_, was) in zip(now, before):
-            if elem is None or was is None or elem == was:
-                continue
-            if not baseline.keep_io_types and was == ir.DataType.FLOAT and ir.DataType(elem) in _LOW:
-                continue
-            findings.append((
-                f"io-type:{name}",
-                f"{label}: graph {kind} {name!r} is now {_type_name(elem)}, was {_type_name(was)}",
-            ))
+            if _io_type_changed(elem, was, baseline.keep_io_types):
+                findings.append((
+                    f"io-type:{name}",
+                    f"{label}: graph {kind} {name!r} is now {_type_name(elem)}, was {_type_name(was)}",
+                ))
     return findings
+
+
+def _io_type_changed(elem: int | None, was: int | None, keep_io_types: bool) -> bool:
+    """Whether a graph input's or output's element type changed in a way it must not: any change
+    with `keep_io_types`, else any but FP32 to a 16-bit type (unknown types are not judged)."""
+    if elem is None or was is None or elem == was:
+        return False
+    return keep_io_types or was != ir.DataType.FLOAT or ir.DataType(elem) not in _LOW
 
 
 def _names(names: Iterable[str], count: int = 4) -> str:

@@ -405,6 +405,44 @@ def _first_new_nonfinite(
     return None
 
 
+def _walk_up_casts(ref: _Graph, cand: _Graph, node: onnx.NodeProto) -> tuple[onnx.NodeProto, int, bool]:
+    """From a candidate node that the FP32 model lacks, up through inserted Casts: the node
+    reached, the output slot that feeds the Casts, and whether any Cast was passed."""
+    current, slot, walked = node, 0, False
+    while ref.by_name.get(current.name) is None and current.op_type == "Cast" and current.input:
+        producer = cand.producer.get(current.input[0])
+        if producer is None:
+            break
+        current, slot, walked = cand.nodes[producer[0]], producer[1], True
+    return current, slot, walked
+
+
+def _origin_node(
+    ref: _Graph, cand: _Graph, node: onnx.NodeProto, counterpart: Callable[[str], str | None]
+) -> tuple[onnx.NodeProto, int, bool, list[str]]:
+    """The FP32 node to blame for candidate `node` (else `node` itself), its output slot,
+    whether it was reached through inserted Casts, and its FP32 input names."""
+    current, slot, walked = _walk_up_casts(ref, cand, node)
+    ref_index = ref.by_name.get(current.name) if current.name else None
+    if ref_index is not None and ref.nodes[ref_index].op_type == current.op_type:
+        origin = ref.nodes[ref_index]
+        return origin, slot, walked, [n for n in origin.input if n]
+    input_names = [p for n in node.input if n and (p := counterpart(n)) is not None]
+    return node, 0, False, input_names
+
+
+def _input_absmax(
+    ref: _Graph, input_names: list[str], ref_absmax: dict[str, float], feeds: Mapping[str, np.ndarray]
+) -> tuple[tuple[str, float | None], ...]:
+    """(name, FP32 abs-max) of the inputs, running the FP32 model for those not yet measured
+    (constants are read; None: unknown)."""
+    missing = [n for n in input_names if n not in ref_absmax and n in ref.producer]
+    if missing:
+        values = _run_once(ref.runner, missing, feeds)
+        ref_absmax.update({k: _absmax(v) for k, v in values.items()})
+    return tuple((n, ref_absmax.get(n, _constant_absmax(ref, n))) for n in input_names)
+
+
 def _origin(
     ref: _Graph,
     cand: _Graph,
@@ -418,30 +456,12 @@ def _origin(
     converted_types: dict[str, list[int | None]],
 ) -> NanOrigin:
     """Build the origin for candidate node `index`, walking up through inserted Casts."""
-    node = cand.nodes[index]
-    slot = 0
-    current, walked = node, False
-    while ref.by_name.get(current.name) is None and current.op_type == "Cast" and current.input:
-        producer = cand.producer.get(current.input[0])
-        if producer is None:
-            break
-        current, slot, walked = cand.nodes[producer[0]], producer[1], True
-    ref_index = ref.by_name.get(current.name) if current.name else None
-    if ref_index is not None and ref.nodes[ref_index].op_type == current.op_type:
-        origin = ref.nodes[ref_index]
-        input_names = [n for n in origin.input if n]
-    else:
-        origin, walked, slot = node, False, 0
-        input_names = [p for n in node.input if n and (p := counterpart(n)) is not None]
+    origin, slot, walked, input_names = _origin_node(ref, cand, cand.nodes[index], counterpart)
     types = converted_types.get(origin.name, [])
     elem = types[slot] if slot < len(types) else None
     via_cast = walked and elem == onnx.TensorProto.FLOAT
     dtype = _type_name(elem) if elem else target.value
-    missing = [n for n in input_names if n not in ref_absmax and n in ref.producer]
-    if missing:
-        values = _run_once(ref.runner, missing, feeds)
-        ref_absmax.update({k: _absmax(v) for k, v in values.items()})
-    inputs = tuple((n, ref_absmax.get(n, _constant_absmax(ref, n))) for n in input_names)
+    inputs = _input_absmax(ref, input_names, ref_absmax, feeds)
     return NanOrigin(
         node=origin.name,
         op_type=origin.op_type,

@@ -42,19 +42,32 @@ def cpu_quantization_forms(model: ir.Model) -> int:
             kind = op_facts(node.domain, node.op_type).quantization
             if kind is None or not is_default_domain(node.domain):
                 continue
-            version = node.version or opset
-            sig = signature(node.op_type, "", version, len(node.inputs), len(node.outputs)) if version else None
-            bindings = _bindings(node, sig) if sig is not None else None
-            if sig is None or bindings is None or cpu_has_kernel("", node.op_type, sig.since_version, bindings):
-                continue
-            if kind == "dequantize" and all(v is None or is_constant(v) for v in node.inputs):
-                _fold(graph, node)
-            elif _to_contrib(node):
-                model.opset_imports.setdefault(_CONTRIB, 1)
-            else:
-                continue
-            rewritten += 1
+            if _lacks_cpu_kernel(node, opset) and _rewrite(model, graph, node, kind):
+                rewritten += 1
     return rewritten
+
+
+def _lacks_cpu_kernel(node: ir.Node, opset: int | None) -> bool:
+    """Whether the CPU provider has no kernel for the node's schema and types (False when the
+    schema or a type is unknown)."""
+    version = node.version or opset
+    sig = signature(node.op_type, "", version, len(node.inputs), len(node.outputs)) if version else None
+    bindings = _bindings(node, sig) if sig is not None else None
+    if sig is None or bindings is None:
+        return False
+    return not cpu_has_kernel("", node.op_type, sig.since_version, bindings)
+
+
+def _rewrite(model: ir.Model, graph: ir.Graph, node: ir.Node, kind: str) -> bool:
+    """Fold a DequantizeLinear of constants, else make the node the contrib op; whether it was
+    rewritten."""
+    if kind == "dequantize" and all(v is None or is_constant(v) for v in node.inputs):
+        _fold(graph, node)
+        return True
+    if _to_contrib(node):
+        model.opset_imports.setdefault(_CONTRIB, 1)
+        return True
+    return False
 
 
 def _bindings(node: ir.Node, sig: Signature) -> dict[str, str] | None:

@@ -4,7 +4,7 @@
 * onnxruntime with its default session options, in a child process (`isolated`): the model
   must load (level `load`) and, at level `run`, run on the first batch. A crash or a failure
   the FP32 model does not have raises :class:`RuntimeRejection`, which the conversion answers
-  by keeping the responsible nodes FP32.
+  by keeping the responsible nodes FP32 (the `repair` step, :mod:`mixprec.pipeline.repair`).
 * Numerics (level `run`) on the emulated model (`emulate`): each 16-bit value computed in FP32
   and rounded, because onnxruntime's CPU provider has no bfloat16 kernels and computes most
   float16 ops in FP32, which hides overflow. When they cannot be measured, the result says
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -49,29 +48,13 @@ _LATENCY_BUDGET_S = 2.0
 class RuntimeRejection(ValidationFailure):
     """onnxruntime fails or crashes on the converted model where it runs the FP32 model.
 
-    Carries what a repair needs: the runtime's outcome and the feeds it ran on; the conversion
-    adds the FP32 reference file, measured ranges and the converted nodes' plan keys.
+    Carries what a repair needs: the runtime's outcome and the feeds it ran on.
     """
 
     def __init__(self, outcome: RuntimeOutcome, feeds: Batch | None = None) -> None:
         super().__init__(f"the converted model fails in onnxruntime (default session options): {without_staging(outcome.error or '')}")
         self.outcome = outcome
         self.feeds = feeds
-        self.reference: Path | None = None
-        self.ranges: object = None
-        self.converted: list[str] = []
-        self._owned: list[tempfile.TemporaryDirectory[str]] = []
-
-    def keep(self, folder: tempfile.TemporaryDirectory[str] | None) -> None:
-        """Keep a temporary folder (the reference copy) alive until :meth:`cleanup`."""
-        if folder is not None:
-            self._owned.append(folder)
-
-    def cleanup(self) -> None:
-        """Remove the folders kept for the repair."""
-        for folder in self._owned:
-            folder.cleanup()
-        self._owned.clear()
 
 
 def validate_staged(
@@ -390,19 +373,33 @@ def _reference_batches(
 ) -> Iterator[tuple[Batch, dict[str, np.ndarray]]]:
     """(feeds, FP32 outputs) per batch; generated inputs grow until the FP32 model runs."""
     if data is not None:
-        names = [i.name for i in session.get_inputs()]  # type: ignore[attr-defined]
-        iterator = data_mod.load_batches(data, names) if isinstance(data, (str, os.PathLike)) else iter(data)
-        for index, feeds in enumerate(iterator):
-            if index >= max_batches:
-                return
-            try:
-                expected = sessions.run_session(session, feeds)  # type: ignore[arg-type]
-            except RunError as e:
-                result.runtime = "reference-fails"
-                _unchecked(result, f"not checked: the FP32 model fails on the data ({e})")
-                return
-            yield feeds, expected
-        return
+        yield from _data_batches(data, session, max_batches, result)
+    else:
+        yield from _generated_batch(reference, session, result)
+
+
+def _data_batches(
+    data: str | os.PathLike | Iterable[Batch], session: object, max_batches: int, result: Validation
+) -> Iterator[tuple[Batch, dict[str, np.ndarray]]]:
+    """(feeds, FP32 outputs) of the user's batches, up to `max_batches`; none once the FP32
+    model fails on one."""
+    names = [i.name for i in session.get_inputs()]  # type: ignore[attr-defined]
+    iterator = data_mod.load_batches(data, names) if isinstance(data, (str, os.PathLike)) else iter(data)
+    for index, feeds in enumerate(iterator):
+        if index >= max_batches:
+            return
+        try:
+            expected = sessions.run_session(session, feeds)  # type: ignore[arg-type]
+        except RunError as e:
+            result.runtime = "reference-fails"
+            _unchecked(result, f"not checked: the FP32 model fails on the data ({e})")
+            return
+        yield feeds, expected
+
+
+def _generated_batch(reference: Path, session: object, result: Validation) -> Iterator[tuple[Batch, dict[str, np.ndarray]]]:
+    """One generated batch and its FP32 outputs: symbolic dimensions grow along the ladder until
+    the FP32 model runs (memory bounded; stops when two sizes fail the same way)."""
     specs = data_mod.input_specs(onnx.load(str(reference), load_external_data=False))
     errors: list[str] = []
     for size in _DIM_LADDER:

@@ -1,0 +1,118 @@
+"""The `plan` step: the planner on the typed model with the analyses' findings, the plan file,
+the node choices and the Q/DQ pair rule (also run on copies, by the search and the repair)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import onnx_ir as ir
+
+from mixprec.config import Config
+from mixprec.errors import InputError
+from mixprec.graphs import main_values
+from mixprec.plan.model import Category, NodeMatcher, Precision, PrecisionPlan
+from mixprec.plan.planner import plan_precision
+from mixprec.plan.planner import weights_only as weights_only_plan
+from mixprec.plan.qdq_pairs import keep_pairs as keep_qdq_pairs
+from mixprec.policy.profiles import RuntimeProfile
+from mixprec.policy.table import Policy
+
+if TYPE_CHECKING:
+    from mixprec.plan.file import RequestedPlan
+
+logger = logging.getLogger(__name__)
+
+Forced = Mapping[ir.Node, tuple[Category, str]]
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The plan and what planning says of it."""
+
+    plan: PrecisionPlan
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the planner reads besides the model: the analyses' findings by node key and value
+    name, the policy and the runtime."""
+
+    policy: Policy
+    profile: RuntimeProfile
+    forced: Mapping[str, tuple[Category, str]]
+    wide: Mapping[str, str]
+    safe: Mapping[str, str]
+
+
+def make_plan(model: ir.Model, keys: Mapping[ir.Node, str], config: Config, inputs: PlanInputs) -> Planned:
+    """Plan `model` (typed) with the analyses' findings, the plan file and the node choices."""
+    by_key = {key: node for node, key in keys.items()}
+    forced_nodes = {by_key[k]: finding for k, finding in inputs.forced.items() if k in by_key}
+    values = {v.name: v for v in main_values(model)}
+    wide_values = {values[name]: evidence for name, evidence in inputs.wide.items() if name in values} or None
+    safe_values = {values[name]: evidence for name, evidence in inputs.safe.items() if name in values} or None
+    matcher = NodeMatcher(config.nodes.exclude)
+    policy, profile = inputs.policy, inputs.profile
+
+    def plan_once(extra: Forced) -> PrecisionPlan:
+        return plan_precision(
+            model, policy, exclude_nodes=matcher, keep_io_types=config.io.keep_io_types,
+            forced_fp32=extra, wide_values=wide_values, runtime=profile, keys=keys, safe_values=safe_values,
+        )
+
+    def planned(extra: Forced | None = None) -> PrecisionPlan:
+        # Analyses' reasons (integer semantics) win over a plan file's; QDQ pairs stay cast-free.
+        return keep_qdq_pairs(plan_once, list(keys), policy.target, {**(extra or {}), **forced_nodes}, profile.name)
+
+    result, requested = _plan_by_file(model, config, planned)
+    notes: list[str] = []
+    if config.ops.weights_only:
+        result = weights_only_plan(result)
+    else:
+        notes.extend(_nothing_worth_converting(result, policy, profile))
+    unused = matcher.unused()
+    if unused:
+        raise InputError(f"--exclude-node pattern {unused[0]!r} matches no node in the model")
+    if requested is not None:
+        for note in requested.notes(model, result):
+            logger.warning("%s", note)
+            notes.append(note)
+    return Planned(result, tuple(notes))
+
+
+def _plan_by_file(
+    model: ir.Model, config: Config, planned: Callable[[], PrecisionPlan]
+) -> tuple[PrecisionPlan, RequestedPlan | None]:
+    """The plan, through the plan file when one is given (and that file, for its notes)."""
+    if config.nodes.plan is None:
+        return planned(), None
+    from mixprec.plan.file import load_plan  # noqa: PLC0415
+
+    requested = load_plan(config.nodes.plan)
+    return requested.apply(model, planned), requested
+
+
+def _nothing_worth_converting(plan: PrecisionPlan, policy: Policy, profile: RuntimeProfile) -> list[str]:
+    """A note when the runtime left every compute-bound op FP32: suggest weights-only."""
+    heavy = [
+        node for node, d in plan.decisions.items()
+        if (rule := policy.rule_for(node.domain, node.op_type)) is not None and rule.compute_bound
+        and d.precision is not Precision.NONE
+    ]
+    if not heavy or any(plan.decisions[n].precision is Precision.LOW for n in heavy):
+        return []
+    blocked = sorted({
+        n.op_type for n in heavy
+        if plan.decisions[n].category is Category.RUNTIME or not profile.runs_in(n.domain, n.op_type, plan.target.type_str)
+    })
+    if not blocked:
+        return []
+    return [
+        f"nothing worth converting on {profile.name}: it has no {plan.target.value} kernel for "
+        f"{', '.join(blocked)}; --weights-only stores the weights in {plan.target.value} (half the "
+        "file) and computes in FP32"
+    ]

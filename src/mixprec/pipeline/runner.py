@@ -1,0 +1,276 @@
+"""The runner: calls the steps in order, passing each the results it needs, times every step
+and checks the model's invariants after those that change it (``MIXPREC_CHECK_STEPS=1``).
+
+    prepare: load, upgrade, reference, fold, type, normalize, analyze    -> Prepared
+    convert: prepare, plan, rewrite, save, validate, [repair, save, validate], publish, report
+
+A runtime rejection (onnxruntime fails on the converted model where it runs the FP32 one) is a
+result of `validate`, answered by the `repair` step (:mod:`mixprec.pipeline.repair`); the report
+is built once, last, from the results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import onnx_ir as ir
+
+from mixprec.analysis.calibrate import RangeTable
+from mixprec.config import Config
+from mixprec.graphs import node_keys
+from mixprec.io import StagedModel, weight_bytes
+from mixprec.pipeline.planning import PlanInputs, Planned, make_plan
+from mixprec.pipeline.steps import (
+    Analysis,
+    Checked,
+    Loaded,
+    Normalized,
+    Reference,
+    Rewritten,
+    Typed,
+    analyze,
+    fold,
+    load,
+    normalize,
+    reference,
+    rewrite,
+    save,
+    type_model,
+    upgrade,
+    validate,
+)
+from mixprec.plan.model import Category, PrecisionPlan
+from mixprec.policy.profiles import RuntimeProfile
+from mixprec.report import Report, build_report
+from mixprec.validate.invariants import Baseline, require_invariants, steps_checked
+
+T = TypeVar("T")
+
+# The staged file is loaded again for the check up to this size (its graph; weights stay unread).
+STAGED_RELOAD_MAX_BYTES = 64 << 20
+
+
+@dataclass
+class ConversionResult:
+    """The converted model and the report of what was done."""
+
+    model: ir.Model
+    report: Report
+    plan: PrecisionPlan
+    output_path: Path | None
+    ranges: RangeTable | None = None  # FP32 ranges measured on `data` (calibration)
+
+
+class Steps:
+    """Times the steps of one run (wall and this process's CPU time; a step run twice adds up)
+    and checks the model's invariants after them when ``MIXPREC_CHECK_STEPS`` is on (what the
+    source itself breaks, captured after `load`, is never reported)."""
+
+    def __init__(self, config: Config) -> None:
+        self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
+        self.checked = steps_checked()
+        self.baseline: Baseline | None = None
+        self._keep_io_types = config.io.keep_io_types
+        self._start = (time.perf_counter(), time.process_time())
+
+    def run(self, name: str, step: Callable[..., T], *args: Any) -> T:
+        """`step(*args)`, timed under `name`."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = step(*args)
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - wall
+        self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + time.process_time() - cpu
+        return result
+
+    def capture(self, model: ir.Model) -> None:
+        """Take the baseline: the source as loaded."""
+        if self.checked:
+            self.baseline = Baseline.capture(model, keep_io_types=self._keep_io_types)
+
+    def check(self, name: str, model: ir.Model, staged: StagedModel | None = None) -> None:
+        """Check `model` (and the staged file, when small) after step `name`."""
+        if not self.checked:
+            return
+        require_invariants(model, step=name, baseline=self.baseline)
+        if staged is not None and staged.path.stat().st_size <= STAGED_RELOAD_MAX_BYTES:
+            require_invariants(ir.load(staged.path), step=f"{name} (staged file)", baseline=self.baseline)
+
+    def totals(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Seconds and CPU seconds per step, with the run's total, rounded for the report."""
+        wall, cpu = self._start
+        seconds = {**self.seconds, "total": time.perf_counter() - wall}
+        cpu_seconds = {**self.cpu_seconds, "total": time.process_time() - cpu}
+        return {k: round(v, 4) for k, v in seconds.items()}, {k: round(v, 4) for k, v in cpu_seconds.items()}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A loaded, typed and analysed model, ready to be planned and rewritten any number of times.
+
+    Attributes:
+        unchanged: The input's file while the prepared model still equals it (no upgrade,
+            fold or fusion), else None.
+        notes: What the preparation steps said, in order.
+    """
+
+    loaded: Loaded
+    reference: Reference
+    typed: Typed
+    normalized: Normalized
+    analysis: Analysis
+    unchanged: Path | None
+    config: Config
+    notes: tuple[str, ...]
+    baseline: Baseline | None = None
+
+    @property
+    def model(self) -> ir.Model:
+        return self.normalized.model
+
+    @property
+    def keys(self) -> dict[ir.Node, str]:
+        return self.normalized.keys
+
+    @property
+    def profile(self) -> RuntimeProfile:
+        return self.loaded.profile
+
+    @property
+    def target(self):  # noqa: ANN201 - LowPrecision
+        return self.config.ops.target
+
+    def plan_inputs(self, extra_fp32: Mapping[str, tuple[Category, str]] | None = None) -> PlanInputs:
+        """The planner's inputs: the analyses' findings win over `extra_fp32`."""
+        analysis = self.analysis
+        forced = {**(extra_fp32 or {}), **analysis.forced}
+        return PlanInputs(self.loaded.policy, self.loaded.profile, forced, analysis.wide, analysis.safe)
+
+    def replan(
+        self,
+        extra_fp32: Mapping[str, tuple[Category, str]] | None = None,
+        plan: str | Path | Mapping[str, object] | None = None,
+    ) -> tuple[Planned, Rewritten]:
+        """Plan a clean copy of the typed model and rewrite it: no reload, no type inference.
+
+        Args:
+            extra_fp32: Node key -> (category, reason) of more nodes to keep FP32.
+            plan: A plan file (or its dict) to apply instead of the configured one.
+        """
+        model = self.model.clone()
+        config = self.config if plan is None else self.config.with_options(plan=plan)
+        planned = make_plan(model, node_keys(model), config, self.plan_inputs(extra_fp32))
+        rewritten = rewrite(model, planned.plan, config)
+        if self.baseline is not None:
+            require_invariants(model, step="rewrite", baseline=self.baseline)
+        return planned, rewritten
+
+    def rewrite(
+        self,
+        extra_fp32: Mapping[str, tuple[Category, str]] | None = None,
+        plan: str | Path | Mapping[str, object] | None = None,
+    ) -> tuple[ir.Model, PrecisionPlan]:
+        """:meth:`replan`'s model and plan."""
+        planned, rewritten = self.replan(extra_fp32, plan)
+        return rewritten.model, planned.plan
+
+
+def _prepare(steps: Steps, source: object, config: Config, cleanup: contextlib.ExitStack) -> Prepared:
+    """load -> upgrade -> reference -> fold -> type -> normalize -> analyze."""
+    loaded = steps.run("load", load, source, config)
+    steps.capture(loaded.model)
+    upgraded = steps.run("upgrade", upgrade, loaded, config)
+    model = upgraded.model
+    steps.check("upgrade", model)
+    ref = steps.run("reference", reference, loaded, model, config, cleanup)
+    folded = steps.run("fold", fold, model, loaded.profile, config)
+    steps.check("fold", model)
+    unchanged = None if upgraded.changed or folded.changed else loaded.path
+    typed = steps.run("type", type_model, model, unchanged, loaded.policy)
+    steps.check("type", model)
+    normalized = steps.run("normalize", normalize, typed, loaded.profile, loaded.policy, config)
+    steps.check("normalize", normalized.model)
+    analysis = steps.run("analyze", analyze, normalized, ref, config)
+    steps.check("analyze", normalized.model)
+    notes = (*loaded.notes, *upgraded.notes, *folded.notes, *typed.notes, *normalized.notes, *analysis.notes)
+    return Prepared(
+        loaded, ref, typed, normalized, analysis, None if normalized.changed else unchanged, config, notes,
+        steps.baseline,
+    )
+
+
+def prepare(source: object, config: Config) -> Prepared:
+    """Run the preparation steps (no validation, no output)."""
+    config = config.with_options(validate="none")
+    with contextlib.ExitStack() as cleanup:
+        return _prepare(Steps(config), source, config, cleanup)
+
+
+def convert_model(source: object, output: Path | None, config: Config) -> ConversionResult:
+    """Convert `source` by `config`; publish to `output` only when every check passed."""
+    steps = Steps(config)
+    with contextlib.ExitStack() as cleanup:
+        prepared = _prepare(steps, source, config, cleanup)
+        model = prepared.model
+        planned = steps.run("plan", make_plan, model, prepared.keys, config, prepared.plan_inputs())
+        steps.check("plan", model)
+        rewritten = steps.run("rewrite", rewrite, model, planned.plan, config)
+        steps.check("rewrite", model)
+        staged, checked = _save_and_validate(steps, prepared, rewritten.model, output, cleanup)
+        extra: tuple[str, ...] = ()
+        if checked.rejection is not None:
+            from mixprec.pipeline.repair import repair  # noqa: PLC0415
+
+            if staged is not None:
+                staged.discard()
+            repaired = steps.run("repair", repair, checked.rejection, prepared, planned.plan)
+            planned, rewritten, extra = repaired.planned, repaired.rewritten, (repaired.note,)
+            staged, checked = _save_and_validate(steps, prepared, rewritten.model, output, cleanup)
+            if checked.rejection is not None:
+                raise checked.rejection
+        if staged is not None and output is not None:
+            steps.run("publish", staged.publish)
+        assert checked.validation is not None
+        report = steps.run(
+            "report", _report, prepared, planned, rewritten, output,
+            (*prepared.notes, *planned.notes, *rewritten.notes, *extra), checked,
+        )
+    report.seconds, report.cpu_seconds = steps.totals()
+    return ConversionResult(rewritten.model, report, planned.plan, output, ranges=prepared.analysis.ranges)
+
+
+def _save_and_validate(
+    steps: Steps, prepared: Prepared, model: ir.Model, output: Path | None, cleanup: contextlib.ExitStack
+) -> tuple[StagedModel | None, Checked]:
+    """save -> validate; the staged file is removed when the run ends without publishing it."""
+    config, ref = prepared.config, prepared.reference
+    staged = steps.run("save", save, model, output, ref, prepared.typed.declared, config, cleanup)
+    if staged is not None:
+        cleanup.callback(staged.discard)  # unless published by then
+        steps.check("save", model, staged)
+    return staged, steps.run("validate", validate, staged, model, prepared.loaded, ref, config)
+
+
+def _report(
+    prepared: Prepared, planned: Planned, rewritten: Rewritten, output: Path | None, notes: tuple[str, ...],
+    checked: Checked,
+) -> Report:
+    """The report, from the results."""
+    path = prepared.loaded.path
+    return build_report(
+        model=rewritten.model,
+        plan=planned.plan,
+        stats=rewritten.stats,
+        source=str(path) if path is not None else "(in memory)",
+        output=str(output) if output is not None else None,
+        weight_bytes_before=prepared.reference.weights_before,
+        weight_bytes_after=weight_bytes(rewritten.model),
+        type_inference_warning=prepared.normalized.typeinfo.warning,
+        profile=prepared.profile,
+        notes=notes,
+        validation=checked.validation,
+    )

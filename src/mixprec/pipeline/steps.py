@@ -1,0 +1,462 @@
+"""The steps of a conversion, each a function from what earlier steps made to what it makes.
+
+    load -> upgrade -> reference -> fold -> type -> normalize -> analyze    (the preparation)
+    plan -> rewrite -> save -> validate                                        (per plan)
+
+A step takes the results it needs and returns its own (a frozen record, or the plan / staged
+file); steps that edit the model edit it in place and say whether they changed it. The runner
+(:mod:`mixprec.pipeline.runner`) calls them in order, times them and checks the invariants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+from mixprec.analysis.calibrate import RangeTable, measured_values
+from mixprec.analysis.integer_semantics import integer_semantics
+from mixprec.analysis.typeinfo import TypeInfo, assume_float_outputs, infer_types, retype_after_upgrade, untyped_values
+from mixprec.config import Config
+from mixprec.errors import InputError, ModelLoadError, RunError
+from mixprec.graphs import main_values, node_keys, walk_nodes
+from mixprec.io import StagedModel, load_model, typed_values, uses_external_data, wants_external_data, weight_bytes
+from mixprec.passes.fold_dequantize import fold_constant_dequantizations
+from mixprec.passes.norm_blocks import fuse_norm_blocks, opset_for_fusion
+from mixprec.passes.norm_scales import FoldedScales, fold_norm_scales
+from mixprec.passes.opset import upgrade_for_target, upgrade_opset
+from mixprec.passes.rewrite import RewriteStats, apply_plan
+from mixprec.passes.split_dequantize import split_shared_dequantizations
+from mixprec.plan.model import Category, PrecisionPlan
+from mixprec.policy.profiles import RuntimeProfile, load_runtime
+from mixprec.policy.schemas import op_exists
+from mixprec.policy.table import Policy, load_policy, parse_op_name
+from mixprec.runtime.batches import BatchSource
+from mixprec.validate.checker import checker_error, input_problem
+from mixprec.validate.results import Validation
+from mixprec.validate.staged import RuntimeRejection, validate_staged
+
+Findings = dict[str, tuple[Category, str]]  # node key -> (category, reason) of a node kept FP32
+
+# Automatic validation runs the models only below these sizes (session creation and weight
+# loading dominate otherwise); above them it runs the checker only.
+RUN_MAX_WEIGHT_BYTES = 1 << 30
+RUN_MAX_NODES = 5000
+# Up to this many nodes auto validation at least creates an onnxruntime session to prove the
+# model loads.
+LOAD_MAX_NODES = 50000
+
+
+# -- load ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """The model as read, and the policy and runtime it is converted for.
+
+    Attributes:
+        path: The input's file (None: given in memory).
+        original: The input ModelProto, when one was given (the checker compares with it).
+    """
+
+    model: ir.Model
+    path: Path | None
+    original: onnx.ModelProto | None
+    profile: RuntimeProfile
+    policy: Policy
+    notes: tuple[str, ...]
+
+
+def load(source: object, config: Config) -> Loaded:
+    """Read the model, check it, resolve the policy and the runtime."""
+    model, path = load_model(source)
+    notes = _normalize_ir_version(model)
+    profile = load_runtime(config.runtime)
+    original = source if isinstance(source, onnx.ModelProto) else None
+    if not config.io.allow_invalid and (path is not None or original is not None):
+        problem = input_problem(path if path is not None else original)  # type: ignore[arg-type]
+        if problem is not None:
+            raise ModelLoadError(
+                f"{path or 'the given ModelProto'}: not a valid ONNX model: {problem} (fix it, or "
+                "convert it anyway with --allow-invalid / allow_invalid=True)"
+            )
+    ops = config.ops
+    _check_user_ops(model, [*ops.low_precision_ops, *ops.fp32_ops, *ops.follow_ops])
+    policy = load_policy(ops.target, ops.policy_file).with_overrides(
+        low_precision_ops=ops.low_precision_ops, fp32_ops=ops.fp32_ops, follow_ops=ops.follow_ops
+    )
+    return Loaded(model, path, original, profile, policy, tuple(notes))
+
+
+# -- upgrade, fold: steps that may edit the model --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Edited:
+    """The model after a step that may change it (`changed`), and what the step says of it."""
+
+    model: ir.Model
+    changed: bool
+    notes: tuple[str, ...] = ()
+
+
+def upgrade(loaded: Loaded, config: Config) -> Edited:
+    """Move to a newer opset where the target type needs it (or `--opset` asks for it)."""
+    notes: list[str] = []
+    upgraded = upgrade_for_target(loaded.model, config.io.opset, loaded.policy, config.ops.target, loaded.profile, notes)
+    if upgraded is None:
+        return Edited(loaded.model, False, tuple(notes))
+    return Edited(upgraded, True, tuple(notes))
+
+
+def fold(model: ir.Model, profile: RuntimeProfile, config: Config) -> Edited:
+    """Fold the constant dequantizations the runtime computes in float and give a
+    DequantizeLinear shared by a group the runtime keeps FP32 and other ops a twin for the
+    others (QDQ models)."""
+    if config.ops.weights_only:
+        return Edited(model, False)
+    target = config.ops.target
+    notes = []
+    folded = fold_constant_dequantizations(model, profile, target)
+    if folded.nodes:
+        notes.append(folded.note(profile.name, target))
+    split = split_shared_dequantizations(model, profile, target)
+    if split.nodes:
+        notes.append(split.note(profile.name))
+    return Edited(model, bool(folded.nodes or split.nodes), tuple(notes))
+
+
+# -- reference: what the checks and the calibration run --------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The FP32 model the checks and the calibration run, and how much will be checked.
+
+    Attributes:
+        path: The FP32 model's file: the input's, or a temporary copy of an in-memory input
+            (None when nothing runs it).
+        level: The validation level, `auto` resolved by the model's size.
+        data: The user's input batches, if any.
+        weights_before: The FP32 model's weight bytes.
+        external: The input kept its weights in external data.
+    """
+
+    path: Path | None
+    level: str
+    data: BatchSource | None
+    weights_before: int
+    external: bool
+
+    @property
+    def weights_large(self) -> bool:
+        return self.weights_before > RUN_MAX_WEIGHT_BYTES
+
+
+def reference(loaded: Loaded, model: ir.Model, config: Config, cleanup: contextlib.ExitStack) -> Reference:
+    """Resolve the validation level and the data, and put an in-memory input on disk (in a
+    folder `cleanup` removes) where a run needs it."""
+    weights = weight_bytes(model)
+    level = _resolve_validation(config.validation.level, model, weights)
+    calibration = config.calibration
+    data = None
+    if calibration.data is not None:
+        inputs = [v.name for v in model.graph.inputs if v.name not in model.graph.initializers]
+        data = BatchSource(calibration.data, inputs, calibration.max_batches)
+    calibrating = data is not None and calibration.calibrate and calibration.ranges is None
+    path = loaded.path
+    if (level in ("run", "load") or calibrating) and path is None:
+        folder = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="mixprec-ref-"))
+        path = Path(folder) / "reference.onnx"
+        ir.save(model, path, external_data="reference.onnx.data" if weights > RUN_MAX_WEIGHT_BYTES else None)
+    return Reference(path, level, data, weights, uses_external_data(model))
+
+
+# -- type, normalize ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Typed:
+    """The model with every value typed (one ONNX shape inference).
+
+    Attributes:
+        declared: The values whose type the input declared (saved with their types again).
+    """
+
+    model: ir.Model
+    typeinfo: TypeInfo
+    declared: set[str]
+    notes: tuple[str, ...]
+
+
+def type_model(model: ir.Model, unchanged: Path | None, policy: Policy) -> Typed:
+    """Infer every value's type once (`unchanged`: the file `model` still equals, parsed faster)."""
+    declared = typed_values(model)
+    typeinfo = infer_types(model, source=unchanged)
+    notes = []
+    if typeinfo.corrected:
+        notes.append(
+            "declared output shape(s) contradict what the model computes; the output keeps the "
+            f"computed shape: {_first(list(typeinfo.corrected))}"
+        )
+    assume_float_outputs(model, policy.user_custom_ops())
+    return Typed(model, typeinfo, declared, tuple(notes))
+
+
+@dataclass(frozen=True)
+class Normalized:
+    """The typed model with its decomposed normalizations fused, and its nodes keyed.
+
+    Attributes:
+        keys: Node -> stable key (:func:`mixprec.graphs.node_keys`).
+        kept: The blocks that could not fuse, by node key: they stay FP32 as one block.
+        changed: Whether the model changed (an opset upgrade, a fusion).
+    """
+
+    model: ir.Model
+    typeinfo: TypeInfo
+    keys: dict[ir.Node, str]
+    kept: Findings
+    changed: bool
+    notes: tuple[str, ...]
+
+
+def normalize(typed: Typed, profile: RuntimeProfile, policy: Policy, config: Config) -> Normalized:
+    """Fuse decomposed normalizations; where they fuse only at a newer opset, upgrade and type
+    again rather than keep each block FP32 with casts."""
+    model, typeinfo, notes = typed.model, typed.typeinfo, []
+    blocks = fuse_norm_blocks(model)
+    changed = bool(blocks.fused)
+    version = opset_for_fusion(blocks, profile, config.ops.target) if config.io.opset is None else None
+    if version is not None:
+        untyped = untyped_values(model)
+        try:
+            # Where only the blocks would change (they fuse), the upgrade just declares the opset.
+            skip = frozenset(blocks.waiting) if blocks.waiting is not None else frozenset()
+            upgraded = upgrade_opset(model, version, skip)
+        except InputError as e:
+            notes.append(f"normalizations stay FP32 blocks: upgrading to opset {version} failed ({e})")
+        else:
+            notes.append(
+                f"opset upgraded to {version} so that decomposed normalizations fuse into "
+                f"{' and '.join(sorted(blocks.needs_opset))} (pin a version with --opset)"
+            )
+            model, changed = upgraded, True
+            typeinfo = retype_after_upgrade(model, untyped, typeinfo)
+            assume_float_outputs(model, policy.user_custom_ops())
+            blocks = fuse_norm_blocks(model)
+    keys = node_keys(model)
+    if blocks.fused:
+        notes.append(
+            f"fused {len(blocks.fused)} decomposed normalization(s) into single ops with FP32 "
+            f"accumulation (stash_type=1): {_first(blocks.fused)}"
+        )
+    kept = {keys[n]: (Category.NORM_BLOCK, r) for n, r in blocks.kept.items()}
+    return Normalized(model, typeinfo, keys, kept, changed, tuple(notes))
+
+
+# -- analyze -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """What the analyses found before planning.
+
+    Attributes:
+        forced: Nodes to keep FP32, by key: integer semantics, then the unfused normalization
+            blocks.
+        wide: Values measured (or given) beyond the 16-bit range -> evidence.
+        safe: Values measured within it -> evidence.
+        ranges: The FP32 ranges used, when any.
+    """
+
+    forced: Findings
+    wide: dict[str, str]
+    safe: dict[str, str]
+    ranges: RangeTable | None
+    notes: tuple[str, ...]
+
+
+def analyze(normalized: Normalized, reference: Reference, config: Config) -> Analysis:
+    """Ranges (measured on data or given) and integer semantics."""
+    model, target, notes = normalized.model, config.ops.target, []
+    calibration = config.calibration
+    ranges = calibration.ranges
+    if ranges is None and reference.data is not None and calibration.calibrate:
+        ranges = _calibrate(model, reference, config, notes)
+    wide: dict[str, str] = {}
+    safe: dict[str, str] = {}
+    if ranges is not None:
+        measured_wide, measured_safe = measured_values(model, ranges, target)
+        wide = {value.name: evidence for value, evidence in measured_wide.items() if value.name}
+        safe = {value.name: evidence for value, evidence in measured_safe.items() if value.name}
+        if calibration.ranges is not None:
+            notes.append(f"{len(measured_wide)} value(s) measured beyond the {target.value} range stay FP32")
+        else:
+            notes.append(
+                f"calibration: {len(ranges)} FP32 values measured on {ranges.batches} batch(es) in "
+                f"{ranges.runs} run(s); {len(measured_wide)} leave the {target.value} range and stay FP32"
+            )
+    integer = integer_semantics(model, target)
+    # Integer semantics wins over the normalization blocks.
+    forced = {**normalized.kept, **{normalized.keys[n]: (Category.INTEGER, why) for n, why in integer.items()}}
+    return Analysis(forced, wide, safe, ranges, tuple(notes))
+
+
+# -- rewrite -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rewritten:
+    """The model rewritten by its plan: what was inserted and removed, and the notes."""
+
+    model: ir.Model
+    plan: PrecisionPlan
+    stats: RewriteStats
+    notes: tuple[str, ...]
+
+
+def rewrite(model: ir.Model, plan: PrecisionPlan, config: Config) -> Rewritten:
+    """Apply the plan: fold normalization scales, retype nodes, insert the shared Casts, cast
+    the weights."""
+    folded = fold_norm_scales(plan) if config.ops.fold_norm_scales else FoldedScales()
+    stats = apply_plan(model, plan)
+    notes = []
+    if folded.norms:
+        notes.append(
+            f"folded the scales of {len(folded.norms)} normalization(s) into the weights of "
+            f"{len(folded.weights)} matrix product(s) (multiplied in FP32; the scales became ones, "
+            f"exact in {plan.target.value}; --keep-norm-scales to leave them): {_first(folded.norms)}"
+        )
+    return Rewritten(model, plan, stats, tuple(notes))
+
+
+# -- save, validate ------------------------------------------------------------------------------
+
+
+def save(
+    model: ir.Model, output: Path | None, reference: Reference, declared: set[str], config: Config,
+    cleanup: contextlib.ExitStack,
+) -> StagedModel | None:
+    """Write the model into a staging folder beside the output (a temporary one without); None
+    when nothing is written or checked."""
+    if output is None and reference.level == "none":
+        return None
+    external = config.io.external_data
+    if external is None:
+        external = reference.external or wants_external_data(model, weight_bytes(model))
+    destination = output
+    if destination is None:
+        folder = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="mixprec-out-"))
+        destination = Path(folder) / "model.onnx"
+    progress = config.output.progress if output is not None else False
+    return StagedModel(model, destination, external_data=external, progress=progress, declared=declared)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What validation found: the checks' outcome, or the runtime's rejection of a model whose
+    FP32 form it runs (the repair's starting point)."""
+
+    validation: Validation | None
+    rejection: RuntimeRejection | None = None
+
+
+def validate(staged: StagedModel | None, model: ir.Model, loaded: Loaded, reference: Reference, config: Config) -> Checked:
+    """Check the staged model: the checker, the runtime as users run it, the numerics."""
+    if staged is None:
+        return Checked(Validation())
+    validation = config.validation
+    tolerance = validation.tolerance.allclose if validation.tolerance is not None else None
+    source_path, original = loaded.path, loaded.original
+
+    def original_checker_error() -> str | None:
+        if source_path is not None:
+            return checker_error(source_path)
+        return checker_error(original) if original is not None else None
+
+    start = time.perf_counter()
+    try:
+        result = validate_staged(
+            staged.path, reference.path, config.ops.target, reference.level, reference.data,
+            config.calibration.max_batches, tolerance, original_checker_error,
+            weights_large=reference.weights_large, runtime=loaded.profile.name, model=model,
+        )
+    except RuntimeRejection as rejection:
+        return Checked(None, rejection)
+    result.seconds = time.perf_counter() - start
+    return Checked(result)
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _first(items: list[str], count: int = 5) -> str:
+    return ", ".join(items[:count]) + (" ..." if len(items) > count else "")
+
+
+def _check_user_ops(model: ir.Model, names: list[str]) -> None:
+    if not names:
+        return
+    in_model = {(n.domain if n.domain != "ai.onnx" else "", n.op_type) for n in walk_nodes(model.graph)}
+    for function in model.functions.values():
+        in_model.update((n.domain, n.op_type) for n in function)
+    for name in names:
+        domain, op_type = parse_op_name(name)
+        if (domain, op_type) not in in_model and not op_exists(op_type, domain):
+            raise InputError(f"unknown op {name!r} in an op list: it is neither an ONNX op nor used in the model")
+
+
+def _normalize_ir_version(model: ir.Model) -> list[str]:
+    """IR < 4 lists every initializer as a graph input; treat them as constants (IR 4)."""
+    if model.ir_version >= 4:
+        return []
+    initializers = set(model.graph.initializers.values())
+    inputs = [v for v in model.graph.inputs if v not in initializers]
+    removed = len(model.graph.inputs) - len(inputs)
+    model.graph.inputs.clear()
+    model.graph.inputs.extend(inputs)
+    old = model.ir_version
+    model.ir_version = 4
+    return [f"IR version {old} -> 4: {removed} initializer(s) no longer listed as graph inputs"]
+
+
+def _resolve_validation(level: str, model: ir.Model, weights: int) -> str:
+    if level != "auto":
+        return level
+    nodes = len(walk_nodes(model.graph))
+    if nodes <= RUN_MAX_NODES and weights <= RUN_MAX_WEIGHT_BYTES:
+        return "run"
+    return "load" if nodes <= LOAD_MAX_NODES else "checker"
+
+
+def _elem_types(model: ir.Model) -> dict[str, int]:
+    """ONNX element type of every typed main-graph value (0 for non-tensors)."""
+    types: dict[str, int] = {}
+    for value in main_values(model):
+        if value.name and value.type is not None:
+            types[value.name] = int(value.type.dtype) if isinstance(value.type, ir.TensorType) else 0
+    return types
+
+
+def _calibrate(model: ir.Model, reference: Reference, config: Config, notes: list[str]) -> RangeTable | None:
+    """Measure FP32 ranges on the data."""
+    from mixprec.analysis.calibrate import calibrate  # noqa: PLC0415
+
+    assert reference.path is not None and reference.data is not None
+    try:
+        return calibrate(reference.path, reference.data, progress=config.output.progress, elem_types=_elem_types(model))
+    except RunError as e:
+        notes.append(f"calibration skipped: the FP32 model does not run in onnxruntime: {e}")
+        return None
+
+
+def by_key(keys: Mapping[ir.Node, str]) -> dict[str, ir.Node]:
+    """Key -> node."""
+    return {key: node for node, key in keys.items()}
