@@ -55,5 +55,5 @@ def test_forget_structure_sees_control_flow_added_in_place() -> None:
     old = next(iter(plain.graph))
     plain.graph.insert_after(old, node)
     plain.graph.remove(old)
-    forget_structure()
+    forget_structure(plain)
     assert len(all_nodes(plain)) == 3

@@ -15,6 +15,7 @@ from onnx import TensorProto
 from onnx import helper as oh
 from onnx import numpy_helper as nh
 
+from mixprec.io import load_model
 from mixprec.io.publishing import StagedModel, save_model, staged_save
 
 
@@ -184,3 +185,49 @@ def test_leftover_data_file_of_a_dead_writer_is_removed_by_the_next_save(tmp_pat
     assert not leftover.exists()
     assert foreign.read_text() == "keep me"
     assert _listing(tmp_path) == {"model.onnx", foreign.name}
+
+
+def test_a_save_without_external_data_inlines_constant_attributes_everywhere(tmp_path: Path) -> None:
+    """Constant values stored externally, in the main graph and inside a model-local function,
+    end up inside the .onnx file when the output is saved without external data."""
+    rng = np.random.default_rng(3)
+    c_main = rng.normal(size=(64, 64)).astype(np.float32)
+    c_func = rng.normal(size=(64, 64)).astype(np.float32)
+    function = oh.make_function(
+        "local", "AddConst", ["a"], ["b"],
+        [oh.make_node("Constant", [], ["k"], value=nh.from_array(c_func, "k")), oh.make_node("Add", ["a", "k"], ["b"])],
+        opset_imports=[oh.make_opsetid("", 17)],
+    )
+    graph = oh.make_graph(
+        [
+            oh.make_node("Constant", [], ["c"], value=nh.from_array(c_main, "c"), name="const"),
+            oh.make_node("Add", ["x", "c"], ["t"], name="add"),
+            oh.make_node("AddConst", ["t"], ["y"], domain="local", name="call"),
+        ],
+        "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [64, 64])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [64, 64])],
+    )
+    proto = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid("local", 1)], functions=[function])
+    source = tmp_path / "src" / "model.onnx"
+    source.parent.mkdir()
+    from onnx.external_data_helper import convert_model_to_external_data  # noqa: PLC0415
+
+    convert_model_to_external_data(proto, location="model.data", size_threshold=0, convert_attribute=True)
+    for node in proto.functions[0].node:  # onnx's helper leaves function bodies alone
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                onnx.external_data_helper.set_external_data(attr.t, "model.data")
+    onnx.save(proto, str(source))
+    assert (source.parent / "model.data").stat().st_size >= 2 * c_main.nbytes
+    model, _ = load_model(source)
+    destination = tmp_path / "out" / "model.onnx"
+    destination.parent.mkdir()
+    save_model(model, destination, external_data=False)
+    assert [p.name for p in destination.parent.iterdir()] == ["model.onnx"]
+    loaded = onnx.load(str(destination))  # no data file to read
+    import onnxruntime as ort  # noqa: PLC0415
+
+    x = rng.normal(size=(64, 64)).astype(np.float32)
+    y = ort.InferenceSession(str(destination), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(y, x + c_main + c_func, rtol=1e-6)
+    assert len(loaded.functions) == 1

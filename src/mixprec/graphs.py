@@ -47,7 +47,6 @@ def has_subgraphs(node: ir.Node) -> bool:
 # fused normalizations) but never control flow, so a graph is rescanned only when its node
 # count changed (and after `forget_structure`).
 _OWNERS_KEY = "mixprec.subgraph_owners"
-_generation = 0
 
 
 def _owners(graph: ir.Graph | ir.Function) -> frozenset[ir.Node]:
@@ -56,20 +55,25 @@ def _owners(graph: ir.Graph | ir.Function) -> frozenset[ir.Node]:
     meta = graph.meta
     cached = meta.get(_OWNERS_KEY)
     # A copied graph (Model.clone copies `meta`) holds other nodes: those must be its own.
-    if cached is not None and cached[0] == size and cached[1] == _generation and all(
-        owner.graph is graph for owner in cached[2]
-    ):
-        return cached[2]
+    if cached is not None and cached[0] == size and all(owner.graph is graph for owner in cached[1]):
+        return cached[1]
     owners = frozenset(node for node in graph if node.attributes and has_subgraphs(node))
-    meta[_OWNERS_KEY] = (size, _generation, owners)
+    meta[_OWNERS_KEY] = (size, owners)
     return owners
 
 
-def forget_structure() -> None:
-    """Forget the remembered subgraph owners of every graph: call after a pass that may add
-    control flow while keeping a graph's node count (inlining a one-node function body, say)."""
-    global _generation  # noqa: PLW0603 - one counter for all graphs
-    _generation += 1
+def forget_structure(model: ir.Model) -> None:
+    """Forget the remembered subgraph owners of every graph of `model`: call after a pass that
+    may add control flow while keeping a graph's node count (inlining a one-node function body,
+    say)."""
+    functions = list(model.functions.values())
+    graphs: list[ir.Graph | ir.Function] = [model.graph, *functions, *(f.graph for f in functions)]
+    while graphs:
+        graph = graphs.pop()
+        graph.meta.pop(_OWNERS_KEY, None)
+        for node in graph:
+            if node.attributes:
+                graphs.extend(subgraphs_of(node))
 
 
 def walk_nodes(graph: ir.Graph | ir.Function) -> list[ir.Node]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path, PurePath
 
 import onnx
@@ -13,26 +14,50 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from mixprec.errors import InputError, ModelLoadError
-from mixprec.graphs import all_graphs
+from mixprec.graphs import all_graphs, all_nodes
 
 __all__ = ["load_model"]
 
 
+@dataclass(frozen=True)
+class ExternalSlot:
+    """A tensor stored in an external file, and where it sits: an initializer (`value`) or a
+    node's tensor attribute (`node`, `attribute`)."""
+
+    name: str
+    tensor: ir.ExternalTensor
+    value: ir.Value | None = None
+    node: ir.Node | None = None
+    attribute: str | None = None
+
+    def replace(self, tensor: ir.TensorProtocol) -> None:
+        """Put `tensor` where the external one was."""
+        if self.value is not None:
+            self.value.const_value = tensor
+        else:
+            assert self.node is not None and self.attribute is not None
+            self.node.attributes[self.attribute] = ir.AttrTensor(self.attribute, tensor)
+
+
+def external_slots(model: ir.Model) -> Iterator[ExternalSlot]:
+    """Every tensor stored in an external file: initializers of every graph, and tensors held in
+    node attributes (Constant values) anywhere, function bodies and their subgraphs included."""
+    for graph in all_graphs(model):
+        for value in graph.initializers.values():
+            if isinstance(value.const_value, ir.ExternalTensor):
+                yield ExternalSlot(value.name or "", value.const_value, value=value)
+    for node in all_nodes(model):
+        if not node.attributes:
+            continue
+        for attr in node.attributes.values():
+            if attr.type is ir.AttributeType.TENSOR and isinstance(attr.value, ir.ExternalTensor):
+                yield ExternalSlot(f"{node.name or node.op_type}.{attr.name}", attr.value, node=node, attribute=attr.name)
+
+
 def _external_tensors(model: ir.Model) -> Iterator[tuple[str, ir.ExternalTensor]]:
-    """(name, tensor) of every tensor stored in an external file: initializers of every graph
-    and function, and tensors held in node attributes (Constant values)."""
-    graphs: list[ir.Graph | ir.Function] = [*all_graphs(model), *model.functions.values()]
-    for graph in graphs:
-        if isinstance(graph, ir.Graph):
-            for value in graph.initializers.values():
-                if isinstance(value.const_value, ir.ExternalTensor):
-                    yield value.name or "", value.const_value
-        for node in graph:
-            if node.op_type != "Constant" and not node.attributes:
-                continue
-            for attr in node.attributes.values():
-                if attr.type is ir.AttributeType.TENSOR and isinstance(attr.value, ir.ExternalTensor):
-                    yield f"{node.name or node.op_type}.{attr.name}", attr.value
+    """(name, tensor) of every tensor stored in an external file (see `external_slots`)."""
+    for slot in external_slots(model):
+        yield slot.name, slot.tensor
 
 
 def _check_locations(tensors: list[tuple[str, ir.ExternalTensor]], path: Path) -> None:
@@ -58,6 +83,9 @@ def _check_locations(tensors: list[tuple[str, ir.ExternalTensor]], path: Path) -
 
 
 def _check_external_data(model: ir.Model, path: Path) -> None:
+    for slot in external_slots(model):
+        if not slot.tensor.base_dir:  # onnx_ir leaves it unset on tensors in function bodies
+            slot.tensor.base_dir = path.parent
     tensors = list(_external_tensors(model))
     _check_locations(tensors, path)
     sizes: dict[str, int | None] = {}  # data file -> its size (None: missing), looked up once

@@ -26,8 +26,8 @@ import onnx_ir as ir
 
 from mixprec.errors import InputError
 from mixprec.graphs import all_graphs, is_default_domain
-from mixprec.io.loading import _external_tensors
-from mixprec.io.views import uses_external_data, wants_external_data
+from mixprec.io.loading import external_slots
+from mixprec.io.views import wants_external_data
 from mixprec.progress import Progress
 
 __all__ = ["StagedModel", "check_output_path", "save_model", "staged_save", "without_staging", "write_text_atomic"]
@@ -107,20 +107,17 @@ def _write_all(model: ir.Model, path: Path, data_name: str | None, progress: boo
 
 
 def _inline_external(model: ir.Model) -> None:
-    """Read external tensors into memory, for a save without external data."""
-    if not uses_external_data(model):
-        return
-    total = sum(t.nbytes for _, t in _external_tensors(model))
+    """Read external tensors (initializers and Constant attributes, everywhere) into memory, for
+    a save without external data."""
+    slots = list(external_slots(model))
+    total = sum(slot.tensor.nbytes for slot in slots)
     if total > _PROTOBUF_LIMIT:
         raise InputError(
             f"the model keeps {total / 1e9:.1f} GB of weights in external data: too large for one "
             ".onnx file (protobuf's 2 GB limit); save with external data (--external-data yes)"
         )
-    for graph in all_graphs(model):
-        for value in graph.initializers.values():
-            tensor = value.const_value
-            if isinstance(tensor, ir.ExternalTensor):
-                value.const_value = ir.Tensor(tensor.numpy(), name=tensor.name)
+    for slot in slots:
+        slot.replace(ir.Tensor(slot.tensor.numpy(), name=slot.tensor.name))
 
 
 def _new_file_mode(path: Path) -> int:

@@ -36,7 +36,7 @@ from mixprec.graphs import all_graphs
 from mixprec.policy.quantized_groups import QuantizedGroups, quantized_groups
 from mixprec.policy.profiles import RuntimeProfile
 
-__all__ = ["FoldedDequantizations", "dequantize", "dequantized_constant", "fold_constant_dequantizations"]
+__all__ = ["FoldedDequantizations", "dequantize", "dequantized_constant", "fold_constant_dequantizations", "fold_node"]
 
 
 @dataclass
@@ -78,7 +78,7 @@ def fold_constant_dequantizations(model: ir.Model, profile: RuntimeProfile, targ
             if _foldable(node, facts, profile, target):
                 folded.readers.update(dict.fromkeys(use.node for use in node.outputs[0].uses()))
                 folded.nodes.append(node.name or node.outputs[0].name or "DequantizeLinear")
-                folded.types[_fold(graph, node).name.lower()] += 1
+                folded.types[fold_node(graph, node).name.lower()] += 1
     return folded
 
 
@@ -138,8 +138,9 @@ def _output_type(node: ir.Node) -> ir.DataType | None:
     return tensor.dtype if tensor is not None and tensor.dtype.is_floating_point() else None
 
 
-def _fold(graph: ir.Graph, node: ir.Node) -> ir.DataType:
-    """Replace the DequantizeLinear by an initializer holding its values; the integer type."""
+def fold_node(graph: ir.Graph, node: ir.Node) -> ir.DataType:
+    """Replace a DequantizeLinear of constants by an initializer holding its values (computed
+    in FP32 and rounded once to the output type, when read); the integer type it dequantized."""
     out, out_type = node.outputs[0], _output_type(node)
     tensors = [constant_tensor(v) if v is not None else None for v in node.inputs]
     source = tensors[0]
@@ -151,7 +152,7 @@ def _fold(graph: ir.Graph, node: ir.Node) -> ir.DataType:
     )
     value = ir.Value(name=None, type=ir.TensorType(out_type), shape=shape, const_value=lazy)
     value.meta[FOLDED] = node.name or name
-    out.replace_all_uses_with(value)
+    out.replace_all_uses_with(value, replace_graph_outputs=True)
     inputs = [v for v in node.inputs if v is not None]
     graph.remove(node, safe=True)
     value.name = name

@@ -319,23 +319,17 @@ def _fuse(graph: ir.Graph, block: NormBlock, index: int, names: tuple[FreshNames
         name=name,
     )
     graph.insert_after(block.nodes[-1], fused)
-    _take_over_output(graph, block.output, fused.outputs[0])
+    _take_over_output(block.output, fused.outputs[0])
     _remove_block(graph, block)
     return name
 
 
-def _take_over_output(graph: ir.Graph, old: ir.Value, out: ir.Value) -> None:
+def _take_over_output(old: ir.Value, out: ir.Value) -> None:
     """Let `out` replace `old`: its type, shape, uses, name and place among the graph outputs."""
     out.dtype, out.shape = old.dtype, old.shape
-    ir.convenience.replace_all_uses_with(old, out)
-    if old in graph.outputs:
-        position = list(graph.outputs).index(old)
-        graph.outputs[position] = out
-        old_name, old.name = old.name, None
-        out.name = old_name
-    else:
-        out.name = old.name
-        old.name = None
+    ir.convenience.replace_all_uses_with(old, out, replace_graph_outputs=True)
+    name, old.name = old.name, None
+    out.name = name
 
 
 def _remove_block(graph: ir.Graph, block: NormBlock) -> None:

@@ -48,9 +48,11 @@ class FoldedScales:
     weights: list[str] = field(default_factory=list)
 
 
-def fold_norm_scales(plan: PrecisionPlan) -> FoldedScales:
-    """Fold the 16-bit-stored scales of the plan's normalizations into the weights of the
-    matrix products that read them (in place, on the model `plan` was made for)."""
+def fold_norm_scales(model: ir.Model, plan: PrecisionPlan) -> FoldedScales:
+    """Fold the 16-bit-stored scales of `plan`'s normalizations into the weights of the matrix
+    products that read them, in place in `model` (the model `plan` was made for)."""
+    if plan.graphs and plan.graphs[0] is not model.graph:
+        raise ValueError("fold_norm_scales: the plan was made for another model")
     folded = FoldedScales()
     for node in plan.order:
         facts = op_facts(node.domain, node.op_type)

@@ -83,12 +83,13 @@ def _is_quantization_end(node: ir.Node, type_str: str, runtime: RuntimeProfile |
 
 def _heavy_ops(model: ir.Model, policy: Policy, type_str: str, runtime: RuntimeProfile | None) -> set[str]:
     """The op types whose opset decides the upgrade: the compute-bound ones and, where there are
-    any, the quantization ends."""
-    heavy = {node.op_type for node in all_nodes(model) if _is_heavy(node, policy, type_str, runtime)}
+    any, the quantization ends (each kind of node looked at once)."""
+    kinds = {(node.domain, node.op_type): node for node in all_nodes(model)}.values()
+    heavy = {node.op_type for node in kinds if _is_heavy(node, policy, type_str, runtime)}
     if heavy:
         # A QDQ model's compute ops convert only with their DequantizeLinear/QuantizeLinear
         # (16-bit from opset 19): those count like the compute ops they wrap.
-        heavy |= {node.op_type for node in all_nodes(model) if _is_quantization_end(node, type_str, runtime)}
+        heavy |= {node.op_type for node in kinds if _is_quantization_end(node, type_str, runtime)}
     return heavy
 
 
@@ -169,21 +170,32 @@ def _restore_weights(new_graph: ir.Graph, detached: dict[str, ir.TensorProtocol]
 _SAMPLE_TENSOR_BYTES = 1 << 16
 
 
+_LIST_ATTRIBUTES = frozenset({ir.AttributeType.INTS, ir.AttributeType.FLOATS, ir.AttributeType.STRINGS})
+
+
+def _attribute_key(attr: ir.Attr) -> tuple:
+    """An attribute as the adapters see it: its value (a tensor by type and shape)."""
+    kind = attr.type
+    if kind == ir.AttributeType.TENSOR:
+        tensor = attr.as_tensor()
+        return (attr.name, "tensor", tensor.dtype, tuple(tensor.shape))
+    if kind in _LIST_ATTRIBUTES:
+        return (attr.name, kind, tuple(attr.value))
+    if kind in (ir.AttributeType.INT, ir.AttributeType.FLOAT, ir.AttributeType.STRING):
+        return (attr.name, kind, attr.value)
+    return (attr.name, kind, repr(attr.value))
+
+
+def _signature(values: Sequence[ir.Value | None]) -> tuple:
+    """Element type and rank of each value (None where absent)."""
+    return tuple(None if v is None else (v.dtype, None if v.shape is None else len(v.shape)) for v in values)
+
+
 def _kind(node: ir.Node) -> tuple:
     """What the version converter's adapters can depend on: the op, its attributes (tensors by
     type and shape), its inputs' and outputs' arity, element types and ranks."""
-    attributes = []
-    for name, attr in sorted(node.attributes.items()):
-        if attr.type == ir.AttributeType.TENSOR:
-            tensor = attr.as_tensor()
-            attributes.append((name, "tensor", tensor.dtype, tuple(tensor.shape)))
-        else:
-            attributes.append((name, attr.type, repr(attr.value)))
-    def signature(values: Sequence[ir.Value | None]) -> tuple:
-        return tuple(
-            None if v is None else (v.dtype, None if v.shape is None else len(v.shape)) for v in values
-        )
-    return (node.domain, node.op_type, node.version, tuple(attributes), signature(node.inputs), signature(node.outputs))
+    attributes = tuple(sorted(_attribute_key(attr) for attr in node.attributes.values())) if node.attributes else ()
+    return (node.domain, node.op_type, node.version, attributes, _signature(node.inputs), _signature(node.outputs))
 
 
 def _sample_value(value: ir.Value, name: str) -> onnx.ValueInfoProto:

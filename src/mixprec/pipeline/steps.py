@@ -325,7 +325,7 @@ class Rewritten:
 def rewrite(model: ir.Model, plan: PrecisionPlan, config: Config) -> Rewritten:
     """Apply the plan: fold normalization scales, retype nodes, insert the shared Casts, cast
     the weights."""
-    folded = fold_norm_scales(plan) if config.ops.fold_norm_scales else FoldedScales()
+    folded = fold_norm_scales(model, plan) if config.ops.fold_norm_scales else FoldedScales()
     stats = apply_plan(model, plan)
     notes = []
     if folded.norms:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 
 import onnx_ir as ir
 
@@ -53,10 +54,12 @@ _FREE_CATEGORIES = frozenset({Category.FOLLOW, Category.CONSUMERS})
 
 
 class _Network:
-    """A flow network with integer capacities (Dinic's algorithm)."""
+    """A flow network with integer capacities (Dinic's algorithm, its levels counted back from the
+    sink: a phase searches no farther than the source)."""
 
-    def __init__(self) -> None:
-        self.heads: list[list[int]] = [[], []]  # node 0: source (16 bits), node 1: sink (FP32)
+    def __init__(self, nodes: int = 0) -> None:
+        # node 0: the source (16 bits), node 1: the sink (FP32), then `nodes` more
+        self.heads: list[list[int]] = [[] for _ in range(nodes + 2)]
         self.to: list[int] = []
         self.cap: list[int] = []
 
@@ -64,72 +67,77 @@ class _Network:
         self.heads.append([])
         return len(self.heads) - 1
 
-    def edge(self, a: int, b: int, capacity: int) -> None:
+    def edge(self, a: int, b: int, capacity: int, back: int = 0) -> None:
+        """An edge a -> b (and, with `back` > 0, b -> a of that capacity, sharing its slots)."""
         if a == b or capacity <= 0:
             return
-        self.heads[a].append(len(self.to))
-        self.to.append(b)
-        self.cap.append(capacity)
-        self.heads[b].append(len(self.to))
-        self.to.append(a)
-        self.cap.append(0)
+        e = len(self.to)
+        self.heads[a].append(e)
+        self.heads[b].append(e + 1)
+        self.to += (b, a)
+        self.cap += (capacity, max(back, 0))
 
     def max_flow(self) -> int:
+        """The maximum flow from the source to the sink (stops once it reaches `_INF`)."""
         flow = 0
-        while True:
-            level = self._levels()
-            if level[1] < 0:
-                return flow
+        while flow < _INF:
+            dist = self._distances()
+            if dist[0] < 0:
+                break
             cursor = [0] * len(self.heads)
-            while True:
-                pushed = self._push(level, cursor)
+            while flow < _INF:
+                pushed = self._push(dist, cursor)
                 if not pushed:
                     break
                 flow += pushed
-                if flow >= _INF:
-                    return flow
+        return flow
 
-    def _levels(self) -> list[int]:
-        level = [-1] * len(self.heads)
-        level[0] = 0
-        queue = deque([0])
-        while queue:
-            a = queue.popleft()
-            for e in self.heads[a]:
-                b = self.to[e]
-                if self.cap[e] > 0 and level[b] < 0:
-                    level[b] = level[a] + 1
-                    queue.append(b)
-        return level
+    def _distances(self) -> list[int]:
+        """Residual distances to the sink, searched backwards from it until the source is found
+        (-1: unreached); only nodes nearer than the source matter to the phase's paths."""
+        heads, to, cap = self.heads, self.to, self.cap
+        dist = [-1] * len(heads)
+        dist[1] = 0
+        frontier = [1]
+        d = 0
+        while frontier and dist[0] < 0:
+            d += 1
+            reached = []
+            for b in frontier:
+                for e in heads[b]:
+                    a = to[e]  # edge e ^ 1 goes a -> b
+                    if dist[a] < 0 and cap[e ^ 1] > 0:
+                        dist[a] = d
+                        reached.append(a)
+            frontier = reached
+        return dist
 
-    def _push(self, level: list[int], cursor: list[int]) -> int:
-        """One augmenting path in the level graph (iterative depth-first search)."""
+    def _push(self, dist: list[int], cursor: list[int]) -> int:
+        """One augmenting path from the source along edges one step nearer the sink (iterative
+        depth-first search; dead ends are dropped for the phase)."""
+        heads, to, cap = self.heads, self.to, self.cap
         path: list[int] = []
         a = 0
-        while True:
-            if a == 1:
-                amount = min(self.cap[e] for e in path)
-                for e in path:
-                    self.cap[e] -= amount
-                    self.cap[e ^ 1] += amount
-                return amount
-            heads = self.heads[a]
-            while cursor[a] < len(heads):
-                e = heads[cursor[a]]
-                b = self.to[e]
-                if self.cap[e] > 0 and level[b] == level[a] + 1:
-                    break
-                cursor[a] += 1
-            else:
-                if not path:
-                    return 0
-                level[a] = -1  # dead end
-                e = path.pop()
-                a = self.to[e ^ 1]
-                cursor[a] += 1
+        while a != 1:
+            adjacent = heads[a]
+            i, n, want = cursor[a], len(adjacent), dist[a] - 1
+            while i < n and not (cap[adjacent[i]] > 0 and dist[to[adjacent[i]]] == want):
+                i += 1
+            cursor[a] = i
+            if i < n:
+                path.append(adjacent[i])
+                a = to[adjacent[i]]
                 continue
-            path.append(heads[cursor[a]])
-            a = self.to[heads[cursor[a]]]
+            if not path:
+                return 0
+            dist[a] = -1  # dead end
+            a = to[path.pop() ^ 1]
+            cursor[a] += 1
+        amount = min([cap[e] for e in path])
+        for e in path:
+            cap[e] -= amount
+            cap[e ^ 1] += amount
+        return amount
 
     def reaching_sink(self) -> set[int]:
         """Nodes from which the sink is reachable in the residual network."""
@@ -152,21 +160,23 @@ class Island:
     nodes: list[ir.Node]
 
 
-def _value_casts(producer: int, consumers: tuple[int, ...], fixed_low: bool, fixed_high: bool, low: tuple[bool, ...]) -> int:
-    """Casts one value needs under an assignment (see `_problem` for the encoding)."""
-    produced_low = low[producer] if producer >= 0 else producer == -1
-    readers_low = fixed_low or any(low[c] for c in consumers)
-    readers_high = fixed_high or any(not low[c] for c in consumers)
-    return int(produced_low and readers_high) + int(not produced_low and readers_low)
+def _needs_cast(spec: tuple, low: tuple[bool, ...]) -> bool:
+    """Whether a value (see `_Islands.problem`; its first field is not read) needs a Cast under an
+    assignment `low` (True: 16-bit): a 16-bit one produced with an FP32 reader, or an FP32 one
+    with a 16-bit reader (one Cast serves every reader of its type)."""
+    _, producer, consumers, fixed_low, fixed_high = spec
+    if low[producer] if producer >= 0 else producer == -1:
+        return fixed_high or not all(low[c] for c in consumers)
+    return fixed_low or any(low[c] for c in consumers)
 
 
 def _casts(values: tuple, low: tuple[bool, ...]) -> tuple[int, int]:
-    """(casts, cast bytes) of an island's values (see `_problem`) under an assignment."""
+    """(casts, cast bytes) of an island's values (see `_Islands.problem`) under an assignment."""
     count = size = 0
-    for elements, producer, consumers, fixed_low_reader, fixed_high_reader in values:
-        n = _value_casts(producer, consumers, fixed_low_reader, fixed_high_reader, low)
-        count += n
-        size += n * elements * _CAST_BYTES
+    for spec in values:
+        if _needs_cast(spec, low):
+            count += 1
+            size += spec[0] * _CAST_BYTES
     return count, size
 
 
@@ -304,9 +314,8 @@ class _Islands:
         free = self.free
         # Each value once, however many free nodes read it: its free readers and its producer
         # join one island (a value with N readers costs N, not N squared).
-        values: dict[ir.Value, None] = {}
-        for node in free:
-            values.update(dict.fromkeys(self.inputs[node]))
+        inputs = self.inputs
+        values = dict.fromkeys(chain.from_iterable(inputs[node] for node in free))
         for value in values:
             members = [j for u in value.uses() if (j := free.get(u.node)) is not None]
             producer = value.producer()
@@ -336,12 +345,10 @@ class _Islands:
         16 bits, a fixed reader wants FP32).
         """
         ids = {node: i for i, node in enumerate(nodes)}
-        values: dict[ir.Value, None] = {}
-        for node in nodes:
-            values.update(dict.fromkeys(self.inputs[node]))
-            values.update(dict.fromkeys(self.outputs[node]))
+        inputs, outputs = self.inputs, self.outputs
+        values = dict.fromkeys(chain.from_iterable(chain(inputs[node], outputs[node]) for node in nodes))
         described = [self._describe(value, ids) for value in values]
-        if not any(_value_casts(*rest, greedy) > 0 for _, *rest in described):
+        if not any(_needs_cast(spec, greedy) for spec in described):
             return None  # sized only where there is something to improve
         value_specs = [(self.elements(value), *rest) for value, *rest in described]
         before = _casts(value_specs, greedy)
@@ -389,7 +396,7 @@ class _Islands:
         FP32 input that may not fit), 2 16-bit only when all `readers` are."""
         elements, facts = self.elements, self.view.facts
         inputs, outputs = self.inputs[node], self.outputs[node]
-        touched = sum(elements(v) for v in inputs) + sum(elements(v) for v in outputs)
+        touched = sum(map(elements, inputs)) + sum(map(elements, outputs))
         if node not in self.reads_tainted:
             return touched, 0, ()
         if not op_facts(node.domain, node.op_type).value_preserving:
@@ -446,9 +453,16 @@ def _best_cut(
     problem: tuple, greedy: tuple[bool, ...], before: tuple[int, int], launch: int
 ) -> tuple[tuple[bool, ...], tuple[int, int]] | None:
     """The first minimum cut (with launches priced, then without) that changes the passes'
-    assignment without more casts or more cast bytes, and its (casts, bytes); None if neither."""
+    assignment without more casts or more cast bytes, and its (casts, bytes); None if neither.
+
+    When the cut priced with (positive) launches is the passes' assignment, the cut by bytes alone
+    is not solved: one it would keep (no more casts, bytes no more) costs no more with launches
+    either, so it is a minimum cut there too and lies within the passes' 16-bit nodes, which in
+    turn cost no more by bytes alone and so lie within its own: it is the passes' assignment."""
     for price in dict.fromkeys((launch, 0)):
         solved = _solve(problem, price)
+        if solved == greedy and price > 0:
+            return None
         if solved is None or solved == greedy:
             continue
         after = _casts(problem[1], solved)
@@ -461,37 +475,40 @@ def _solve(problem: tuple, launch: int) -> tuple[bool, ...] | None:
     """The minimum-cost assignment (True: 16-bit) with the most 16-bit nodes (None: infeasible);
     each Cast costs its bytes and `launch`."""
     nodes, values = problem
-    net = _Network()
-    ids = [net.node() for _ in nodes]
-    for n, spec in zip(ids, nodes):
-        _add_node_edges(net, ids, n, spec)
+    net = _Network(len(nodes))  # free node i is network node i + 2
+    for n, spec in enumerate(nodes, 2):
+        _add_node_edges(net, n, spec)
     for spec in values:
-        _add_value_edges(net, ids, spec, launch)
+        _add_value_edges(net, spec, launch)
     if net.max_flow() >= _INF:
         return None
     high = net.reaching_sink()
-    return tuple(n not in high for n in ids)
+    return tuple(n not in high for n in range(2, len(nodes) + 2))
 
 
-def _add_node_edges(net: _Network, ids: list[int], n: int, spec: tuple) -> None:
-    """The edges of free node `n` (network id) with its spec (elements, constraint, readers; see
-    `_Islands.problem`): its FP32 compute cost, and what its constraint forbids."""
+def _add_node_edges(net: _Network, n: int, spec: tuple) -> None:
+    """The edges of free node `n` (network id: its local index + 2) with its spec (elements,
+    constraint, readers; see `_Islands.problem`): its FP32 compute cost, and what its constraint
+    forbids."""
     touched, constraint, readers = spec
     net.edge(0, n, touched * _FP32_EXTRA_BYTES)  # cut when the node stays FP32
     if constraint == 1:
         net.edge(n, 1, _INF)
     elif constraint == 2:
         for reader in readers:
-            net.edge(n, 1 if reader < 0 else ids[reader], _INF)
+            net.edge(n, 1 if reader < 0 else reader + 2, _INF)
 
 
-def _add_value_edges(net: _Network, ids: list[int], spec: tuple, launch: int) -> None:
+def _add_value_edges(net: _Network, spec: tuple, launch: int) -> None:
     """The edges of one value (see `_Islands.problem`): its shared upcast and downcast, each
     costing its bytes and `launch`."""
     elements, producer_index, consumers_index, fixed_low_reader, fixed_high_reader = spec
     cost = elements * _CAST_BYTES + launch
-    producer = ids[producer_index] if producer_index >= 0 else (0 if producer_index == -1 else 1)
-    consumers = [ids[c] for c in consumers_index]
+    producer = producer_index + 2 if producer_index >= 0 else (0 if producer_index == -1 else 1)
+    consumers = [c + 2 for c in consumers_index]
+    if producer > 1 and len(consumers) == 1 and not (fixed_low_reader or fixed_high_reader):
+        net.edge(producer, consumers[0], cost, cost)  # one Cast whichever of the two is 16-bit
+        return
     if producer != 1:  # a 16-bit producer with an FP32 reader: one upcast
         _add_upcast(net, producer, consumers, fixed_high_reader, cost)
     if producer != 0:  # an FP32 producer with a 16-bit reader: one downcast
@@ -500,10 +517,12 @@ def _add_value_edges(net: _Network, ids: list[int], spec: tuple, launch: int) ->
 
 def _add_upcast(net: _Network, producer: int, consumers: list[int], fixed_high_reader: bool, cost: int) -> None:
     """The upcast of a value: cut when its producer is 16-bit and a reader FP32 (a fixed one, or
-    one of `consumers` through a shared auxiliary node)."""
+    one of `consumers`: directly when it is the only one, else through a shared auxiliary node)."""
     if fixed_high_reader:
         if producer != 0:
             net.edge(producer, 1, cost)
+    elif len(consumers) == 1:
+        net.edge(producer, consumers[0], cost)
     elif consumers:
         aux = net.node()
         net.edge(producer, aux, cost)
@@ -513,10 +532,12 @@ def _add_upcast(net: _Network, producer: int, consumers: list[int], fixed_high_r
 
 def _add_downcast(net: _Network, producer: int, consumers: list[int], fixed_low_reader: bool, cost: int) -> None:
     """The downcast of a value: cut when its producer is FP32 and a reader 16-bit (a fixed one, or
-    one of `consumers` through a shared auxiliary node)."""
+    one of `consumers`: directly when it is the only one, else through a shared auxiliary node)."""
     if fixed_low_reader:
         if producer != 1:
             net.edge(0, producer, cost)
+    elif len(consumers) == 1:
+        net.edge(consumers[0], producer, cost)
     elif consumers:
         aux = net.node()
         net.edge(aux, producer, cost)

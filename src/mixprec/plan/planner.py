@@ -52,11 +52,11 @@ from mixprec.graphs import (
 from mixprec.plan.model import Category, Decision, NodeFacts, NodeMatcher, Precision, PrecisionPlan, State, Storage
 from mixprec.plan.placement import PlannerView, min_cut_islands
 from mixprec.plan.readings import Inputs, PolicyClass, classify, read_inputs, weight_heavy
-from mixprec.plan.rules import Action, Ruling, decide
+from mixprec.plan.rules import Action, Rule, Ruling, decide, rules_for
 from mixprec.plan.templates import OpTemplate, node_facts, op_template
 from mixprec.policy.opfacts import op_facts
 from mixprec.policy.profiles import RuntimeProfile, load_runtime
-from mixprec.policy.table import Policy, format_op_name, normalize_domain
+from mixprec.policy.table import OpClass, Policy, format_op_name, normalize_domain
 
 __all__ = ["plan_precision", "weights_only"]
 
@@ -106,6 +106,9 @@ class Planner:
         self.main_outputs = frozenset(model.graph.outputs)
         self.sub_outputs: set[ir.Value] = set()
         self.order = all_nodes(model)
+        # The FP32 tensor values the graphs and nodes read and write, each value's type read once
+        # when planning starts (`start`).
+        self.fp32: frozenset[ir.Value] = frozenset()
         self.keys = dict(keys) if keys is not None else unique_names(self.order)
         self.graphs = [model.graph, *function_graphs(model)]
         self.owners: set[ir.Node] = set()  # nodes with subgraphs (control flow)
@@ -116,6 +119,13 @@ class Planner:
                 self.graphs.extend(subgraphs)
         self.opsets = dict(model.opset_imports)
         self._templates: dict[tuple, OpTemplate] = {}
+        # Per (op, domain, node version, graph, arity): the template and the rules that may
+        # decide its nodes (`rules.rules_for`), found on first use.
+        self._node_templates: dict[tuple, tuple[OpTemplate, tuple[Rule, ...] | None]] = {}
+        # Policy classes without a condition, per (domain, op, rule): the same for all the op's nodes.
+        self._static_classes: dict[tuple[str, str, int], PolicyClass] = {}
+        # Node facts by template and type-variable binding, shared by the nodes that have them.
+        self._known_facts: dict[tuple, NodeFacts] = {}
         # Per node being decided: its policy class and what its inputs hold (read once).
         self._classes: dict[ir.Node, PolicyClass] = {}
         self._inputs: dict[ir.Node, Inputs] = {}
@@ -189,29 +199,62 @@ class Planner:
             template = self._templates[key] = op_template(node, opset, self.policy, self.runtime)
         return template
 
+    def _node_template(self, node: ir.Node) -> tuple[tuple, OpTemplate]:
+        """The node's template and its key in `_node_templates` (what decides the node's opset:
+        its op, domain, version and graph, and its arity)."""
+        key = (node.op_type, node.domain, node.version, node.graph, len(node.inputs), len(node.outputs))
+        found = self._node_templates.get(key)
+        if found is None:
+            found = self._node_templates[key] = (self._template(node, self._opset(node)), None)
+        return key, found[0]
+
+    def _rules(self, key: tuple, node: ir.Node, facts: NodeFacts) -> tuple[Rule, ...]:
+        """The rules that may decide the nodes of template `key` (found once, from `node`'s facts)."""
+        template, rules = self._node_templates[key]
+        if rules is None:
+            rules = rules_for(node, facts, self)
+            self._node_templates[key] = (template, rules)
+        return rules
+
     def is_control_flow(self, node: ir.Node) -> bool:
         """Whether the node owns subgraphs."""
         return node in self.owners
 
     def is_function_call(self, node: ir.Node) -> bool:
         """Whether the node calls a function of the model."""
-        return (node.domain, node.op_type, node.overload) in self.model.functions
+        functions = self.model.functions
+        return bool(functions) and (node.domain, node.op_type, node.overload) in functions
 
     def touches_fp32(self, node: ir.Node) -> bool:
         """Whether the node reads or writes FP32 values (inputs it takes as they are aside)."""
         facts = self.facts.get(node)
         flexible = facts.flexible if facts is not None else frozenset()
+        fp32 = self.fp32
         for value in node.outputs:
-            if is_fp32_tensor(value):
+            if value in fp32:
                 return True
         for index, value in enumerate(node.inputs):
-            if is_fp32_tensor(value) and index not in flexible:
+            if value in fp32 and index not in flexible:
                 return True
         return False
 
+    def _read_fp32(self) -> frozenset[ir.Value]:
+        """The FP32 tensor values the graphs and nodes read and write (each type read once)."""
+        known: dict[ir.Value, bool] = {}
+        for graph in self.graphs:
+            for value in (*graph.inputs, *graph.outputs, *graph.initializers.values()):
+                if value is not None and value not in known:
+                    known[value] = is_fp32_tensor(value)
+        for node in self.order:
+            for value in (*node.inputs, *node.outputs):
+                if value is not None and value not in known:
+                    known[value] = is_fp32_tensor(value)
+        return frozenset(value for value, fp32 in known.items() if fp32)
+
     # -- forward pass -------------------------------------------------------------------
     def start(self) -> None:
-        """Prepare the name matcher and the states of graph inputs and constants."""
+        """Prepare the name matcher, the FP32 values, and the states of graph inputs and constants."""
+        self.fp32 = self._read_fp32()
         names = {node.name for node in self.order if node.name} if self.exclude.patterns else set()
         self.exclude.prepare(names)
         self._init_graph(self.model.graph, main=True)
@@ -239,12 +282,20 @@ class Planner:
 
     def node_facts(self, node: ir.Node) -> NodeFacts:
         """The node's facts before the rules (recorded for the rules that read neighbours')."""
-        facts = node_facts(node, self._template(node, self._opset(node)))
+        facts = node_facts(node, self._node_template(node)[1], self.fp32, self._known_facts)
         self.facts[node] = facts
         return facts
 
     def classify(self, node: ir.Node, facts: NodeFacts) -> PolicyClass:
-        """The node's policy class (see `readings.classify`), evaluated once per node."""
+        """The node's policy class (see `readings.classify`), evaluated once per node (once per
+        op for a policy rule without a condition)."""
+        rule = facts.rule
+        if rule is not None and rule.op_class is not OpClass.CONDITIONAL:
+            key = (node.domain, node.op_type, id(rule))
+            found = self._static_classes.get(key)
+            if found is None:
+                found = self._static_classes[key] = classify(node, facts)
+            return found
         found = self._classes.get(node)
         if found is None:
             found = self._classes[node] = classify(node, facts)
@@ -261,8 +312,9 @@ class Planner:
 
     def decide(self, node: ir.Node) -> Ruling:
         """Decide one node by the first rule that decides it, and record what it implies."""
-        facts = self.node_facts(node)
-        ruling = decide(node, facts, self)
+        key, template = self._node_template(node)
+        facts = self.facts[node] = node_facts(node, template, self.fp32, self._known_facts)
+        ruling = decide(node, facts, self, self._rules(key, node, facts))
         self._classes.pop(node, None)
         inputs = self._inputs.pop(node, None)
         if ruling.facts is not None:
@@ -286,7 +338,7 @@ class Planner:
             self._flex(node, facts, tiny=ruling.tiny)
         if ruling.carries is None and ruling.scaled is None:
             return
-        fp32_outputs = [out for out in node.outputs if is_fp32_tensor(out)]
+        fp32_outputs = [out for out in node.outputs if out in self.fp32]
         if ruling.carries is not None:
             origin = self.carried.get(ruling.carries, ruling.carries)
             self.carried.update(dict.fromkeys(fp32_outputs, origin))
@@ -303,7 +355,7 @@ class Planner:
         self.lowered[node] = frozenset()
         bounded = out_state is State.HIGH and is_default_domain(node.domain) and op_facts("", node.op_type).bounded
         for out in node.outputs:
-            if is_fp32_tensor(out):
+            if out in self.fp32:
                 self.state[out] = out_state
                 if bounded:
                     self.bounded[out] = f"{node.op_type} output: within a fixed small interval"
@@ -311,13 +363,16 @@ class Planner:
     def _lower(self, node: ir.Node, facts: NodeFacts, category: Category, reason: str) -> None:
         self.decisions[node] = self._decision(Precision.LOW, category, reason)
         self.lowered[node] = frozenset(facts.lowerable)
+        output_vars = facts.sig.output_vars if facts.sig is not None else ()
+        dtype_source = facts.rule is not None and facts.rule.dtype_attribute is not None
         for index, out in enumerate(node.outputs):
-            if not is_fp32_tensor(out):
+            if out not in self.fp32:
                 continue
-            var = facts.sig.output_vars[index] if facts.sig and index < len(facts.sig.output_vars) else None
-            lowered = var in facts.lowerable if var is not None else False
-            if facts.rule is not None and facts.rule.dtype_attribute is not None:
+            if dtype_source:
                 lowered = index == 0
+            else:
+                var = output_vars[index] if index < len(output_vars) else None
+                lowered = var is not None and var in facts.lowerable
             self.state[out] = State.LOW if lowered else State.HIGH
 
     def _flex(self, node: ir.Node, facts: NodeFacts, *, tiny: bool = False) -> None:
@@ -327,7 +382,7 @@ class Planner:
         self.lowered[node] = frozenset(facts.lowerable)
         self.flex_nodes.append(node)
         for index, out in enumerate(node.outputs):
-            if is_fp32_tensor(out):
+            if out in self.fp32:
                 flexible = self._output_var_lowerable(facts, index)
                 self.state[out] = (State.TINY if tiny else State.FLEX) if flexible else State.HIGH
                 if flexible and tiny:

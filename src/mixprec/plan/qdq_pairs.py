@@ -12,6 +12,7 @@ and the decisions of the ops reading them say so.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
@@ -138,21 +139,25 @@ def keep_pairs(
         result = plan(extra)
         broken = {node: finding for node, finding in broken_pairs(result).items() if node not in extra}
         if not broken:
-            _explain_folds(result)
-            return result
+            return _explain_folds(result)
         extra.update(broken)
 
 
-def _explain_folds(plan: PrecisionPlan) -> None:
-    """Add to the decision of each op that reads a folded dequantization where it came from."""
+def _explain_folds(plan: PrecisionPlan) -> PrecisionPlan:
+    """The plan with the decision of each op that reads a folded dequantization saying where
+    that input came from."""
+    explained: dict[ir.Node, Decision] = {}
     for node in plan.order:
         folded = [v for v in node.inputs if v is not None and FOLDED in v.meta]
         if not folded:
             continue
         d = plan.decisions[node]
         inputs = ", ".join(f"{v.name!r} (DequantizeLinear {v.meta[FOLDED]!r})" for v in folded)
-        plan.decisions[node] = Decision(
+        explained[node] = Decision(
             d.precision, d.category,
             f"{d.reason}; constant input(s) {inputs} folded: the runtime dequantizes them in float, "
             "so they were computed once in FP32",
         )
+    if not explained:
+        return plan
+    return dataclasses.replace(plan, decisions={**plan.decisions, **explained})

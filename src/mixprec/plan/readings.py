@@ -7,7 +7,7 @@ data-movement node reads a large constant (the backward pass and the cast placem
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -52,6 +52,7 @@ class Inputs:
         wide: (index, value, state) of the inputs that must not be narrowed.
         castable: Inputs held FP32 whose 16-bit copy is safe -> why (what flushes is additive).
         moves_tiny: Data movement of constants that flush to zero (its readers decide).
+        lowerable: The considered inputs whose type variable the node still lowers.
         saturated: Constants whose out-of-range values saturate to the 16-bit maximum.
     """
 
@@ -61,12 +62,8 @@ class Inputs:
     wide: tuple[tuple[int, ir.Value, State], ...]
     castable: Mapping[ir.Value, str]
     moves_tiny: bool
+    lowerable: tuple[tuple[int, ir.Value, str], ...]
     saturated: tuple[ir.Value, ...] = field(default=())
-
-    @property
-    def lowerable(self) -> tuple[tuple[int, ir.Value, str], ...]:
-        """The considered inputs whose type variable the node still lowers."""
-        return tuple(item for item in self.considered if item[2] in self.facts.lowerable)
 
 
 def classify(node: ir.Node, facts: NodeFacts) -> PolicyClass:
@@ -85,8 +82,11 @@ def read_inputs(node: ir.Node, facts: NodeFacts, context: PlanContext, evidence:
     to FP32), which saturate, and which only flush to zero where the node adds them (within the
     rounding of the 16-bit sum) or moves them."""
     assert facts.rule is not None  # noqa: S101 (unknown_op decided nodes without one)
-    considered = _considered(node, facts)
+    considered = _considered(node, facts, context.fp32)
     states = {v: context.value_state(v) for _, v, _ in considered}
+    if State.WIDE not in states.values() and State.TINY not in states.values() and not facts.pinned_evidence:
+        # Nothing to saturate, flush or pin: the facts are those given.
+        return Inputs(facts, considered, states, (), {}, False, considered)
     fact = op_facts(node.domain, node.op_type)
     moves_tiny = (
         context.classify(node, facts).op_class is OpClass.FOLLOW and fact.value_preserving
@@ -99,8 +99,10 @@ def read_inputs(node: ir.Node, facts: NodeFacts, context: PlanContext, evidence:
         reading.read(index, value, var)
     if reading.pinned or facts.pinned_evidence:  # else the facts are those given (nothing was pinned)
         facts = replace(facts, lowerable=frozenset(reading.lowerable), pinned_evidence=tuple(reading.pinned))
+    lowerable = tuple(item for item in considered if item[2] in facts.lowerable)
     return Inputs(
-        facts, considered, states, tuple(reading.wide), reading.castable, moves_tiny, tuple(reading.saturated)
+        facts, considered, states, tuple(reading.wide), reading.castable, moves_tiny, lowerable,
+        tuple(reading.saturated),
     )
 
 
@@ -151,16 +153,16 @@ class _Reading:
             self.castable[value] = f"what flushes to zero is below the rounding of the {context.target.short_name} sum"
 
 
-def _considered(node: ir.Node, facts: NodeFacts) -> tuple[tuple[int, ir.Value, str], ...]:
-    """(index, value, type variable) of the FP32 inputs bound to lowerable type variables
-    (flexible inputs are taken as they are)."""
+def _considered(node: ir.Node, facts: NodeFacts, fp32: Container[ir.Value]) -> tuple[tuple[int, ir.Value, str], ...]:
+    """(index, value, type variable) of the FP32 inputs (of `fp32`, the model's FP32 tensor
+    values) bound to lowerable type variables (flexible inputs are taken as they are)."""
     sig = facts.sig
     assert sig is not None  # noqa: S101 (unknown_op decided nodes without one)
     return tuple(
         (index, value, var)
         for index, (value, var) in enumerate(zip(node.inputs, sig.input_vars))
         if value is not None and var is not None and var in facts.lowerable
-        and index not in facts.flexible and is_fp32_tensor(value)
+        and index not in facts.flexible and value in fp32
     )
 
 

@@ -3,10 +3,12 @@
 Each rule is a function ``(node, facts, context) -> Ruling | None``: it looks at one node (its
 facts: policy rule, schema binding, lowerable type variables) and at what the planner knows of
 the values it reads (the context), and either decides the node or passes (None). The first rule
-that decides wins (:data:`RULES`); the last one always decides. A ruling names the decision the
-plan records (precision, category, reason) and what the node's FP32 outputs hold afterwards (a
-state of the planner's lattice, see :mod:`mixprec.plan.planner`). The rules after the policy
-share what they read of a node (its policy class, what its inputs hold: :mod:`mixprec.plan.readings`).
+that decides wins (:data:`RULES`); the last one always decides. The planner tries, per op
+template, only the rules that may decide its nodes (:func:`rules_for`): the same ruling, fewer
+calls. A ruling names the decision the plan records (precision, category, reason) and what the
+node's FP32 outputs hold afterwards (a state of the planner's lattice, see
+:mod:`mixprec.plan.planner`). The rules after the policy share what they read of a node (its
+policy class, what its inputs hold: :mod:`mixprec.plan.readings`).
 
 The rules, in order:
 
@@ -35,9 +37,9 @@ from __future__ import annotations
 
 import enum
 from collections import ChainMap
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
-from typing import Protocol
+from collections.abc import Callable, Container, Mapping
+from dataclasses import replace
+from typing import NamedTuple, Protocol
 
 import onnx_ir as ir
 
@@ -49,7 +51,7 @@ from mixprec.policy.opfacts import OpFacts, op_facts
 from mixprec.policy.profiles import RuntimeProfile
 from mixprec.policy.table import OpClass, format_op_name
 
-__all__ = ["RULES", "Action", "PlanContext", "Ruling", "decide"]
+__all__ = ["RULES", "Action", "PlanContext", "Rule", "Ruling", "decide", "rules_for"]
 
 _FP32_STATES = (State.HIGH, State.WIDE, State.TINY)
 
@@ -62,9 +64,8 @@ class Action(enum.Enum):
     FLEX = "flex"  # provisional: its consumers decide (the backward pass)
 
 
-@dataclass(frozen=True)
-class Ruling:
-    """A rule's verdict on a node.
+class Ruling(NamedTuple):
+    """A rule's verdict on a node (immutable; a named tuple: one is made per node decided).
 
     Attributes:
         action: Keep FP32, lower, or leave to the consumers.
@@ -121,6 +122,7 @@ class PlanContext(Protocol):
     forced: Mapping[ir.Node, tuple[Category, str]]  # nodes analyses keep FP32 -> (category, evidence)
     wide_values: Mapping[ir.Value, str]  # values measured beyond the 16-bit range -> evidence
     bounded: Mapping[ir.Value, str]  # FP32 values a 16-bit copy holds safely -> evidence
+    fp32: Container[ir.Value]  # the model's FP32 tensor values (read once when planning starts)
 
     def is_control_flow(self, node: ir.Node) -> bool: ...  # the node owns subgraphs
     def is_function_call(self, node: ir.Node) -> bool: ...  # the node calls a model-local function
@@ -171,8 +173,10 @@ def unknown_type(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Rulin
     """An input of a lowerable type variable whose type is unknown keeps the node FP32."""
     sig = facts.sig
     assert sig is not None  # noqa: S101 (unknown_op decided nodes without one)
+    lowerable, fp32 = facts.lowerable, context.fp32
     for value, var in zip(node.inputs, sig.input_vars):
-        if value is not None and var is not None and var in facts.lowerable and value.dtype is None:
+        # An FP32 value's type is known: only the others' is read.
+        if value is not None and var in lowerable and value not in fp32 and value.dtype is None:
             return _keep(Category.UNKNOWN_TYPE, f"type of {value.name!r} is unknown")
     return None
 
@@ -439,9 +443,8 @@ def follow_low(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Ruling 
     if not any(inputs.states[v] is State.LOW for _, v, _ in considered):
         return None
     found = context.classify(node, facts)
-    op_name = format_op_name(node.domain, node.op_type)
     condition = found.category is Category.CONDITION
-    reason = found.reason if condition else f"follows 16-bit inputs ({op_name})"
+    reason = found.reason if condition else f"follows 16-bit inputs ({format_op_name(node.domain, node.op_type)})"
     safe = _safe(inputs, context)
     cast = next((v for _, v, _ in considered if inputs.states[v] is State.HIGH and v in safe), None)
     if cast is not None:
@@ -481,9 +484,40 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def decide(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Ruling:
-    """The ruling of the first rule that decides the node."""
-    for rule in RULES:
+# When a rule may decide a node, judged from what every node of one op template shares (its
+# policy rule, schema binding and runtime binding, op facts) and from the run's inputs (exclusion
+# patterns, forced nodes, measured values): where its condition is false, the rule passes on every
+# such node. Rules not listed may decide any node.
+_MAY_DECIDE: dict[Rule, Callable[[ir.Node, NodeFacts, PlanContext], bool]] = {
+    excluded: lambda node, facts, context: bool(context.exclude.patterns),
+    forced: lambda node, facts, context: bool(context.forced),
+    measured_wide: lambda node, facts, context: bool(context.wide_values),
+    dtype_source: lambda node, facts, context: facts.rule is not None and facts.rule.dtype_attribute is not None,
+    fixed_type: lambda node, facts, context: op_facts(node.domain, node.op_type).dtype_attribute is not None,
+    runtime_blocked: lambda node, facts, context: (
+        bool(facts.runtime_blocked) and facts.rule is not None and facts.rule.op_class is not OpClass.FP32
+    ),
+    policy_class: lambda node, facts, context: (
+        facts.rule is not None and facts.rule.op_class in (OpClass.FP32, OpClass.CONDITIONAL)
+    ),
+    runtime_one_type: lambda node, facts, context: context.runtime.needs_one_type(node.domain, node.op_type),
+    low_class: lambda node, facts, context: facts.rule is not None and facts.rule.op_class is OpClass.LOW,
+}
+
+
+def rules_for(node: ir.Node, facts: NodeFacts, context: PlanContext) -> tuple[Rule, ...]:
+    """The rules of :data:`RULES`, in order, that may decide a node of the op template of `node`
+    in this run (the others pass on every such node: :func:`decide` gives the same ruling with
+    these alone). Only what the template fixes is read of `facts` (policy rule, schema and
+    runtime bindings); the exclusion patterns, forced nodes and measured values must not change
+    afterwards."""
+    return tuple(rule for rule in RULES if rule not in _MAY_DECIDE or _MAY_DECIDE[rule](node, facts, context))
+
+
+def decide(node: ir.Node, facts: NodeFacts, context: PlanContext, rules: tuple[Rule, ...] = RULES) -> Ruling:
+    """The ruling of the first rule that decides the node, of `rules` (default: all of
+    :data:`RULES`; the planner passes those of :func:`rules_for` the node's template)."""
+    for rule in rules:
         ruling = rule(node, facts, context)
         if ruling is not None:
             return ruling

@@ -11,6 +11,7 @@ and which it would lower.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, replace
 
 import onnx_ir as ir
@@ -135,9 +136,17 @@ def op_template(
     return OpTemplate(rule, sig, frozenset(excluded), blocked, runtime_reason)
 
 
-def node_facts(node: ir.Node, template: OpTemplate) -> NodeFacts:
+def node_facts(
+    node: ir.Node,
+    template: OpTemplate,
+    fp32: Container[ir.Value] | None = None,
+    known: dict[tuple, NodeFacts] | None = None,
+) -> NodeFacts:
     """The facts of `node`: its template, and which of its type variables hold FP32 values and
-    which it would lower."""
+    which it would lower. `fp32`: the model's FP32 tensor values, when known (else each value's
+    type is read); `known`: facts already made from templates alive as long as it is, reused
+    for nodes whose type variables bind the same way (facts are immutable)."""
+    is_fp32 = fp32.__contains__ if fp32 is not None else is_fp32_tensor
     rule, sig = template.rule, template.sig
     flexible = rule.flexible_inputs if rule is not None else frozenset()
     if sig is None:
@@ -152,17 +161,23 @@ def node_facts(node: ir.Node, template: OpTemplate) -> NodeFacts:
     for value, var in zip(node.inputs, sig.input_vars):
         if value is not None and var is not None:
             input_vars.add(var)
-            if is_fp32_tensor(value):
+            if is_fp32(value):
                 float_vars.add(var)
     for value, var in zip(node.outputs, sig.output_vars):
-        if var is not None and is_fp32_tensor(value):
+        if var is not None and is_fp32(value):
             float_vars.add(var)
-    return NodeFacts(
-        rule=rule,
-        sig=sig,
-        float_vars=frozenset(float_vars),
-        lowerable=frozenset(v for v in float_vars if v in input_vars and v not in template.excluded),
-        flexible=flexible,
-        runtime_blocked=template.runtime_blocked,
-        runtime_reason=template.runtime_reason,
-    )
+    key = (id(template), frozenset(float_vars), frozenset(input_vars))
+    facts = known.get(key) if known is not None else None
+    if facts is None:
+        facts = NodeFacts(
+            rule=rule,
+            sig=sig,
+            float_vars=key[1],
+            lowerable=frozenset((float_vars & input_vars) - template.excluded),
+            flexible=flexible,
+            runtime_blocked=template.runtime_blocked,
+            runtime_reason=template.runtime_reason,
+        )
+        if known is not None:
+            known[key] = facts
+    return facts

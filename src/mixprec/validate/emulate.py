@@ -240,7 +240,7 @@ def _inline_functions(model: ir.Model) -> None:
     except Exception as exc:  # the inliner raises ValueError and pass errors
         raise RunError(f"cannot inline model-local functions for emulation: {exc}") from exc
     finally:
-        forget_structure()
+        forget_structure(model)
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mixprec.analysis.constants import constant_tensor, is_constant
+from mixprec.analysis.constants import is_constant
 from mixprec.graphs import default_domain_version, is_default_domain
-from mixprec.passes.fold_dequantize import dequantized_constant
+from mixprec.passes.fold_dequantize import fold_node
 from mixprec.policy.opfacts import op_facts
 from mixprec.policy.profiles import load_runtime
 from mixprec.policy.schemas import Signature, signature
@@ -62,7 +62,7 @@ def _rewrite(model: ir.Model, graph: ir.Graph, node: ir.Node, kind: str) -> bool
     """Fold a DequantizeLinear of constants, else make the node the contrib op; whether it was
     rewritten."""
     if kind == "dequantize" and all(v is None or is_constant(v) for v in node.inputs):
-        _fold(graph, node)
+        fold_node(graph, node)
         return True
     if _to_contrib(node):
         model.opset_imports.setdefault(_CONTRIB, 1)
@@ -81,22 +81,6 @@ def _bindings(node: ir.Node, sig: Signature) -> dict[str, str] | None:
             return None
         found[var] = f"tensor({value.dtype.name.lower()})"
     return found
-
-
-def _fold(graph: ir.Graph, node: ir.Node) -> None:
-    """Replace a DequantizeLinear of constants by an initializer holding its values."""
-    out = node.outputs[0]
-    assert out.dtype is not None
-    tensors = [constant_tensor(v) if v is not None else None for v in node.inputs]
-    axis, block = node.attributes.get("axis"), node.attributes.get("block_size")
-    attributes = (axis.as_int() if axis is not None else 1, block.as_int() if block is not None else 0)
-    array = dequantized_constant(tensors, attributes, out.dtype)
-    value = ir.Value(name=None, type=ir.TensorType(out.dtype), shape=ir.Shape(array.shape), const_value=ir.Tensor(array))
-    name = out.name
-    out.replace_all_uses_with(value, replace_graph_outputs=True)
-    graph.remove(node, safe=True)
-    value.name = name
-    graph.initializers.add(value)
 
 
 def _to_contrib(node: ir.Node) -> bool:
