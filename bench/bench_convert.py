@@ -8,6 +8,9 @@ time and wall time are measured in isolation (``os.wait4`` on the child):
 * ``mixprec``: ``mixprec.convert(in, out, target_dtype="float16")`` (its default validation:
   an onnxruntime session up to 50,000 nodes, the checker above);
 * ``mixprec-checker`` (with ``--tools``): the same with ``validate="checker"`` (no session);
+* ``mixprec-command`` (with ``--tools``): the command as users run it, ``mixprec convert in out
+  --to fp16 --validate checker`` (its entry point, which exits without a last garbage
+  collection over the converted model);
 * ``onnxconverter-common``: ``float16.convert_float_to_float16(model, keep_io_types=True)``
   (its ``..._model_path`` variant for models over 2 GB, as its docs advise);
 * ``ort-float16``: ``onnxruntime.transformers.float16.convert_float_to_float16(path,
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import importlib.metadata
 import json
 import logging
@@ -50,7 +54,7 @@ from typing import Any
 LOG = logging.getLogger("bench_convert")
 
 DEFAULT_TOOLS = ("floor", "mixprec", "onnxconverter-common", "ort-float16")
-ALL_TOOLS = (*DEFAULT_TOOLS, "mixprec-checker", "ort-onnxmodel")
+ALL_TOOLS = (*DEFAULT_TOOLS, "mixprec-checker", "mixprec-command", "ort-onnxmodel")
 TWO_GB = 2**31
 
 
@@ -141,6 +145,10 @@ def _import_tool(tool: str) -> dict[str, Any]:
             import mixprec
 
             return {"mixprec": mixprec}
+        if tool == "mixprec-command":
+            import mixprec.cli
+
+            return {"cli": mixprec.cli}
         import onnx
 
         if tool == "onnxconverter-common":
@@ -197,6 +205,15 @@ def _run_tool(tool: str, src: Path, out: Path, meta: dict[str, Any]) -> dict[str
             "estimated_speedup": report.estimated_speedup, "validation": _jsonable(report.validation),
         }
         info["steps"] = {"seconds": result.report.seconds, "cpu_seconds": result.report.cpu_seconds}
+    elif tool == "mixprec-command":
+        report_path = out.parent / "report.json"
+        code = mod["cli"].main(["convert", str(src), str(out), "--to", "fp16", "--validate", "checker", "--report", str(report_path)])
+        lap("convert_s")
+        if code != 0:
+            raise RuntimeError(f"mixprec convert exited {code}")
+        report = json.loads(report_path.read_text())
+        report_path.unlink()
+        info["steps"] = {"seconds": report.get("seconds"), "cpu_seconds": report.get("cpu_seconds")}
     elif tool == "onnxconverter-common":
         float16 = mod["float16"]
         if large:  # The library's documented entry point for models over 2 GB.
@@ -260,6 +277,8 @@ def worker_main(argv: Sequence[str]) -> int:
             "traceback": traceback.format_exc()[-4000:],
         }
     Path(result_path).write_text(json.dumps(result, default=str))
+    if tool == "mixprec-command":
+        gc.freeze()  # as the command's entry point exits (`mixprec.cli.entry`)
     return 0 if result["ok"] else 1
 
 

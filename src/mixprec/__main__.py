@@ -1,5 +1,3 @@
-import sys
+from mixprec.cli import entry
 
-from mixprec.cli import main
-
-sys.exit(main())
+entry()
