@@ -314,3 +314,55 @@ def bf16_arithmetic_missing() -> str | None:
     if "BF16" not in openvino.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
         return "OpenVINO's CPU plugin lists no BF16 among its OPTIMIZATION_CAPABILITIES"
     return None
+
+
+# The quantized MatMul model's dimensions: x [2, QDQ_K] -> [2, QDQ_N] -> y [2, QDQ_M].
+QDQ_K, QDQ_N, QDQ_M = 16, 8, 4
+
+
+def qdq_matmul(
+    opset: int = 21, *, w_scale: float | np.ndarray | None = None, x_scale: float = 0.02, seed: int = 0
+) -> onnx.ModelProto:
+    """x -> Q -> DQ -> MatMul(DQ(per-channel int8 W)) -> Q -> DQ -> MatMul(float W2) -> y, and a
+    float branch z = MatMul(x, W3) outside any quantized group. `w_scale`: one weight scale for
+    every channel, or one per channel (default: each channel's absmax / 127)."""
+    from onnx import helper as oh  # noqa: PLC0415
+    from onnx import numpy_helper as nh  # noqa: PLC0415
+
+    k, n, m = QDQ_K, QDQ_N, QDQ_M
+    rng = np.random.default_rng(seed)
+    w = rng.normal(0, 0.5, (k, n)).astype(np.float32)
+    if w_scale is None:
+        ws = (np.abs(w).max(0) / 127).astype(np.float32)
+    else:
+        ws = np.broadcast_to(np.asarray(w_scale, np.float32), (n,)).copy()
+    wq = np.clip(np.round(w / np.where(ws > 0, ws, 1)), -127, 127).astype(np.int8)
+    initializers = [
+        nh.from_array(np.array(x_scale, np.float32), "x_scale"),
+        nh.from_array(np.array(128, np.uint8), "x_zp"),
+        nh.from_array(wq, "w_q"),
+        nh.from_array(ws, "w_scale"),
+        nh.from_array(np.zeros(n, np.int8), "w_zp"),
+        nh.from_array(np.array(0.05, np.float32), "h_scale"),
+        nh.from_array(np.array(3, np.int8), "h_zp"),
+        nh.from_array(rng.normal(0, 0.3, (n, m)).astype(np.float32), "w2"),
+        nh.from_array(rng.normal(0, 0.3, (k, m)).astype(np.float32), "w3"),
+    ]
+    nodes = [
+        oh.make_node("QuantizeLinear", ["x", "x_scale", "x_zp"], ["x_q"], name="q_x"),
+        oh.make_node("DequantizeLinear", ["x_q", "x_scale", "x_zp"], ["x_dq"], name="dq_x"),
+        oh.make_node("DequantizeLinear", ["w_q", "w_scale", "w_zp"], ["w_dq"], name="dq_w", axis=1),
+        oh.make_node("MatMul", ["x_dq", "w_dq"], ["h"], name="matmul_q"),
+        oh.make_node("QuantizeLinear", ["h", "h_scale", "h_zp"], ["h_q"], name="q_h"),
+        oh.make_node("DequantizeLinear", ["h_q", "h_scale", "h_zp"], ["h_dq"], name="dq_h"),
+        oh.make_node("MatMul", ["h_dq", "w2"], ["y"], name="matmul_float"),
+        oh.make_node("MatMul", ["x", "w3"], ["z"], name="matmul_other"),
+    ]
+    graph = oh.make_graph(
+        nodes, "qdq_matmul", [oh.make_tensor_value_info("x", FLOAT, [2, k])],
+        [oh.make_tensor_value_info("y", FLOAT, [2, m]), oh.make_tensor_value_info("z", FLOAT, [2, m])],
+        initializers,
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", opset)])
+    onnx.checker.check_model(model, full_check=True)
+    return model

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from helpers import FLOAT, check_full, convert
+from helpers import FLOAT, QDQ_K, QDQ_M, QDQ_N, check_full, convert, qdq_matmul
 from onnx import helper as oh
 from onnx import numpy_helper as nh
 
@@ -33,48 +33,8 @@ from mixprec.plan.qdq_pairs import broken_pairs, keep_pairs, small_scales
 from mixprec.policy.costs import runtime_cost
 from mixprec.report.quantized import quantized_summary
 
-K, N, M = 16, 8, 4
+K, N, M = QDQ_K, QDQ_N, QDQ_M
 FP16_TINY = float(np.finfo(np.float16).tiny)  # 6.1e-5, float16's smallest normal
-
-
-def qdq_matmul(*, w_scale: float | np.ndarray | None = None, x_scale: float = 0.02) -> onnx.ModelProto:
-    """x -> Q -> DQ -> MatMul(DQ(int8 W)) -> Q -> DQ -> MatMul(float W2) -> y, and a float
-    MatMul z = x W3 outside any quantized group."""
-    rng = np.random.default_rng(0)
-    w = rng.normal(0, 0.5, (K, N)).astype(np.float32)
-    ws = (np.abs(w).max(0) / 127).astype(np.float32) if w_scale is None else np.broadcast_to(
-        np.asarray(w_scale, np.float32), (N,)
-    ).copy()
-    wq = np.clip(np.round(w / np.where(ws > 0, ws, 1)), -127, 127).astype(np.int8)
-    initializers = [
-        nh.from_array(np.array(x_scale, np.float32), "x_scale"),
-        nh.from_array(np.array(128, np.uint8), "x_zp"),
-        nh.from_array(wq, "w_q"),
-        nh.from_array(ws, "w_scale"),
-        nh.from_array(np.zeros(N, np.int8), "w_zp"),
-        nh.from_array(np.array(0.05, np.float32), "h_scale"),
-        nh.from_array(np.array(3, np.int8), "h_zp"),
-        nh.from_array(rng.normal(0, 0.3, (N, M)).astype(np.float32), "w2"),
-        nh.from_array(rng.normal(0, 0.3, (K, M)).astype(np.float32), "w3"),
-    ]
-    nodes = [
-        oh.make_node("QuantizeLinear", ["x", "x_scale", "x_zp"], ["x_q"], name="q_x"),
-        oh.make_node("DequantizeLinear", ["x_q", "x_scale", "x_zp"], ["x_dq"], name="dq_x"),
-        oh.make_node("DequantizeLinear", ["w_q", "w_scale", "w_zp"], ["w_dq"], name="dq_w", axis=1),
-        oh.make_node("MatMul", ["x_dq", "w_dq"], ["h"], name="matmul_q"),
-        oh.make_node("QuantizeLinear", ["h", "h_scale", "h_zp"], ["h_q"], name="q_h"),
-        oh.make_node("DequantizeLinear", ["h_q", "h_scale", "h_zp"], ["h_dq"], name="dq_h"),
-        oh.make_node("MatMul", ["h_dq", "w2"], ["y"], name="matmul_float"),
-        oh.make_node("MatMul", ["x", "w3"], ["z"], name="matmul_other"),
-    ]
-    graph = oh.make_graph(
-        nodes, "qdq_matmul", [oh.make_tensor_value_info("x", FLOAT, [2, K])],
-        [oh.make_tensor_value_info("y", FLOAT, [2, M]), oh.make_tensor_value_info("z", FLOAT, [2, M])],
-        initializers,
-    )
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
-    onnx.checker.check_model(model, full_check=True)
-    return model
 
 
 def matmul_chain() -> tuple[onnx.ModelProto, list[tuple[int, int, int]]]:

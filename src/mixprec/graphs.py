@@ -62,6 +62,16 @@ def _owners(graph: ir.Graph | ir.Function) -> frozenset[ir.Node]:
     return owners
 
 
+def keep_structure(graph: ir.Graph | ir.Function) -> None:
+    """Let the subgraph owners of `graph` that its last traversal remembered stand although its
+    node count changed: call after a pass that traversed it (:func:`all_graphs`,
+    :func:`walk_nodes`, ...) and since then only added or removed nodes without subgraphs (the
+    next traversal does not scan it again)."""
+    cached = graph.meta.get(_OWNERS_KEY)
+    if cached is not None:
+        graph.meta[_OWNERS_KEY] = (len(graph), cached[1])
+
+
 def forget_structure(model: ir.Model) -> None:
     """Forget the remembered subgraph owners of every graph of `model`: call after a pass that
     may add control flow while keeping a graph's node count (inlining a one-node function body,
@@ -229,16 +239,15 @@ class FreshNames:
 
 def model_names(model: ir.Model) -> tuple[FreshNames, FreshNames]:
     """Fresh value names and fresh node names for `model` (all graphs and function bodies)."""
-    values: set[str] = set()
-    nodes: set[str] = set()
+    values: set[str | None] = set()
+    nodes: set[str | None] = set()
     for graph in (*all_graphs(model), *function_graphs(model)):
-        values.update(v.name for v in (*graph.inputs, *graph.outputs) if v is not None and v.name)
-        values.update(name for name in graph.initializers if name)
-        for node in graph:
-            if node.name:
-                nodes.add(node.name)
-            values.update(v.name for v in node.outputs if v.name)
-    return FreshNames(values), FreshNames(nodes)
+        values.update([v.name for v in (*graph.inputs, *graph.outputs) if v is not None])
+        values.update(graph.initializers)
+        graph_nodes = list(graph)
+        nodes.update([node.name for node in graph_nodes])
+        values.update([v.name for node in graph_nodes for v in node.outputs])
+    return FreshNames(filter(None, values)), FreshNames(filter(None, nodes))  # unnamed ones aside
 
 
 def reduction_axes(node: ir.Node, constant: Callable[[ir.Value], np.ndarray | None]) -> list[int] | None:

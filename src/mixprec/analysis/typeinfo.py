@@ -77,10 +77,10 @@ def _dtype_and_dims(type_proto: onnx.TypeProto) -> tuple[int, tuple | None]:
     tensor_type = type_proto.tensor_type
     if not tensor_type.HasField("shape"):
         return tensor_type.elem_type, None
-    dims = tuple(
+    dims = tuple([
         d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
         for d in tensor_type.shape.dim
-    )
+    ])
     return tensor_type.elem_type, dims
 
 
@@ -91,7 +91,10 @@ def _graph_pairs(
     yield graph, proto
     if len(proto.node) != len(graph):
         return
-    for node, node_proto in zip(graph, proto.node):
+    last = _last_owner(graph)
+    if last < 0:
+        return  # no graph attributes: nothing to read from the protobuf nodes
+    for node, node_proto in zip(graph, proto.node[: last + 1]):
         if node.op_type != node_proto.op_type:
             return
         if not (node.attributes and has_subgraphs(node)):
@@ -108,6 +111,23 @@ def _graph_pairs(
                     yield from _graph_pairs(sub, sub_proto)
 
 
+def _last_owner(graph: ir.Graph) -> int:
+    """The index of the last node of `graph` with graph attributes (-1 when none)."""
+    last = -1
+    for i, node in enumerate(graph):
+        if node.attributes and has_subgraphs(node):
+            last = i
+    return last
+
+
+def _inferred_types(proto: onnx.GraphProto, names: set[str | None]) -> dict[str, onnx.TypeProto]:
+    """The inferred types of the values of `proto` called one of `names` (the last entry of a
+    name wins: inputs, then value_info, then outputs)."""
+    return {
+        info.name: info.type for info in (*proto.input, *proto.value_info, *proto.output) if info.name in names
+    }
+
+
 # Element type numbers to the IR's enum (the enum's own lookup is slow at 100k values).
 _DATA_TYPES: dict[int, ir.DataType] = {int(d): d for d in ir.DataType}
 
@@ -120,15 +140,14 @@ def _apply(graph: ir.Graph, proto: onnx.GraphProto, types: _TypeCache) -> int:
     untyped = [v for v in values if v.dtype is None or v.shape is None]
     if not untyped:
         return 0
-    inferred = {}
-    for info in (*proto.input, *proto.value_info, *proto.output):
-        inferred[info.name] = info.type
+    inferred = _inferred_types(proto, {v.name for v in untyped})
     count = 0
+    get = types.get
     for value in untyped:
         type_proto = inferred.get(value.name)
         if type_proto is None:
             continue
-        elem_type, shape = types.get(type_proto)
+        elem_type, shape = get(type_proto)
         if value.dtype is None and elem_type:
             value.dtype = _DATA_TYPES.get(elem_type) or ir.DataType(elem_type)
             count += 1

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import onnx_ir as ir
 
 from mixprec.analysis.constants import reduction_axes, small_constant_array
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
-from mixprec.graphs import FreshNames, all_graphs, model_names
+from mixprec.graphs import FreshNames, all_graphs, keep_structure, model_names
 from mixprec.passes.opset import default_opset
 from mixprec.policy.profiles import RuntimeProfile
 
@@ -65,6 +66,19 @@ class NormBlock:
             return f"{prefix}/{op_type}"
         return f"{names[-1]}/{op_type}" if names else op_type
 
+    @cached_property
+    def affine(self) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """Scale and bias (None without one) as the fused op wants them, of the normalized
+        shape; None when the normalized shape or an affine constant is not static. Computed
+        once per block (its constants do not change while it is found and not fused)."""
+        scale = _affine_tensor(self, self.scale, 1.0)
+        if scale is None:
+            return None
+        if self.bias is None:
+            return scale, None
+        bias = _affine_tensor(self, self.bias, 0.0)
+        return None if bias is None else (scale, bias)
+
 
 @dataclass
 class NormBlocks:
@@ -78,6 +92,8 @@ class NormBlocks:
     # The nodes of those blocks (they go when the blocks fuse after an upgrade); None when one
     # of them could not fuse even then (its affine constants are not static).
     waiting: set[ir.Node] | None = field(default_factory=set)
+    # Every block found, by graph (those fused included), in the order they were found.
+    found: dict[ir.Graph, list[NormBlock]] = field(default_factory=dict)
 
 
 def _sole_consumer(value: ir.Value, graph_outputs: set[ir.Value]) -> ir.Node | None:
@@ -291,14 +307,15 @@ def _affine_tensor(block: NormBlock, value: ir.Value | None, fill: float) -> np.
         return None
 
 
-def _fuse(graph: ir.Graph, block: NormBlock, index: int, names: tuple[FreshNames, FreshNames]) -> str | None:
+def _fuse(
+    graph: ir.Graph, block: NormBlock, index: int, names: tuple[FreshNames, FreshNames], read: set[ir.Value]
+) -> str | None:
     """Replace the block by one fused node; its name (fresh in the model), or None when the
-    block's affine constants are not static."""
+    block's affine constants are not static. What the block's nodes read joins `read`."""
     op_type, _ = _FUSED_OP[block.kind]
-    scale = _affine_tensor(block, block.scale, 1.0)
-    bias = _affine_tensor(block, block.bias, 0.0) if block.bias is not None else None
-    if scale is None or (block.bias is not None and bias is None):
+    if block.affine is None:
         return None
+    scale, bias = block.affine
     value_names, node_names = names
     name = node_names(block.name)
     inputs = [block.input]
@@ -306,7 +323,7 @@ def _fuse(graph: ir.Graph, block: NormBlock, index: int, names: tuple[FreshNames
         if array is None:
             continue
         value = ir.Value(name=value_names(f"{name}.{role}_{index}"), shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.FLOAT))
-        value.const_value = ir.tensor(array, name=value.name)
+        value.const_value = ir.Tensor(array, name=value.name)
         graph.register_initializer(value)
         inputs.append(value)
     fused = ir.Node(
@@ -320,7 +337,7 @@ def _fuse(graph: ir.Graph, block: NormBlock, index: int, names: tuple[FreshNames
     )
     graph.insert_after(block.nodes[-1], fused)
     _take_over_output(block.output, fused.outputs[0])
-    _remove_block(graph, block)
+    _remove_block(graph, block, read)
     return name
 
 
@@ -332,19 +349,24 @@ def _take_over_output(old: ir.Value, out: ir.Value) -> None:
     out.name = name
 
 
-def _remove_block(graph: ir.Graph, block: NormBlock) -> None:
-    """Remove the block's nodes and the Constant nodes and initializers only they read."""
-    constants = {
-        producer
-        for node in block.nodes
-        for value in node.inputs
-        if value is not None and (producer := value.producer()) is not None
-        and producer.op_type == "Constant" and producer not in block.nodes
-    }
-    read = {value for node in block.nodes for value in node.inputs if value is not None}
+def _remove_block(graph: ir.Graph, block: NormBlock, read: set[ir.Value]) -> None:
+    """Remove the block's nodes; the values they read join `read` (the constants among them
+    that nothing reads any more go once the graph's blocks are fused:
+    :func:`_drop_unread_constants`)."""
+    read.update(value for node in block.nodes for value in node.inputs if value is not None)
     graph.remove(block.nodes, safe=True)
-    # Constants only the block read (epsilon, exponent, 1 of 1/x, the old scale and bias) are
-    # dead now.
+
+
+def _drop_unread_constants(graph: ir.Graph, read: set[ir.Value]) -> None:
+    """Remove the Constant nodes of `graph` and the initializers among the values fused blocks
+    read (`read`: epsilon, exponent, 1 of 1/x, the old scale and bias) that nothing reads any
+    more. Once per graph, after its blocks fused: a constant that many blocks share is looked at
+    once, not once per block (a fused op reads only what its block read, so a value nothing
+    reads now went dead with some block and the other way round)."""
+    constants = {
+        producer for value in read
+        if (producer := value.producer()) is not None and producer.op_type == "Constant" and producer.graph is graph
+    }
     graph.remove([c for c in constants if not any(out.uses() or out in graph.outputs for out in c.outputs)], safe=True)
     _drop_unused_initializers(graph, read)
 
@@ -352,7 +374,7 @@ def _remove_block(graph: ir.Graph, block: NormBlock) -> None:
 def _drop_unused_initializers(graph: ir.Graph, values: set[ir.Value]) -> None:
     """Delete those of `values` that are initializers of `graph` and no longer used."""
     for value in values:
-        if value.name in graph.initializers and graph.initializers[value.name] is value and not value.uses() \
+        if value.is_initializer() and graph.initializers.get(value.name) is value and not value.uses() \
                 and value not in graph.outputs and value not in graph.inputs:
             del graph.initializers[value.name]
 
@@ -372,21 +394,30 @@ def opset_for_fusion(blocks: NormBlocks, profile: RuntimeProfile, target: LowPre
     return version
 
 
-def fuse_norm_blocks(model: ir.Model) -> NormBlocks:
+def fuse_norm_blocks(model: ir.Model, found: dict[ir.Graph, list[NormBlock]] | None = None) -> NormBlocks:
     """Fuse decomposed normalizations where the opset allows (typed model: shapes are needed);
-    the others are returned to be kept FP32 as one block."""
+    the others are returned to be kept FP32 as one block.
+
+    `found`: the blocks an earlier call found (its `NormBlocks.found`), taken instead of
+    searching again; only where that call fused none and the model has not changed since, its
+    types included (an upgrade that only declared a newer opset): the search would find the
+    same blocks.
+    """
     opset = default_opset(model) or 0
     result = NormBlocks(fused=[], kept={})
     names: tuple[FreshNames, FreshNames] | None = None
     count = 0
     for graph in all_graphs(model):
-        for block in find_norm_blocks(graph):
+        blocks = find_norm_blocks(graph) if found is None else found[graph]
+        result.found[graph] = blocks
+        read: set[ir.Value] = set()
+        for block in blocks:
             op_type, since = _FUSED_OP[block.kind]
             what = "LayerNorm" if block.kind == "layer" else "RMSNorm"
             if opset >= since:
                 names = names or model_names(model)
                 count += 1
-                fused = _fuse(graph, block, count, names)
+                fused = _fuse(graph, block, count, names, read)
                 if fused is not None:
                     result.fused.append(fused)
                     continue
@@ -394,10 +425,7 @@ def fuse_norm_blocks(model: ir.Model) -> NormBlocks:
             else:
                 result.needs_opset[op_type] = since
                 if result.waiting is not None:
-                    fusable = _affine_tensor(block, block.scale, 1.0) is not None and (
-                        block.bias is None or _affine_tensor(block, block.bias, 0.0) is not None
-                    )
-                    if fusable:
+                    if block.affine is not None:  # fusable
                         result.waiting.update(block.nodes)  # in place: one copy per node, not per block
                     else:
                         result.waiting = None
@@ -407,5 +435,8 @@ def fuse_norm_blocks(model: ir.Model) -> NormBlocks:
                 )
             for node in block.nodes:
                 result.kept[node] = reason
+        if read:  # blocks fused
+            _drop_unread_constants(graph, read)
+            keep_structure(graph)  # all_graphs scanned it; fused ops and their blocks own no subgraphs
     return result
 

@@ -186,16 +186,41 @@ def _attribute_key(attr: ir.Attr) -> tuple:
     return (attr.name, kind, repr(attr.value))
 
 
-def _signature(values: Sequence[ir.Value | None]) -> tuple:
-    """Element type and rank of each value (None where absent)."""
-    return tuple(None if v is None else (v.dtype, None if v.shape is None else len(v.shape)) for v in values)
+_SUBGRAPH_ATTRIBUTES = frozenset({ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS})
 
 
-def _kind(node: ir.Node) -> tuple:
+def _signature(values: Sequence[ir.Value | None]) -> tuple | None:
+    """Element type and rank of each value (None where absent); None when a value's element
+    type is unknown."""
+    signature = []
+    for value in values:
+        if value is None:
+            signature.append(None)
+            continue
+        dtype, shape = value.dtype, value.shape
+        if dtype is None:
+            return None
+        signature.append((dtype, None if shape is None else len(shape)))
+    return tuple(signature)
+
+
+def _kind(node: ir.Node) -> tuple | None:
     """What the version converter's adapters can depend on: the op, its attributes (tensors by
-    type and shape), its inputs' and outputs' arity, element types and ranks."""
-    attributes = tuple(sorted(_attribute_key(attr) for attr in node.attributes.values())) if node.attributes else ()
-    return (node.domain, node.op_type, node.version, attributes, _signature(node.inputs), _signature(node.outputs))
+    type and shape), its inputs' and outputs' arity, element types and ranks. None when the node
+    has a subgraph or a value of unknown element type (no sample can stand for it)."""
+    attributes: tuple = ()
+    if node.attributes:
+        keys = []
+        for attr in node.attributes.values():
+            if attr.type in _SUBGRAPH_ATTRIBUTES:
+                return None
+            keys.append(_attribute_key(attr))
+        attributes = tuple(sorted(keys))
+    inputs = _signature(node.inputs)
+    outputs = _signature(node.outputs) if inputs is not None else None
+    if outputs is None:
+        return None
+    return (node.domain, node.op_type, node.version, attributes, inputs, outputs)
 
 
 def _sample_value(value: ir.Value, name: str) -> onnx.ValueInfoProto:
@@ -257,11 +282,10 @@ def _samples(model: ir.Model, skip: frozenset[ir.Node]) -> dict[tuple, ir.Node] 
     for node in model.graph:
         if normalize_domain(node.domain) != "" or node in skip:
             continue
-        if any(attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for attr in node.attributes.values()):
+        kind = _kind(node)
+        if kind is None:
             return None
-        if any(v is not None and v.dtype is None for v in (*node.inputs, *node.outputs)):
-            return None
-        samples.setdefault(_kind(node), node)
+        samples.setdefault(kind, node)
     return samples
 
 

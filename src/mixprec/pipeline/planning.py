@@ -15,7 +15,7 @@ from mixprec.errors import InputError
 from mixprec.graphs import main_values
 from mixprec.plan.model import Category, NodeMatcher, Precision, PrecisionPlan
 from mixprec.plan.planner import plan_precision
-from mixprec.plan.planner import weights_only as weights_only_plan
+from mixprec.plan.weights_only import weights_only as weights_only_plan
 from mixprec.plan.qdq_pairs import keep_pairs as keep_qdq_pairs
 from mixprec.policy.profiles import RuntimeProfile
 from mixprec.policy.table import Policy

@@ -129,16 +129,24 @@ class Report:
 
     def to_dict(self, *, include_graph: bool = False) -> dict[str, Any]:
         """JSON-ready form (`include_graph`: add the compact per-node listing)."""
-        graph, self.graph = self.graph, None
+        stored = self.__dict__.get("_graph")
+        self.__dict__["_graph"] = None  # asdict() reads every field: neither copy nor build it
         try:
             data = asdict(self)
         finally:
-            self.graph = graph
+            self.__dict__["_graph"] = stored
         if include_graph:
+            graph = self.graph
             data["graph"] = asdict(graph) if graph is not None else None
         else:
             del data["graph"]
         return data
+
+    def defer_graph(self, plan: PrecisionPlan) -> None:
+        """Let `graph` be the listing of `plan` (:func:`node_graph`), built on first use: most
+        conversions never draw it. The listing reads the plan and the rewritten model when first
+        used; the pipeline never edits either after the report is built."""
+        self.__dict__["_graph"] = _PendingGraph(plan)
 
     def to_json(self, indent: int = 2) -> str:
         """JSON text."""
@@ -253,6 +261,31 @@ class Report:
         return lines
 
 
+class _PendingGraph:
+    """The plan a report's per-node listing is built from, until it is first read."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan: PrecisionPlan) -> None:
+        self.plan = plan
+
+
+def _get_graph(report: Report) -> NodeGraph | None:
+    """`Report.graph`: the per-node listing, built now when deferred (:meth:`Report.defer_graph`)."""
+    graph = report.__dict__.get("_graph")
+    if isinstance(graph, _PendingGraph):
+        graph = report.__dict__["_graph"] = node_graph(graph.plan)
+    return graph
+
+
+def _set_graph(report: Report, graph: NodeGraph | None) -> None:
+    report.__dict__["_graph"] = graph
+
+
+# A property over the dataclass field (the field keeps `graph` in __init__, fields() and asdict()).
+Report.graph = property(_get_graph, _set_graph, doc="Per-node listing for drawing (None: none).")  # type: ignore[assignment]
+
+
 def _relative_text(out: OutputError) -> str:
     """An output's error relative to the FP32 output's largest magnitude ("" when unknown)."""
     return "" if out.scaled_error is None else f" ({out.scaled_error:.2%} of max |FP32|)"
@@ -298,7 +331,7 @@ def build_report(
     cost = runtime_cost(profile.name if profile is not None else None, target.value)
     # Casts of stored constants are folded by the runtime when it loads the model: no time.
     estimate = estimate_plan(plan, [c.guessed_elements for c in runtime if not c.of_constant], cost)
-    return Report(
+    report = Report(
         runtime=profile.name if profile is not None else "onnx",
         source=source,
         output=output,
@@ -321,7 +354,6 @@ def build_report(
         weight_bytes_after=weight_bytes_after,
         type_inference_warning=type_inference_warning,
         notes=notes,
-        graph=node_graph(plan),
         cast_bytes_estimate=cast_estimate,
         low_compute_share=estimate.low_flops_share,
         estimated_speedup=round(estimate.speedup, 3) if estimate.speedup is not None else None,
@@ -330,6 +362,8 @@ def build_report(
         quantization=quantized_summary(plan),
         validation=validation if validation is not None else Validation(),
     )
+    report.defer_graph(plan)
+    return report
 
 
 @dataclass
