@@ -261,3 +261,36 @@ def test_progress_auto_follows_enabled() -> None:
 )
 def test_fmt(value: float, text: str) -> None:
     assert _fmt(value) == text
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps (Linux) to count file mappings")
+def test_small_external_constants_are_read_without_mapping_the_data_file(tmp_path: Path) -> None:
+    """Reading many small external constants (normalization scales, epsilons) maps nothing:
+    onnx_ir's own `numpy()` maps the whole data file once per tensor, which costs memory per
+    tensor and one of the process's limited mappings each."""
+    from onnx.external_data_helper import convert_model_to_external_data  # noqa: PLC0415
+
+    from mixprec.analysis.constants import read_array, small_constant_array  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.normal(size=(3, 5)).astype(np.float32) for _ in range(200)]
+    nodes = [onnx.helper.make_node("Add", ["x" if i == 0 else f"y{i - 1}", f"c{i}"], [f"y{i}"]) for i in range(200)]
+    graph = onnx.helper.make_graph(
+        nodes, "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, 5])],
+        [onnx.helper.make_tensor_value_info("y199", onnx.TensorProto.FLOAT, [3, 5])],
+        [numpy_helper.from_array(a, f"c{i}") for i, a in enumerate(arrays)],
+    )
+    proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    convert_model_to_external_data(proto, location="m.data", size_threshold=0)
+    onnx.save(proto, str(tmp_path / "m.onnx"))
+    model = ir.load(tmp_path / "m.onnx")
+
+    def mappings() -> int:
+        return sum("m.data" in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+    before = mappings()
+    values = list(model.graph.initializers.values())
+    for value, expected in zip(values, arrays):
+        np.testing.assert_array_equal(small_constant_array(value), expected)
+        np.testing.assert_array_equal(read_array(value.const_value), expected)
+    assert mappings() == before

@@ -7,7 +7,7 @@ inspecting a multi-gigabyte model does not grow the resident set.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -122,12 +122,25 @@ class ScaledTensor(ir.LazyTensor):
         return (rows * factor[index, None]).reshape(-1)
 
 
+def read_array(tensor: ir.TensorProtocol) -> np.ndarray:
+    """The tensor's values as an array of its shape. An external tensor is read from its file:
+    its own `numpy()` maps the whole data file once per tensor, and thousands of small tensors
+    each touching their own mapping cost tens of kilobytes of memory apiece (and one of the
+    process's limited mappings)."""
+    if isinstance(tensor, ir.ExternalTensor) and tensor.dtype.itemsize and tensor.dtype.bitwidth % 8 == 0:
+        shape = tuple(int(d) for d in tensor.shape)
+        chunks = list(iter_chunks(tensor))
+        flat = chunks[0] if len(chunks) == 1 else np.concatenate([np.empty(0, tensor.dtype.numpy()), *chunks])
+        return flat.reshape(shape)
+    return np.asarray(tensor.numpy())
+
+
 def small_constant_array(value: ir.Value, max_bytes: int = 1 << 20) -> np.ndarray | None:
     """The constant's values as an array when it is small (used by conditions), else None."""
     tensor = constant_tensor(value)
     if tensor is None or tensor.nbytes > max_bytes:
         return None
-    return np.asarray(tensor.numpy())
+    return read_array(tensor)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
-from mixprec.analysis.constants import constant_tensor, is_constant
+from mixprec.analysis.constants import constant_tensor, is_constant, read_array
 from mixprec.analysis.intervals import (
     BINARY,
     BOOL,
@@ -120,7 +120,7 @@ class ValueBounds:
         if tensor is None or tensor.size > _MAX_CONSTANT_ELEMENTS:
             return None
         try:
-            return np.asarray(tensor.numpy())
+            return read_array(tensor)
         except Exception:  # noqa: BLE001 - unreadable or exotic types: no bound
             return None
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from mixprec.analysis.constants import constant_tensor, is_constant
+from mixprec.analysis.constants import constant_tensor, is_constant, read_array
 from mixprec.analysis.qdq import FOLDED, role
 from mixprec.dtypes import LowPrecision
 from mixprec.graphs import all_graphs
@@ -190,8 +190,7 @@ def dequantized_constant(
     assert x is not None and scale is not None
     axis, block_size = attributes
     values = dequantize(
-        np.asarray(x.numpy()), np.asarray(scale.numpy()),
-        None if zero_point is None else np.asarray(zero_point.numpy()), axis, block_size,
+        read_array(x), read_array(scale), None if zero_point is None else read_array(zero_point), axis, block_size,
     )
     return values if out_type == ir.DataType.FLOAT else values.astype(out_type.numpy())
 

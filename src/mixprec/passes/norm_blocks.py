@@ -21,7 +21,7 @@ from functools import cached_property
 import numpy as np
 import onnx_ir as ir
 
-from mixprec.analysis.constants import reduction_axes, small_constant_array
+from mixprec.analysis.constants import read_array, reduction_axes, small_constant_array
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.graphs import FreshNames, all_graphs, keep_structure, model_names
 from mixprec.passes.opset import default_opset
@@ -273,7 +273,7 @@ def find_norm_blocks(graph: ir.Graph) -> list[NormBlock]:
 
 
 def _constant_array(value: ir.Value) -> np.ndarray | None:
-    return small_constant_array(value) if value.const_value is None else value.const_value.numpy()
+    return small_constant_array(value) if value.const_value is None else read_array(value.const_value)
 
 
 def _normalized_shape(block: NormBlock) -> tuple[int, ...] | None:

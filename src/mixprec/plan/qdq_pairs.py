@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 import onnx_ir as ir
 
+from mixprec.analysis.constants import read_array
 from mixprec.analysis.qdq import FOLDED, has_qdq, role
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.plan.model import Category, Decision, PrecisionPlan
@@ -87,7 +88,7 @@ def small_scales(nodes: list[ir.Node], target: LowPrecision) -> Forced:
         tensor = scale.const_value if scale is not None else None
         if tensor is None or not is_fp32_tensor(scale):
             continue
-        values = np.abs(tensor.numpy().astype(np.float32, copy=False))
+        values = np.abs(read_array(tensor).astype(np.float32, copy=False))
         small = values[(values > 0) & (values < target.limits.tiny)]
         if small.size:
             found[node] = (
