@@ -9,7 +9,7 @@ time and wall time are measured in isolation (``os.wait4`` on the child):
   an onnxruntime session up to 50,000 nodes, the checker above);
 * ``mixprec-checker`` (with ``--tools``): the same with ``validate="checker"`` (no session);
 * ``mixprec-command`` (with ``--tools``): the command as users run it, ``mixprec convert in out
-  --to fp16 --validate checker`` (its entry point, which exits without a last garbage
+  --to fp16 --validate checker`` (run as the command, it exits without a last garbage
   collection over the converted model);
 * ``onnxconverter-common``: ``float16.convert_float_to_float16(model, keep_io_types=True)``
   (its ``..._model_path`` variant for models over 2 GB, as its docs advise);
@@ -278,7 +278,7 @@ def worker_main(argv: Sequence[str]) -> int:
         }
     Path(result_path).write_text(json.dumps(result, default=str))
     if tool == "mixprec-command":
-        gc.freeze()  # as the command's entry point exits (`mixprec.cli.entry`)
+        gc.freeze()  # as the command does when it ends (`mixprec.cli.main` without argv)
     return 0 if result["ok"] else 1
 
 

@@ -1,3 +1,5 @@
-from mixprec.cli import entry
+import sys
 
-entry()
+from mixprec.cli import main
+
+sys.exit(main())

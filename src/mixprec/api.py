@@ -44,18 +44,12 @@ def build_policy(
 def _gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector: graph passes allocate millions of small objects, and
     full collections over a 100k-node graph would otherwise dominate (reference counting still
-    frees everything; cycles are collected once the collector is back on). What was allocated
-    meanwhile goes to the oldest generation (frozen and unfrozen at once, unless the process
-    froze objects of its own), so that the first young collection after the pause does not walk
-    the whole converted model."""
+    frees everything; cycles are collected once the collector is back on)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        if gc.get_freeze_count() == 0:
-            gc.freeze()
-            gc.unfreeze()
         if was_enabled:
             gc.enable()
 

@@ -20,7 +20,6 @@ import tempfile
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
 
 from mixprec.config import Config
 from mixprec.io import write_text_atomic
@@ -458,14 +457,5 @@ def _terminate(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def entry() -> NoReturn:
-    """The `mixprec` command as a process: `main`, then exit without walking the converted
-    model's objects once more (the process ends; a final garbage collection over a 100k-node
-    graph would take seconds and free nothing the operating system does not)."""
-    code = main()
-    gc.freeze()
-    sys.exit(code)
-
-
 if __name__ == "__main__":
-    entry()
+    sys.exit(main())

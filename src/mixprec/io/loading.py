@@ -54,12 +54,6 @@ def external_slots(model: ir.Model) -> Iterator[ExternalSlot]:
                 yield ExternalSlot(f"{node.name or node.op_type}.{attr.name}", attr.value, node=node, attribute=attr.name)
 
 
-def _external_tensors(model: ir.Model) -> Iterator[tuple[str, ir.ExternalTensor]]:
-    """(name, tensor) of every tensor stored in an external file (see `external_slots`)."""
-    for slot in external_slots(model):
-        yield slot.name, slot.tensor
-
-
 def _check_locations(tensors: list[tuple[str, ir.ExternalTensor]], path: Path) -> None:
     """Refuse external data outside the model's folder, before any file of it is touched (each
     distinct location is resolved once: thousands of tensors share one data file)."""
@@ -83,10 +77,11 @@ def _check_locations(tensors: list[tuple[str, ir.ExternalTensor]], path: Path) -
 
 
 def _check_external_data(model: ir.Model, path: Path) -> None:
-    for slot in external_slots(model):
+    slots = list(external_slots(model))
+    for slot in slots:
         if not slot.tensor.base_dir:  # onnx_ir leaves it unset on tensors in function bodies
             slot.tensor.base_dir = path.parent
-    tensors = list(_external_tensors(model))
+    tensors = [(slot.name, slot.tensor) for slot in slots]
     _check_locations(tensors, path)
     sizes: dict[str, int | None] = {}  # data file -> its size (None: missing), looked up once
     for name, tensor in tensors:

@@ -1,7 +1,7 @@
 """One conversion as a pipeline of named steps, each timed in the report.
 
     load -> upgrade -> reference -> fold -> type -> normalize -> analyze -> plan -> rewrite
-         -> save -> validate [-> repair -> save -> validate] -> publish -> report
+         -> save -> validate [-> repair -> save -> validate] -> report -> publish
 
 Data flows one way: each step (:mod:`~mixprec.pipeline.steps`) takes the results of earlier
 steps it needs and returns its own; the runner (:mod:`~mixprec.pipeline.runner`) calls them in

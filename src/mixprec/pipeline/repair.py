@@ -1,8 +1,9 @@
 """The `repair` step: when onnxruntime fails (or crashes) on the converted model where it runs
 the FP32 one, keep FP32 the fewest converted nodes that make it load and run, and plan again.
 
-The trials plan and rewrite a fresh preparation of the FP32 reference (no reload per trial)
-and run each in a child process as users run it (:func:`mixprec.validate.repair.find_culprits`
+The FP32 reference is prepared once more (the conversion rewrote its own model in place); the
+trials plan and rewrite copies of that preparation (no reload per trial) and run each in a child
+process as users run it (:func:`mixprec.validate.repair.find_culprits`
 picks them). Where the runtime's error names a node, its neighbourhood is searched first.
 """
 

@@ -2,7 +2,7 @@
 and checks the model's invariants after those that change it (``MIXPREC_CHECK_STEPS=1``).
 
     prepare: load, upgrade, reference, fold, type, normalize, analyze    -> Prepared
-    convert: prepare, plan, rewrite, save, validate, [repair, save, validate], publish, report
+    convert: prepare, plan, rewrite, save, validate, [repair, save, validate], report, publish
 
 A runtime rejection (onnxruntime fails on the converted model where it runs the FP32 one) is a
 result of `validate`, answered by the `repair` step (:mod:`mixprec.pipeline.repair`); the report
@@ -110,7 +110,9 @@ class Steps:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A loaded, typed and analysed model, ready to be planned and rewritten any number of times.
+    """A loaded, typed and analysed model, ready to be planned and rewritten any number of times
+    (on copies: :meth:`replan`). `convert_model` rewrites its own preparation's model in place,
+    so only a `Prepared` from :func:`prepare` stays reusable.
 
     Attributes:
         unchanged: The input's file while the prepared model still equals it (no upgrade,
@@ -232,13 +234,13 @@ def convert_model(source: object, output: Path | None, config: Config) -> Conver
             staged, checked = _save_and_validate(steps, prepared, rewritten.model, output, cleanup)
             if checked.rejection is not None:
                 raise checked.rejection
-        if staged is not None and output is not None:
-            steps.run("publish", staged.publish)
         assert checked.validation is not None
         report = steps.run(
             "report", _report, prepared, planned, rewritten, output,
             (*prepared.notes, *planned.notes, *rewritten.notes, *extra), checked,
         )
+        if staged is not None and output is not None:  # last: nothing is written when a step fails
+            steps.run("publish", staged.publish)
     report.seconds, report.cpu_seconds = steps.totals()
     return ConversionResult(rewritten.model, report, planned.plan, output, ranges=prepared.analysis.ranges)
 

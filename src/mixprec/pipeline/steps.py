@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -459,8 +458,3 @@ def _calibrate(model: ir.Model, reference: Reference, config: Config, notes: lis
     except RunError as e:
         notes.append(f"calibration skipped: the FP32 model does not run in onnxruntime: {e}")
         return None
-
-
-def by_key(keys: Mapping[ir.Node, str]) -> dict[str, ir.Node]:
-    """Key -> node."""
-    return {key: node for node, key in keys.items()}

@@ -145,7 +145,8 @@ class Report:
     def defer_graph(self, plan: PrecisionPlan) -> None:
         """Let `graph` be the listing of `plan` (:func:`node_graph`), built on first use: most
         conversions never draw it. The listing reads the plan and the rewritten model when first
-        used; the pipeline never edits either after the report is built."""
+        used; the pipeline never edits either after the report is built, and a caller that edits
+        the converted model (`ConversionResult.model`) should read `graph` first."""
         self.__dict__["_graph"] = _PendingGraph(plan)
 
     def to_json(self, indent: int = 2) -> str:
