@@ -9,8 +9,8 @@ time and wall time are measured in isolation (``os.wait4`` on the child):
   an onnxruntime session up to 50,000 nodes, the checker above);
 * ``mixprec-checker`` (with ``--tools``): the same with ``validate="checker"`` (no session);
 * ``mixprec-command`` (with ``--tools``): the command as users run it, ``mixprec convert in out
-  --to fp16 --validate checker`` (run as the command, it exits without a last garbage
-  collection over the converted model);
+  --to fp16 --validate checker`` as the console script runs it (``main()`` reading
+  ``sys.argv``: one conversion, no garbage collection over the converted model);
 * ``onnxconverter-common``: ``float16.convert_float_to_float16(model, keep_io_types=True)``
   (its ``..._model_path`` variant for models over 2 GB, as its docs advise);
 * ``ort-float16``: ``onnxruntime.transformers.float16.convert_float_to_float16(path,
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import importlib.metadata
 import json
 import logging
@@ -207,7 +206,9 @@ def _run_tool(tool: str, src: Path, out: Path, meta: dict[str, Any]) -> dict[str
         info["steps"] = {"seconds": result.report.seconds, "cpu_seconds": result.report.cpu_seconds}
     elif tool == "mixprec-command":
         report_path = out.parent / "report.json"
-        code = mod["cli"].main(["convert", str(src), str(out), "--to", "fp16", "--validate", "checker", "--report", str(report_path)])
+        # As the console script runs it: `main()` reads sys.argv.
+        sys.argv = ["mixprec", "convert", str(src), str(out), "--to", "fp16", "--validate", "checker", "--report", str(report_path)]
+        code = mod["cli"].main()
         lap("convert_s")
         if code != 0:
             raise RuntimeError(f"mixprec convert exited {code}")
@@ -277,8 +278,6 @@ def worker_main(argv: Sequence[str]) -> int:
             "traceback": traceback.format_exc()[-4000:],
         }
     Path(result_path).write_text(json.dumps(result, default=str))
-    if tool == "mixprec-command":
-        gc.freeze()  # as the command does when it ends (`mixprec.cli.main` without argv)
     return 0 if result["ok"] else 1
 
 
