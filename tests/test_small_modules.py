@@ -294,3 +294,12 @@ def test_small_external_constants_are_read_without_mapping_the_data_file(tmp_pat
         np.testing.assert_array_equal(small_constant_array(value), expected)
         np.testing.assert_array_equal(read_array(value.const_value), expected)
     assert mappings() == before
+    # A save without external data reads them the same way.
+    from mixprec.io import save_model  # noqa: PLC0415
+
+    (tmp_path / "inline").mkdir()
+    save_model(model, tmp_path / "inline" / "m.onnx", external_data=False)
+    assert mappings() == before
+    saved = onnx.load(str(tmp_path / "inline" / "m.onnx"))
+    for tensor, expected in zip(saved.graph.initializer, arrays):
+        np.testing.assert_array_equal(numpy_helper.to_array(tensor), expected)

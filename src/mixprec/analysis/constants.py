@@ -15,6 +15,7 @@ import onnx_ir as ir
 
 from mixprec.dtypes import LowPrecision
 from mixprec.graphs import is_default_domain
+from mixprec.io.loading import read_external
 from mixprec.graphs import reduction_axes as graphs_reduction_axes
 
 _CHUNK_BYTES = 64 * 1024 * 1024
@@ -123,15 +124,12 @@ class ScaledTensor(ir.LazyTensor):
 
 
 def read_array(tensor: ir.TensorProtocol) -> np.ndarray:
-    """The tensor's values as an array of its shape. An external tensor is read from its file:
-    its own `numpy()` maps the whole data file once per tensor, and thousands of small tensors
-    each touching their own mapping cost tens of kilobytes of memory apiece (and one of the
-    process's limited mappings)."""
-    if isinstance(tensor, ir.ExternalTensor) and tensor.dtype.itemsize and tensor.dtype.bitwidth % 8 == 0:
-        shape = tuple(int(d) for d in tensor.shape)
-        chunks = list(iter_chunks(tensor))
-        flat = chunks[0] if len(chunks) == 1 else np.concatenate([np.empty(0, tensor.dtype.numpy()), *chunks])
-        return flat.reshape(shape)
+    """The tensor's values as an array of its shape; an external tensor is read from its file
+    (:func:`mixprec.io.loading.read_external`), not mapped."""
+    if isinstance(tensor, ir.ExternalTensor):
+        array = read_external(tensor)
+        if array is not None:
+            return array
     return np.asarray(tensor.numpy())
 
 

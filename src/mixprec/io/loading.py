@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
@@ -52,6 +53,22 @@ def external_slots(model: ir.Model) -> Iterator[ExternalSlot]:
         for attr in node.attributes.values():
             if attr.type is ir.AttributeType.TENSOR and isinstance(attr.value, ir.ExternalTensor):
                 yield ExternalSlot(f"{node.name or node.op_type}.{attr.name}", attr.value, node=node, attribute=attr.name)
+
+
+def read_external(tensor: ir.ExternalTensor) -> np.ndarray | None:
+    """An external tensor's values read from its file (None for element types narrower than a
+    byte). onnx_ir's own `numpy()` maps the whole data file once per tensor: thousands of small
+    tensors each touching their own mapping cost tens of kilobytes of memory apiece, and one of
+    the process's limited mappings each."""
+    dtype = tensor.dtype
+    if not dtype.itemsize or dtype.bitwidth % 8:
+        return None
+    with open(tensor.path, "rb") as f:
+        f.seek(tensor.offset or 0)
+        array = np.fromfile(f, dtype=dtype.numpy(), count=tensor.size)
+    if array.size != tensor.size:
+        raise OSError(f"external data file {tensor.path} is shorter than declared")
+    return array.reshape(tuple(int(d) for d in tensor.shape))
 
 
 def _check_locations(tensors: list[tuple[str, ir.ExternalTensor]], path: Path) -> None:

@@ -26,7 +26,7 @@ import onnx_ir as ir
 
 from mixprec.errors import InputError
 from mixprec.graphs import all_graphs, is_default_domain
-from mixprec.io.loading import external_slots
+from mixprec.io.loading import external_slots, read_external
 from mixprec.io.views import wants_external_data
 from mixprec.progress import Progress
 
@@ -117,7 +117,8 @@ def _inline_external(model: ir.Model) -> None:
             ".onnx file (protobuf's 2 GB limit); save with external data (--external-data yes)"
         )
     for slot in slots:
-        slot.replace(ir.Tensor(slot.tensor.numpy(), name=slot.tensor.name))
+        array = read_external(slot.tensor)
+        slot.replace(ir.Tensor(slot.tensor.numpy() if array is None else array, name=slot.tensor.name))
 
 
 def _new_file_mode(path: Path) -> int:
