@@ -23,7 +23,7 @@ import onnx_ir as ir
 from mixprec.analysis.calibrate import RangeTable
 from mixprec.config import Config
 from mixprec.graphs import node_keys
-from mixprec.io import StagedModel, weight_bytes
+from mixprec.io import StagedModel
 from mixprec.pipeline.planning import PlanInputs, Planned, make_plan
 from mixprec.pipeline.steps import (
     Analysis,
@@ -115,8 +115,8 @@ class Prepared:
     so only a `Prepared` from :func:`prepare` stays reusable.
 
     Attributes:
-        unchanged: The input's file while the prepared model still equals it (no upgrade,
-            fold or fusion), else None.
+        unchanged: The input's file while the prepared model still equals it (no IR version
+            change, upgrade, fold or fusion), else None.
         notes: What the preparation steps said, in order.
     """
 
@@ -191,7 +191,7 @@ def _prepare(steps: Steps, source: object, config: Config, cleanup: contextlib.E
     ref = steps.run("reference", reference, loaded, model, config, cleanup)
     folded = steps.run("fold", fold, model, loaded.profile, config)
     steps.check("fold", model)
-    unchanged = None if upgraded.changed or folded.changed else loaded.path
+    unchanged = None if loaded.changed or upgraded.changed or folded.changed else loaded.path
     typed = steps.run("type", type_model, model, unchanged, loaded.policy)
     steps.check("type", model)
     normalized = steps.run("normalize", normalize, typed, loaded.profile, loaded.policy, config)
@@ -222,7 +222,7 @@ def convert_model(source: object, output: Path | None, config: Config) -> Conver
         steps.check("plan", model)
         rewritten = steps.run("rewrite", rewrite, model, planned.plan, config)
         steps.check("rewrite", model)
-        staged, checked = _save_and_validate(steps, prepared, rewritten.model, output, cleanup)
+        staged, checked = _save_and_validate(steps, prepared, rewritten, output, cleanup)
         extra: tuple[str, ...] = ()
         if checked.rejection is not None:
             from mixprec.pipeline.repair import repair  # noqa: PLC0415
@@ -231,7 +231,7 @@ def convert_model(source: object, output: Path | None, config: Config) -> Conver
                 staged.discard()
             repaired = steps.run("repair", repair, checked.rejection, prepared, planned.plan)
             planned, rewritten, extra = repaired.planned, repaired.rewritten, (repaired.note,)
-            staged, checked = _save_and_validate(steps, prepared, rewritten.model, output, cleanup)
+            staged, checked = _save_and_validate(steps, prepared, rewritten, output, cleanup)
             if checked.rejection is not None:
                 raise checked.rejection
         assert checked.validation is not None
@@ -246,11 +246,11 @@ def convert_model(source: object, output: Path | None, config: Config) -> Conver
 
 
 def _save_and_validate(
-    steps: Steps, prepared: Prepared, model: ir.Model, output: Path | None, cleanup: contextlib.ExitStack
+    steps: Steps, prepared: Prepared, rewritten: Rewritten, output: Path | None, cleanup: contextlib.ExitStack
 ) -> tuple[StagedModel | None, Checked]:
     """save -> validate; the staged file is removed when the run ends without publishing it."""
-    config, ref = prepared.config, prepared.reference
-    staged = steps.run("save", save, model, output, ref, prepared.typed.declared, config, cleanup)
+    config, ref, model = prepared.config, prepared.reference, rewritten.model
+    staged = steps.run("save", save, rewritten, output, ref, prepared.typed.declared, config, cleanup)
     if staged is not None:
         cleanup.callback(staged.discard)  # unless published by then
         steps.check("save", model, staged)
@@ -270,7 +270,7 @@ def _report(
         source=str(path) if path is not None else "(in memory)",
         output=str(output) if output is not None else None,
         weight_bytes_before=prepared.reference.weights_before,
-        weight_bytes_after=weight_bytes(rewritten.model),
+        weight_bytes_after=rewritten.weight_bytes,
         type_inference_warning=prepared.normalized.typeinfo.warning,
         profile=prepared.profile,
         notes=notes,

@@ -62,6 +62,7 @@ class Loaded:
     Attributes:
         path: The input's file (None: given in memory).
         original: The input ModelProto, when one was given (the checker compares with it).
+        changed: Whether loading changed the model (an IR version below 4 raised to 4).
     """
 
     model: ir.Model
@@ -70,6 +71,7 @@ class Loaded:
     profile: RuntimeProfile
     policy: Policy
     notes: tuple[str, ...]
+    changed: bool = False
 
 
 def load(source: object, config: Config) -> Loaded:
@@ -90,7 +92,7 @@ def load(source: object, config: Config) -> Loaded:
     policy = load_policy(ops.target, ops.policy_file).with_overrides(
         low_precision_ops=ops.low_precision_ops, fp32_ops=ops.fp32_ops, follow_ops=ops.follow_ops
     )
-    return Loaded(model, path, original, profile, policy, tuple(notes))
+    return Loaded(model, path, original, profile, policy, tuple(notes), changed=bool(notes))
 
 
 # -- upgrade, fold: steps that may edit the model --------------------------------------------------
@@ -317,12 +319,14 @@ def analyze(normalized: Normalized, reference: Reference, config: Config) -> Ana
 
 @dataclass(frozen=True)
 class Rewritten:
-    """The model rewritten by its plan: what was inserted and removed, and the notes."""
+    """The model rewritten by its plan: what was inserted and removed, its weight bytes, and the
+    notes."""
 
     model: ir.Model
     plan: PrecisionPlan
     stats: RewriteStats
     notes: tuple[str, ...]
+    weight_bytes: int
 
 
 def rewrite(model: ir.Model, plan: PrecisionPlan, config: Config) -> Rewritten:
@@ -337,23 +341,24 @@ def rewrite(model: ir.Model, plan: PrecisionPlan, config: Config) -> Rewritten:
             f"{len(folded.weights)} matrix product(s) (multiplied in FP32; the scales became ones, "
             f"exact in {plan.target.value}; --keep-norm-scales to leave them): {_first(folded.norms)}"
         )
-    return Rewritten(model, plan, stats, tuple(notes))
+    return Rewritten(model, plan, stats, tuple(notes), weight_bytes(model))
 
 
 # -- save, validate ------------------------------------------------------------------------------
 
 
 def save(
-    model: ir.Model, output: Path | None, reference: Reference, declared: set[str], config: Config,
+    rewritten: Rewritten, output: Path | None, reference: Reference, declared: set[str], config: Config,
     cleanup: contextlib.ExitStack,
 ) -> StagedModel | None:
     """Write the model into a staging folder beside the output (a temporary one without); None
     when nothing is written or checked."""
     if output is None and reference.level == "none":
         return None
+    model = rewritten.model
     external = config.io.external_data
     if external is None:
-        external = reference.external or wants_external_data(model, weight_bytes(model))
+        external = reference.external or wants_external_data(model, rewritten.weight_bytes)
     destination = output
     if destination is None:
         folder = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="mixprec-out-"))
