@@ -223,6 +223,36 @@ def test_invalid_model_converts_only_when_asked(tmp_path: Path, capsys: pytest.C
     assert code == 0
 
 
+def test_input_check_infers_once_and_accepts_what_onnxruntime_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The type step's inference is the input check's strict half: a valid model never runs the
+    full checker again; a model strict inference rejects (an intermediate declared [4, 5] where
+    Relu gives [4, 4]) but onnxruntime loads converts, with the computed shape."""
+    import onnxruntime as ort
+
+    from mixprec.pipeline import steps
+
+    full_checks: list[object] = []
+    real = steps.input_problem
+    monkeypatch.setattr(steps, "input_problem", lambda model: full_checks.append(model) or real(model))
+    source = tmp_path / "m.onnx"
+    onnx.save(_graph_model([helper.make_node("Relu", ["x"], ["y"])], [X], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4])]), str(source))
+    assert main(["convert", str(source), str(tmp_path / "ok.onnx"), "--validate", "none"]) == 0
+    assert full_checks == []
+    relu2 = [helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Relu", ["y"], ["z"])]
+    z = helper.make_tensor_value_info("z", TensorProto.FLOAT, [4, 4])
+    declared = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 5])
+    graph = helper.make_graph(relu2, "g", [X], [z], value_info=[declared])
+    source.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    out = tmp_path / "o.onnx"
+    assert main(["convert", str(source), str(out)]) in OK_CODES
+    assert full_checks == [source]
+    x = np.linspace(-2, 2, 16, dtype=np.float32).reshape(4, 4)
+    (result,) = ort.InferenceSession(str(out)).run(None, {"x": x})
+    np.testing.assert_allclose(result, np.maximum(x, 0), rtol=1e-3)
+
+
 def test_external_data_no_inlines_the_weights(tmp_path: Path) -> None:
     source = _external(tmp_path / "m")
     out = tmp_path / "o" / "o.onnx"

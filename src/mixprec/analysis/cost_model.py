@@ -53,6 +53,10 @@ def tensor_elements(
     if shape is None:
         return None
     total = 1
+    if symbolic is not None and symbolic == unnamed:  # every dimension that is not static alike
+        for dim in shape.dims:
+            total *= dim if isinstance(dim, int) else symbolic
+        return total
     for dim in shape.dims:
         size = dim if isinstance(dim, int) else _size(dim, symbolic, unnamed)
         if size is None:

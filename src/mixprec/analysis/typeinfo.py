@@ -9,7 +9,7 @@ that touch them at their original types.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +18,7 @@ import onnx.shape_inference
 import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_node_tensor
+from mixprec.errors import MixprecError
 from mixprec.graphs import all_graphs, all_nodes, has_subgraphs, shapes_contradict, walk_nodes
 from mixprec.io import graph_only_proto, weight_free_proto
 from mixprec.policy.profiles import binding_signature
@@ -156,27 +157,48 @@ def _apply(graph: ir.Graph, proto: onnx.GraphProto, types: _TypeCache) -> int:
     return count
 
 
-def _infer_graph_types(model: ir.Model, source: Path | None) -> tuple[int, list[str], str | None]:
+def _infer_graph_types(
+    model: ir.Model, source: Path | None, strict_failure: Callable[[str], None] | None = None
+) -> tuple[int, list[str], str | None]:
     """Run ONNX shape inference on the graph and copy its types onto the IR.
 
     Returns the number of values typed, the corrected output shapes, and the warning when
-    inference failed (then nothing is typed).
+    inference failed (then nothing is typed). With `strict_failure`, inference first runs
+    strict (the checker's full check: types checked, the first error raised); on an error it
+    is told the error's first line (it may raise) before the lenient inference runs.
     """
     inferred = 0
     corrected: list[str] = []
     try:
         proto = graph_only_proto(source) if source is not None else weight_free_proto(model)
         _forget_output_shapes(proto.graph)
-        proto = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False)
+        result = _strict_inference(proto, strict_failure) if strict_failure is not None else None
+        if result is None:
+            result = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False)
     except Exception as e:  # noqa: BLE001 - inference is best effort; the planner copes
-        warning = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if isinstance(e, MixprecError):
+            raise
+        warning = _first_line(e)
         logger.warning("type inference failed, unknown types stay unconverted: %s", warning)
         return inferred, corrected, warning
     types = _TypeCache()
-    for graph, graph_proto in _graph_pairs(model.graph, proto.graph):
+    for graph, graph_proto in _graph_pairs(model.graph, result.graph):
         inferred += _apply(graph, graph_proto, types)
         corrected.extend(_correct_output_shapes(graph, graph_proto, types))
     return inferred, corrected, None
+
+
+def _strict_inference(proto: onnx.ModelProto, strict_failure: Callable[[str], None]) -> onnx.ModelProto | None:
+    """Strict inference of `proto`; None (after telling `strict_failure`) when it objects."""
+    try:
+        return onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
+    except onnx.shape_inference.InferenceError as e:
+        strict_failure(_first_line(e))
+        return None
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def _fill_function_constant_types(function: ir.Function) -> None:
@@ -188,18 +210,22 @@ def _fill_function_constant_types(function: ir.Function) -> None:
                 node.outputs[0].dtype = tensor.dtype
 
 
-def infer_types(model: ir.Model, source: Path | None = None) -> TypeInfo:
+def infer_types(
+    model: ir.Model, source: Path | None = None, strict_failure: Callable[[str], None] | None = None
+) -> TypeInfo:
     """Fill in element types and shapes of all values of `model` in place.
 
     Args:
         model: The model.
         source: The file `model` was loaded from, unchanged since: parsing it again is much
             faster than serializing the IR for large graphs.
+        strict_failure: Run inference strictly first, as the checker's full check does, and
+            tell this the first error (it may raise; else lenient inference follows).
     """
     for value in model.graph.initializers.values():
         if value.const_value is not None and value.dtype is None:
             value.dtype = value.const_value.dtype
-    inferred, corrected, warning = _infer_graph_types(model, source)
+    inferred, corrected, warning = _infer_graph_types(model, source, strict_failure)
     main_nodes = walk_nodes(model.graph)
     _fill_constant_types(model, main_nodes)
     for function in infer_function_types(model):

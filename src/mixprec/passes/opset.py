@@ -7,7 +7,7 @@ being read; the original, still lazy, tensors are put back afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import onnx
 import onnx.defs
@@ -17,7 +17,7 @@ import onnx_ir as ir
 
 from mixprec.dtypes import LowPrecision
 from mixprec.errors import InputError
-from mixprec.graphs import all_nodes
+from mixprec.graphs import all_nodes, has_subgraphs
 from mixprec.io import weight_free_proto
 from mixprec.policy.opfacts import op_facts
 from mixprec.policy.profiles import RuntimeProfile
@@ -264,7 +264,7 @@ def converter_keeps_every_node(model: ir.Model, opset: int, skip: frozenset[ir.N
         return False
     if current == opset:
         return True
-    samples = _samples(model, skip)
+    samples = _samples(model, skip, _schema_changes(current, opset))
     if samples is None:
         return False
     nodes, sample = _sample_model(list(samples.values()), current, model.ir_version)
@@ -275,18 +275,39 @@ def converter_keeps_every_node(model: ir.Model, opset: int, skip: frozenset[ir.N
     return _same_nodes(nodes, list(converted.graph.node))
 
 
-def _samples(model: ir.Model, skip: frozenset[ir.Node]) -> dict[tuple, ir.Node] | None:
-    """One default-domain node of each kind of the main graph (nodes in `skip` aside); None when
-    a node has a subgraph or a value of unknown type."""
+def _samples(
+    model: ir.Model, skip: frozenset[ir.Node], changes: Callable[[str], bool]
+) -> dict[tuple, ir.Node] | None:
+    """One default-domain node of each kind of the main graph whose op the converter may touch
+    (`changes`; nodes in `skip` aside); None when such a node has a subgraph or a value of unknown
+    type."""
     samples: dict[tuple, ir.Node] = {}
     for node in model.graph:
         if normalize_domain(node.domain) != "" or node in skip:
             continue
+        if not changes(node.op_type) and not (node.attributes and has_subgraphs(node)):
+            continue  # the same schema at both opsets: the converter leaves the node as it is
         kind = _kind(node)
         if kind is None:
             return None
         samples.setdefault(kind, node)
     return samples
+
+
+def _schema_changes(current: int, opset: int) -> Callable[[str], bool]:
+    """Whether a default-domain op's schema changes between the two opsets (an op without one at
+    the higher opset counts as changing): only such ops have version adapters."""
+    low, high = sorted((current, opset))
+    known: dict[str, bool] = {}
+
+    def changes(op_type: str) -> bool:
+        found = known.get(op_type)
+        if found is None:
+            schema = get_schema(op_type, "", high)
+            found = known[op_type] = schema is None or schema.since_version > low
+        return found
+
+    return changes
 
 
 def _sample_model(

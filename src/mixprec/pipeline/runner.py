@@ -38,6 +38,7 @@ from mixprec.pipeline.steps import (
     load,
     normalize,
     reference,
+    refuse_invalid_input,
     rewrite,
     save,
     type_model,
@@ -192,7 +193,8 @@ def _prepare(steps: Steps, source: object, config: Config, cleanup: contextlib.E
     folded = steps.run("fold", fold, model, loaded.profile, config)
     steps.check("fold", model)
     unchanged = None if loaded.changed or upgraded.changed or folded.changed else loaded.path
-    typed = steps.run("type", type_model, model, unchanged, loaded.policy)
+    strict_failure = refuse_invalid_input(loaded) if loaded.checked else None
+    typed = steps.run("type", type_model, model, unchanged, loaded.policy, strict_failure)
     steps.check("type", model)
     normalized = steps.run("normalize", normalize, typed, loaded.profile, loaded.policy, config)
     steps.check("normalize", normalized.model)

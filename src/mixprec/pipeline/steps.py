@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,8 @@ class Loaded:
         path: The input's file (None: given in memory).
         original: The input ModelProto, when one was given (the checker compares with it).
         changed: Whether loading changed the model (an IR version below 4 raised to 4).
+        checked: Whether the input is checked (the structural checker passed; strict type
+            inference is the type step's).
     """
 
     model: ir.Model
@@ -72,6 +75,7 @@ class Loaded:
     policy: Policy
     notes: tuple[str, ...]
     changed: bool = False
+    checked: bool = False
 
 
 def load(source: object, config: Config) -> Loaded:
@@ -80,19 +84,39 @@ def load(source: object, config: Config) -> Loaded:
     notes = _normalize_ir_version(model)
     profile = load_runtime(config.runtime)
     original = source if isinstance(source, onnx.ModelProto) else None
-    if not config.io.allow_invalid and (path is not None or original is not None):
-        problem = input_problem(path if path is not None else original)  # type: ignore[arg-type]
+    checked = not config.io.allow_invalid and (path is not None or original is not None)
+    if checked:
+        # The structural checker now; the type step's inference runs strict, as the checker's
+        # full check would (one inference, not two), and refuses the input where it objects.
+        problem = checker_error(path if path is not None else original, full_check=False)  # type: ignore[arg-type]
         if problem is not None:
-            raise ModelLoadError(
-                f"{path or 'the given ModelProto'}: not a valid ONNX model: {problem} (fix it, or "
-                "convert it anyway with --allow-invalid / allow_invalid=True)"
-            )
+            raise _invalid_input(path, problem)
     ops = config.ops
     _check_user_ops(model, [*ops.low_precision_ops, *ops.fp32_ops, *ops.follow_ops])
     policy = load_policy(ops.target, ops.policy_file).with_overrides(
         low_precision_ops=ops.low_precision_ops, fp32_ops=ops.fp32_ops, follow_ops=ops.follow_ops
     )
-    return Loaded(model, path, original, profile, policy, tuple(notes), changed=bool(notes))
+    return Loaded(model, path, original, profile, policy, tuple(notes), changed=bool(notes), checked=checked)
+
+
+def _invalid_input(path: Path | None, problem: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"{path or 'the given ModelProto'}: not a valid ONNX model: {problem} (fix it, or "
+        "convert it anyway with --allow-invalid / allow_invalid=True)"
+    )
+
+
+def refuse_invalid_input(loaded: Loaded) -> Callable[[str], None]:
+    """What the type step's strict inference calls when it objects: the input is refused if the
+    checker's full check fails on it and onnxruntime cannot load it either
+    (:func:`mixprec.validate.checker.input_problem`; the objection may come from a step's edit)."""
+
+    def refuse(_: str) -> None:
+        problem = input_problem(loaded.path if loaded.path is not None else loaded.original)  # type: ignore[arg-type]
+        if problem is not None:
+            raise _invalid_input(loaded.path, problem)
+
+    return refuse
 
 
 # -- upgrade, fold: steps that may edit the model --------------------------------------------------
@@ -196,10 +220,13 @@ class Typed:
     notes: tuple[str, ...]
 
 
-def type_model(model: ir.Model, unchanged: Path | None, policy: Policy) -> Typed:
-    """Infer every value's type once (`unchanged`: the file `model` still equals, parsed faster)."""
+def type_model(
+    model: ir.Model, unchanged: Path | None, policy: Policy, strict_failure: Callable[[str], None] | None = None
+) -> Typed:
+    """Infer every value's type once (`unchanged`: the file `model` still equals, parsed faster;
+    `strict_failure`: infer strictly, as the input check, see :func:`refuse_invalid_input`)."""
     declared = typed_values(model)
-    typeinfo = infer_types(model, source=unchanged)
+    typeinfo = infer_types(model, source=unchanged, strict_failure=strict_failure)
     notes = []
     if typeinfo.corrected:
         notes.append(

@@ -149,7 +149,8 @@ def _explain_folds(plan: PrecisionPlan) -> PrecisionPlan:
     that input came from."""
     explained: dict[ir.Node, Decision] = {}
     for node in plan.order:
-        folded = [v for v in node.inputs if v is not None and FOLDED in v.meta]
+        # Folded values are initializers: other values are not asked (asking creates their metadata).
+        folded = [v for v in node.inputs if v is not None and v.const_value is not None and FOLDED in v.meta]
         if not folded:
             continue
         d = plan.decisions[node]
