@@ -1,5 +1,5 @@
 """Graph traversal: subgraph owners are remembered per graph without keeping models alive, and
-copies and structural changes are noticed."""
+copies and structural changes are noticed; inferred shapes share their dimension symbols."""
 
 from __future__ import annotations
 
@@ -57,3 +57,27 @@ def test_forget_structure_sees_control_flow_added_in_place() -> None:
     plain.graph.remove(old)
     forget_structure(plain)
     assert len(all_nodes(plain)) == 3
+
+
+def test_inferred_shapes_share_their_dimension_symbols() -> None:
+    """Inference names an unknown dimension once and passes the name on: the values that carry
+    it share one SymbolicDim (not one per value), and equal shapes share one Shape."""
+    from mixprec.analysis.typeinfo import infer_types
+
+    graph = oh.make_graph(
+        [
+            oh.make_node("NonZero", ["x"], ["nz"]),
+            oh.make_node("Transpose", ["nz"], ["t"], perm=[1, 0]),
+            oh.make_node("Identity", ["t"], ["u"]),
+            oh.make_node("Identity", ["u"], ["v"]),
+        ],
+        "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+        [oh.make_tensor_value_info("v", TensorProto.INT64, None)],
+    )
+    model = ir.serde.deserialize_model(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)]))
+    infer_types(model)
+    values = {v.name: v for node in model.graph for v in node.outputs}
+    nz, t, u = values["nz"].shape, values["t"].shape, values["u"].shape
+    assert nz is not None and t is not None and u is not None
+    assert not isinstance(nz[1], int) and nz[1] is t[0]
+    assert t is u

@@ -48,12 +48,26 @@ class TypeInfo:
 class _TypeCache:
     """Parsed inferred types, one entry per distinct TypeProto (most values share a few).
 
-    Values of equal static shape share one frozen ir.Shape.
+    Values of equal shape share one frozen ir.Shape, and shapes share one ir.SymbolicDim per
+    dimension name (inference names each unknown dimension once and passes the name on).
     """
 
     def __init__(self) -> None:
         self._types: dict[bytes, tuple[int, ir.Shape | None]] = {}
         self._shapes: dict[tuple, ir.Shape] = {}
+        self._symbols: dict[str | None, ir.SymbolicDim] = {}
+
+    def _shape(self, dims: tuple) -> ir.Shape:
+        symbols = self._symbols
+        shared = []
+        for dim in dims:
+            if not isinstance(dim, int):
+                symbol = symbols.get(dim)
+                if symbol is None:
+                    symbol = symbols[dim] = ir.SymbolicDim(dim)
+                dim = symbol
+            shared.append(dim)
+        return ir.Shape(shared, frozen=True)
 
     def get(self, type_proto: onnx.TypeProto) -> tuple[int, ir.Shape | None]:
         """The element type (0 when unknown) and shape (None when unknown) of a TypeProto."""
@@ -65,8 +79,7 @@ class _TypeCache:
             if dims is not None:
                 shape = self._shapes.get(dims)
                 if shape is None:
-                    shape = ir.Shape(dims, frozen=True)
-                    self._shapes[dims] = shape
+                    shape = self._shapes[dims] = self._shape(dims)
             parsed = (elem_type, shape)
             self._types[key] = parsed
         return parsed
@@ -172,9 +185,12 @@ def _infer_graph_types(
     try:
         proto = graph_only_proto(source) if source is not None else weight_free_proto(model)
         _forget_output_shapes(proto.graph)
-        result = _strict_inference(proto, strict_failure) if strict_failure is not None else None
+        # Inference reads bytes: the parsed copy need not live beside onnx's own and its result.
+        graph_bytes = proto.SerializeToString()
+        del proto
+        result = _strict_inference(graph_bytes, strict_failure) if strict_failure is not None else None
         if result is None:
-            result = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False)
+            result = onnx.shape_inference.infer_shapes(graph_bytes, check_type=False, strict_mode=False)
     except Exception as e:  # noqa: BLE001 - inference is best effort; the planner copes
         if isinstance(e, MixprecError):
             raise
@@ -188,10 +204,11 @@ def _infer_graph_types(
     return inferred, corrected, None
 
 
-def _strict_inference(proto: onnx.ModelProto, strict_failure: Callable[[str], None]) -> onnx.ModelProto | None:
-    """Strict inference of `proto`; None (after telling `strict_failure`) when it objects."""
+def _strict_inference(model: bytes, strict_failure: Callable[[str], None]) -> onnx.ModelProto | None:
+    """Strict inference of a serialized model; None (after telling `strict_failure`) when it
+    objects."""
     try:
-        return onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
+        return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
     except onnx.shape_inference.InferenceError as e:
         strict_failure(_first_line(e))
         return None
