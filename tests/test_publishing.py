@@ -231,3 +231,27 @@ def test_a_save_without_external_data_inlines_constant_attributes_everywhere(tmp
     y = ort.InferenceSession(str(destination), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(y, x + c_main + c_func, rtol=1e-6)
     assert len(loaded.functions) == 1
+
+
+def test_a_converted_file_declares_its_declared_values_not_its_initializers(tmp_path: Path) -> None:
+    """The input declares h; its initializers need no value_info (their tensors carry their
+    types) and the converted file adds none for them, 16-bit or FP32."""
+    import mixprec
+
+    w = np.random.default_rng(0).normal(size=(8, 8)).astype(np.float32)
+    big = np.full((8,), 1e6, np.float32)  # beyond float16: stays FP32
+    graph = oh.make_graph(
+        [oh.make_node("MatMul", ["x", "w"], ["h"]), oh.make_node("Relu", ["h"], ["r"]),
+         oh.make_node("Add", ["r", "big"], ["y"])], "g",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
+        [nh.from_array(w, "w"), nh.from_array(big, "big")],
+        value_info=[oh.make_tensor_value_info("h", TensorProto.FLOAT, [2, 8])],
+    )
+    source, out = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    onnx.save(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)]), str(source))
+    mixprec.convert(source, out, target_dtype="float16")
+    saved = onnx.load(str(out))
+    declared = {vi.name: vi.type.tensor_type.elem_type for vi in saved.graph.value_info}
+    assert declared == {"h": TensorProto.FLOAT16}
+    assert {t.name: t.data_type for t in saved.graph.initializer} == {"w": TensorProto.FLOAT16, "big": TensorProto.FLOAT}

@@ -119,11 +119,11 @@ def wants_external_data(model: ir.Model, weights: int | None = None) -> bool:
 
 
 def typed_values(model: ir.Model) -> set[str]:
-    """Names of the node outputs and initializers that carry a type or shape now (in a loaded
-    model: those the file declared in its value_info)."""
+    """Names of the node outputs that carry a type or shape now (in a loaded model: those the
+    file declared in its value_info). Initializers are left out: their tensors say their types
+    (a loaded initializer is typed whether or not the file declared it)."""
     typed: set[str] = set()
     for graph in all_graphs(model):
-        typed.update(v.name for v in graph.initializers.values() if v.type is not None or v.shape is not None)
         for node in graph:
             typed.update(v.name for v in node.outputs if v.name and (v.type is not None or v.shape is not None))
     return typed
