@@ -513,3 +513,36 @@ def test_convert_module_calibrates_and_converts_the_convs(name: str) -> None:
     assert {k.op_type for k in result.report.kept_fp32 if "range" in k.category} <= {"Mul"}
     (output,) = result.report.validation.module_outputs
     assert output.nan_count == 0 and output.scaled_error < 1e-2, output
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_constant_ranges_measured_together_equal_one_at_a_time(tmp_path: Path, target: str) -> None:
+    """The planner measures many constants at once (small ones in batches, read from their
+    external file with one open file): every range equals the one-tensor measurement, for
+    overflow, flush, infinities, NaN, empty tensors and tensors larger than a batch."""
+    from mixprec.analysis.constants import _META_RANGE, constant_ranges, tensor_range
+    from mixprec.dtypes import parse_low_precision
+
+    low = parse_low_precision(target)
+    rng = np.random.default_rng(0)
+    specials = np.array([0.0, 1e-8, -1e-9, 3e-8, 7e5, -7e5, np.inf, -np.inf, np.nan, 65504.0, 65520.0, 1e-40, 3e38], np.float32)
+    arrays = []
+    for _ in range(400):
+        a = (rng.standard_normal(int(rng.integers(0, 40))) * 10.0 ** int(rng.integers(-10, 6))).astype(np.float32)
+        if a.size and rng.random() < 0.5:
+            a[rng.integers(0, a.size, 3)] = rng.choice(specials, 3)
+        arrays.append(a)
+    arrays.append(np.concatenate([rng.standard_normal(70000), [1e-9, 1e6]]).astype(np.float32))
+    graph = oh.make_graph(
+        [oh.make_node("Identity", ["x"], ["y"])], "g",
+        [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+        [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+        [numpy_helper.from_array(a, f"c{i}") for i, a in enumerate(arrays)],
+    )
+    path = tmp_path / "m.onnx"
+    onnx.save(oh.make_model(graph), str(path), save_as_external_data=True, location="m.data", size_threshold=0)
+    values = list(ir.load(path).graph.initializers.values())
+    assert all(isinstance(v.const_value, ir.ExternalTensor) for v in values if v.const_value.size)
+    constant_ranges(values, low)
+    for value, array in zip(values, arrays):
+        assert value.meta[_META_RANGE][low] == tensor_range(ir.Tensor(array), low), value.name

@@ -7,7 +7,7 @@ inspecting a multi-gigabyte model does not grow the resident set.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +15,7 @@ import onnx_ir as ir
 
 from mixprec.dtypes import LowPrecision
 from mixprec.graphs import is_default_domain
-from mixprec.io.loading import read_external
+from mixprec.io.loading import ExternalReader, read_external
 from mixprec.graphs import reduction_axes as graphs_reduction_axes
 
 _CHUNK_BYTES = 64 * 1024 * 1024
@@ -212,8 +212,77 @@ def constant_range(value: ir.Value, target: LowPrecision) -> ConstantRange | Non
     if tensor is None or tensor.dtype != ir.DataType.FLOAT:
         return None
     result = tensor_range(tensor, target)
-    value.meta[_META_RANGE] = {**(cache or {}), target: result}
+    _cache_range(value, target, result)
     return result
+
+
+# Constants up to this many elements are measured in batches of about as many elements (small
+# enough to stay in cache: each batch is a handful of vector operations).
+_BATCH_ELEMENTS = 1 << 16
+
+
+def constant_ranges(values: Iterable[ir.Value], target: LowPrecision) -> None:
+    """Measure many float32 constants for `target` at once (cached on each value, as
+    :func:`constant_range` does): small ones are read with one open file per data file and
+    measured in batches, large ones in chunks."""
+    batch: list[tuple[ir.Value, np.ndarray]] = []
+    size = 0
+    with ExternalReader() as reader:
+        for value in values:
+            cache = value.meta.get(_META_RANGE)
+            if cache is not None and target in cache:
+                continue
+            tensor = constant_tensor(value)
+            if tensor is None or tensor.dtype != ir.DataType.FLOAT:
+                continue
+            array = None
+            if tensor.size <= _BATCH_ELEMENTS:
+                array = reader.read(tensor) if isinstance(tensor, ir.ExternalTensor) else tensor.numpy().reshape(-1)
+            if array is None:
+                constant_range(value, target)
+                continue
+            if size + array.size > _BATCH_ELEMENTS:
+                _record_ranges(batch, target)
+                batch, size = [], 0
+            batch.append((value, array))
+            size += array.size
+        _record_ranges(batch, target)
+
+
+def _record_ranges(batch: list[tuple[ir.Value, np.ndarray]], target: LowPrecision) -> None:
+    """Cache on each value the range of its (flat float32) elements, measured together with the
+    others' (what :func:`tensor_range` measures, one tensor at a time)."""
+    filled = [(value, array) for value, array in batch if array.size]
+    for value, array in batch:
+        if not array.size:
+            _cache_range(value, target, ConstantRange(0.0, 0, 0, 0.0, False))
+    if not filled:
+        return
+    limits = target.limits
+    flat = np.concatenate([array for _, array in filled])
+    starts = np.cumsum([0] + [array.size for _, array in filled[:-1]])
+    magnitude = np.abs(flat)
+    finite = np.isfinite(magnitude)
+    absmax = np.maximum.reduceat(np.where(finite, magnitude, 0.0), starts).tolist()
+    with np.errstate(over="ignore"):
+        overflows = finite & np.isinf(flat.astype(target.numpy_dtype).astype(np.float32))
+    overflow = np.add.reduceat(overflows, starts, dtype=np.int64).tolist()
+    lost = (magnitude > 0) & (magnitude <= limits.smallest_subnormal / 2)
+    if lost.any():
+        lost[lost] = flat[lost].astype(target.numpy_dtype).astype(np.float32) == 0
+    flushed = np.add.reduceat(lost, starts, dtype=np.int64).tolist()
+    max_flushed = np.maximum.reduceat(np.where(lost, magnitude, 0.0), starts).tolist()
+    for (value, _), top, over, count, largest in zip(filled, absmax, overflow, flushed, max_flushed):
+        found = ConstantRange(
+            absmax=top, overflow=over, flushed=count, max_flushed=largest,
+            significant_flush=count > 0 and largest > top * limits.eps,
+        )
+        _cache_range(value, target, found)
+
+
+def _cache_range(value: ir.Value, target: LowPrecision, found: ConstantRange) -> None:
+    cache = value.meta.get(_META_RANGE)
+    value.meta[_META_RANGE] = {**(cache or {}), target: found}
 
 
 def tensor_range(tensor: ir.TensorProtocol, target: LowPrecision) -> ConstantRange:

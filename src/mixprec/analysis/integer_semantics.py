@@ -119,7 +119,7 @@ class _Analysis:
         for function in model.functions.values():
             self.order.extend(walk_nodes(function))
         self.order.extend(walk_nodes(model.graph))
-        self.facts: dict[ir.Node, OpFacts] = {n: op_facts(n.domain, n.op_type) for n in self.order}
+        self.facts = self._facts_of(self.order)
         self.bounds = ValueBounds(self.facts, target)
         self.taint: dict[ir.Value, _Taint | None] = {}
         self.int_origin: dict[ir.Value, str] = {}
@@ -129,6 +129,8 @@ class _Analysis:
         self.formal_owner: dict[ir.Value, ir.Node] = {}
         self.boundary_outputs: dict[ir.Value, str] = {}
         self.owners: set[ir.Node] = set()  # nodes with subgraphs
+        # The nodes the backward pass can act on, in order (collected by the forward pass).
+        self.backward_nodes: list[ir.Node] = []
         for node in self.order:
             subgraphs = subgraphs_of(node) if node.attributes else []
             if subgraphs:
@@ -144,6 +146,19 @@ class _Analysis:
             for value in function.outputs:
                 self.boundary_outputs.setdefault(value, f"an output of function {function.name!r}")
         self.model_outputs = [v for v in model.graph.outputs if v is not None]
+
+    @staticmethod
+    def _facts_of(nodes: list[ir.Node]) -> dict[ir.Node, OpFacts]:
+        """Node -> its op facts (looked up once per op type)."""
+        by_op: dict[tuple[str, str], OpFacts] = {}
+        facts: dict[ir.Node, OpFacts] = {}
+        for node in nodes:
+            op = (node.domain, node.op_type)
+            found = by_op.get(op)
+            if found is None:
+                found = by_op[op] = op_facts(*op)
+            facts[node] = found
+        return facts
 
     # -- forward: integer-meaning sources -----------------------------------------------
     def taint_of(self, value: ir.Value) -> _Taint | None:
@@ -194,12 +209,9 @@ class _Analysis:
                 return self.origin_of_int(value)
         return None
 
-    def _record_int_origin(self, node: ir.Node) -> None:
-        """Record where the node's non-FP32 outputs get integer meaning from (Shape, carriers)."""
-        outs = [o for o in node.outputs if o is not None and not is_fp32_tensor(o)]
-        if not outs or not is_default_domain(node.domain):
-            return
-        facts = self.facts[node]
+    def _record_int_origin(self, node: ir.Node, facts: OpFacts, outs: list[ir.Value]) -> None:
+        """Record where the node's non-FP32 outputs `outs` get integer meaning from (Shape,
+        carriers); the node is of the standard domain."""
         origin: str | None = None
         if facts.shape_only and node.inputs and node.inputs[0] is not None:
             origin = f"{node.op_type} of {node.inputs[0].name!r}"
@@ -217,28 +229,35 @@ class _Analysis:
             self.data_free[value] = known
         return known
 
-    def _record_data_free(self, node: ir.Node) -> None:
-        facts = self.facts[node]
-        std = is_default_domain(node.domain)
+    def _computes_data_free(self, node: ir.Node, facts: OpFacts, std: bool) -> bool:
+        """Whether the node's outputs are data-free (before counting constant outputs)."""
         if facts.shape_only and std:
-            free = True
-        elif node in self.owners or facts.random or not std:
-            free = False
-        else:
-            free = all(self.is_data_free(v) for v in node.inputs if v is not None)
-        for out in node.outputs:
-            if out is not None:
-                self.data_free[out] = free or is_constant(out)
+            return True
+        if node in self.owners or facts.random or not std:
+            return False
+        for value in node.inputs:
+            if value is not None and not self.is_data_free(value):
+                return False
+        return True
 
     def integer_operands(self, node: ir.Node) -> bool:
         """At least one FP32 input is tainted, and every other is tainted or data-free."""
         if self.facts[node].carrier is Carrier.OUTER_PRODUCT and not _is_outer_product(node):
             return False
-        values = _fp32_values(node.inputs)
+        inputs = node.inputs
         # Activations first: constants are read only when every other input qualifies.
-        if any(not self.is_data_free(v) and self.taint_of(v) is None for v in values):
-            return False
-        return any(self.taint_of(v) is not None for v in values)
+        for value in inputs:
+            if (
+                value is not None
+                and is_fp32_tensor(value)
+                and not self.is_data_free(value)
+                and self.taint_of(value) is None
+            ):
+                return False
+        for value in inputs:
+            if value is not None and is_fp32_tensor(value) and self.taint_of(value) is not None:
+                return True
+        return False
 
     def _cast_taint(self, source: ir.Value) -> _Taint | None:
         """The taint of a Cast of `source`: a source when it is an integer or bool."""
@@ -250,15 +269,14 @@ class _Analysis:
             return self.taint_of(source)
         return None
 
-    def _output_taint(self, node: ir.Node) -> _Taint | None:
+    def _output_taint(self, node: ir.Node, facts: OpFacts, std: bool) -> _Taint | None:
         """The taint of the node's FP32 outputs, from its subgraphs or inputs."""
-        facts = self.facts[node]
         if node in self.owners:
             subgraphs = subgraphs_of(node)
             return _merged(
                 [self.taint_of(v) for sub in subgraphs for v in _fp32_values(sub.outputs)]
             )
-        if not is_default_domain(node.domain):
+        if not std:
             return None
         if node.op_type == "Cast" and node.inputs and node.inputs[0] is not None:
             return self._cast_taint(node.inputs[0])
@@ -270,18 +288,30 @@ class _Analysis:
             return _merged([self.taint_of(v) for v in _fp32_values(node.inputs)])
         return None
 
-    def _record_taint(self, node: ir.Node) -> bool:
-        """Record the taint of the node's FP32 outputs; whether one of them is tainted."""
-        outs = _fp32_values(node.outputs)
-        if not outs:
-            return False
-        result = self._output_taint(node)
-        for out in outs:
+    def _record_outputs(self, node: ir.Node, facts: OpFacts, std: bool) -> bool:
+        """Record the data-freeness, taint and integer origin of the node's outputs; whether
+        one of its FP32 outputs is tainted."""
+        fp32_outs: list[ir.Value] = []
+        other_outs: list[ir.Value] = []
+        for out in node.outputs:
+            if out is not None:
+                (fp32_outs if is_fp32_tensor(out) else other_outs).append(out)
+        free = self._computes_data_free(node, facts, std)
+        result = self._output_taint(node, facts, std) if fp32_outs else None
+        tainted = False
+        for out in fp32_outs:
             if is_constant(out):
-                self.taint_of(out)
+                self.data_free[out] = True
+                taint = self.taint_of(out)
             else:
-                self.taint[out] = result
-        return any(self.taint[out] is not None for out in outs)
+                self.data_free[out] = free
+                self.taint[out] = taint = result
+            tainted = tainted or taint is not None
+        for out in other_outs:
+            self.data_free[out] = free or is_constant(out)
+        if other_outs and std:
+            self._record_int_origin(node, facts, other_outs)
+        return tainted
 
     # -- backward: integer-meaning sinks and uses that need exact values ----------------
     def _mark(self, table: dict[ir.Value, str], value: ir.Value | None, why: str) -> None:
@@ -351,34 +381,52 @@ class _Analysis:
             self._mark_exact_uses(node, op)
 
     # -- decision -----------------------------------------------------------------------
-    def _on_integer_chain(self, node: ir.Node) -> bool:
+    def _on_integer_chain(self, node: ir.Node, facts: OpFacts) -> bool:
         """Whether the node reads shapes, tainted values or integers (else its outputs are
         unbounded floats or typed integers, both read lazily)."""
-        return self.facts[node].shape_only or any(
-            v is not None and (self.taint.get(v) is not None or v.dtype in INTEGER_OR_BOOL_TYPES)
-            for v in node.inputs
-        )
+        if facts.shape_only:
+            return True
+        taint = self.taint
+        for value in node.inputs:
+            if value is not None and (
+                taint.get(value) is not None or value.dtype in INTEGER_OR_BOOL_TYPES
+            ):
+                return True
+        return False
+
+    def _acts_backward(self, node: ir.Node, facts: OpFacts, std: bool, tainted: bool) -> bool:
+        """Whether `_propagate` may mark anything for the node (a superset: Casts, integer
+        inputs, comparisons, exact uses, subgraph owners, other domains, tainted carriers)."""
+        if not std or facts.integer_inputs or facts.comparison or facts.exact_use:
+            return True
+        if node in self.owners or (tainted and facts.carries_floats):
+            return True
+        return node.op_type == "Cast"
 
     def _forward(self) -> list[ir.Node]:
-        """Bounds, data-freeness, taint and integer origins in topological order; the nodes
-        with an FP32 output of integer meaning, in order."""
+        """Bounds, data-freeness, taint and integer origins in topological order (collecting
+        `backward_nodes`); the nodes with an FP32 output of integer meaning, in order."""
         tainted: list[ir.Node] = []
         for node in self.order:
-            if self._on_integer_chain(node):
+            facts = self.facts[node]
+            std = is_default_domain(node.domain)
+            if self._on_integer_chain(node, facts):
                 self.bounds.record(node)
-            self._record_data_free(node)
-            if self._record_taint(node):
+            is_tainted = self._record_outputs(node, facts, std)
+            if is_tainted:
                 tainted.append(node)
-            self._record_int_origin(node)
+            if self._acts_backward(node, facts, std, is_tainted):
+                self.backward_nodes.append(node)
         return tainted
 
     def _backward(self) -> None:
-        """Integer sinks and exact uses, from the boundaries back along the reverse order."""
+        """Integer sinks and exact uses, from the boundaries back along the reverse order (of
+        the nodes that can mark any: the others would mark nothing)."""
         for value, why in self.boundary_outputs.items():
             self._mark(self.sink, value, why)
         for value in self.model_outputs:
             self._mark(self.exact_use, value, f"model output {value.name!r}")
-        for node in reversed(self.order):
+        for node in reversed(self.backward_nodes):
             self._propagate(node)
 
     def _all_exact(self, node: ir.Node, outs: list[ir.Value]) -> bool:

@@ -46,8 +46,11 @@ INTEGER_OR_BOOL_TYPES = INTEGER_TYPES | {ir.DataType.BOOL}
 
 def attr_int(node: ir.Node, name: str, default: int | None) -> int | None:
     """The node's integer attribute `name`, or `default` when it is absent."""
-    attr = node.attributes.get(name)
-    return default if attr is None else int(attr.as_int())
+    attributes = node.attributes
+    # Not `attributes.get`: the mapping's generic `get` raises and catches KeyError when absent.
+    if name not in attributes:
+        return default
+    return int(attributes[name].as_int())
 
 
 def is_integer_type(dtype: ir.DataType | None) -> bool:

@@ -114,22 +114,28 @@ class _Rewriter:
 
     def _collect_fp32(self) -> None:
         """The FP32 graph inputs, initializers and node inputs and outputs."""
-        plan = self.plan
+        plan, fp32, seen = self.plan, self.fp32, set()
         for graph in plan.graphs:
             for value in (*graph.inputs, *graph.initializers.values()):
                 if is_fp32_tensor(value):
-                    self.fp32.add(value)
+                    fp32.add(value)
         for node in plan.order:
-            for value in (*node.inputs, *node.outputs):
-                if value is not None and is_fp32_tensor(value):
-                    self.fp32.add(value)
+            for value in node.outputs:  # each output once: its own type is read once
+                if is_fp32_tensor(value):
+                    fp32.add(value)
+        for node in plan.order:
+            for value in node.inputs:  # outer-scope and graph-input values not seen yet
+                if value is not None and value not in fp32 and value not in seen:
+                    seen.add(value)
+                    if is_fp32_tensor(value):
+                        fp32.add(value)
 
     def _collect_lowered(self) -> None:
         """The values that end up 16-bit: model inputs (without `keep_io_types`), constants
-        stored in 16 bits and the lowered outputs of 16-bit nodes."""
-        plan = self.plan
+        stored in 16 bits and the lowered outputs of 16-bit nodes (after `_collect_fp32`)."""
+        plan, fp32 = self.plan, self.fp32
         if not plan.keep_io_types:
-            self.lowered.update(v for v in self.model.graph.inputs if is_fp32_tensor(v))
+            self.lowered.update(v for v in self.model.graph.inputs if v in fp32)
         for value, storage in plan.storage.items():
             if storage is Storage.LOW and value.const_value is not None:
                 self.lowered.add(value)
@@ -137,7 +143,7 @@ class _Rewriter:
             if plan.decisions[node].precision is not Precision.LOW:
                 continue
             for index, out in enumerate(node.outputs):
-                if is_fp32_tensor(out) and plan.output_is_lowered(node, index):
+                if out in fp32 and plan.output_is_lowered(node, index):
                     self.lowered.add(out)
 
     # -- casts ----------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 
 import onnx_ir as ir
 
-from mixprec.analysis.constants import FLUSH_WORDS, ConstantRange, constant_range, is_constant
+from mixprec.analysis.constants import FLUSH_WORDS, ConstantRange, constant_range, constant_ranges, is_constant
 from mixprec.analysis.qdq import quantizes_float_chain
 from mixprec.dtypes import is_fp32_tensor
 from mixprec.graphs import (
@@ -256,6 +256,9 @@ class Planner:
         self.fp32 = self._read_fp32()
         names = {node.name for node in self.order if node.name} if self.exclude.patterns else set()
         self.exclude.prepare(names)
+        # The constants' ranges, measured together (each graph's initializers are read below).
+        fp32 = self.fp32
+        constant_ranges((v for g in self.graphs for v in g.initializers.values() if v in fp32), self.target)
         self._init_graph(self.model.graph, main=True)
         for graph in self.graphs[1:]:
             # Subgraphs and function bodies keep their signatures: inputs are flexible, outputs
