@@ -24,9 +24,9 @@ one, so the cut never trades a Cast for compute.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, compress, repeat
 
 import onnx_ir as ir
 
@@ -39,7 +39,7 @@ from mixprec.analysis.cost_model import (
 )
 from mixprec.analysis.qdq import role as qdq_role
 from mixprec.dtypes import is_fp32_tensor
-from mixprec.plan.model import Category, Precision, PrecisionPlan
+from mixprec.plan.model import Category, NodeFacts, Precision, PrecisionPlan
 from mixprec.policy.costs import runtime_cost
 from mixprec.policy.opfacts import op_facts
 from mixprec.policy.table import OpClass
@@ -51,6 +51,7 @@ _CAST_BYTES = CAST_BYTES_PER_ELEMENT
 _FP32_EXTRA_BYTES = FP32_EXTRA_BYTES_PER_ELEMENT
 _UNKNOWN_ELEMENTS = SYMBOLIC_DIM * SYMBOLIC_DIM  # tensors of unknown shape: one consistent guess
 _FREE_CATEGORIES = frozenset({Category.FOLLOW, Category.CONSUMERS})
+_NO_INPUTS: frozenset[int] = frozenset()
 
 
 class _Network:
@@ -71,10 +72,11 @@ class _Network:
         """An edge a -> b (and, with `back` > 0, b -> a of that capacity, sharing its slots)."""
         if a == b or capacity <= 0:
             return
-        e = len(self.to)
-        self.heads[a].append(e)
-        self.heads[b].append(e + 1)
-        self.to += (b, a)
+        heads, to = self.heads, self.to
+        e = len(to)
+        heads[a].append(e)
+        heads[b].append(e + 1)
+        to += (b, a)
         self.cap += (capacity, max(back, 0))
 
     def max_flow(self) -> int:
@@ -166,8 +168,18 @@ def _needs_cast(spec: tuple, low: tuple[bool, ...]) -> bool:
     with a 16-bit reader (one Cast serves every reader of its type)."""
     _, producer, consumers, fixed_low, fixed_high = spec
     if low[producer] if producer >= 0 else producer == -1:
-        return fixed_high or not all(low[c] for c in consumers)
-    return fixed_low or any(low[c] for c in consumers)
+        if fixed_high:
+            return True
+        for c in consumers:  # loops, not all() over a generator: this runs once per value
+            if not low[c]:
+                return True
+        return False
+    if fixed_low:
+        return True
+    for c in consumers:
+        if low[c]:
+            return True
+    return False
 
 
 def _casts(values: tuple, low: tuple[bool, ...]) -> tuple[int, int]:
@@ -239,41 +251,83 @@ class PlannerView:
     is_weight_heavy: Callable[[ir.Node], bool]
 
 
+def _join(parent: list[int], root: int, other: int) -> int:
+    """Merge the set of `other` into that of `root` (a root) in a union-find whose roots are the
+    smallest members, so a node's parent never follows it; the merged set's root. Paths are
+    halved on the way."""
+    while (up := parent[other]) != other:
+        parent[other] = other = parent[up]
+    if other < root:
+        parent[root] = other
+        return other
+    if root < other:
+        parent[other] = root
+    return root
+
+
+def _root(parent: list[int], node: int) -> int:
+    """The root of `node`'s set in the union-find of `_join`."""
+    while (up := parent[node]) != node:
+        parent[node] = node = parent[up]
+    return node
+
+
 class _Islands:
-    """The free nodes of a planner, their islands, and each island as plain data."""
+    """The free nodes of a planner, their islands, and each island as plain data.
+
+    Free nodes are numbered in graph order; `nodes`, `low` and `touched` are indexed by number.
+    Islands are joined as the nodes are found (each value a free node reads joins its free
+    readers and its free producer), so no second walk over the values is needed.
+    """
 
     def __init__(self, planner: PlannerView) -> None:
         self.planner = planner
         self.view = planner.plan
-        self.free: dict[ir.Node, int] = {}
+        self.facts = planner.plan.facts
+        self.model_inputs = planner.model_inputs
+        self.graph_outputs = planner.main_outputs | planner.sub_outputs  # see `_output_wants`
+        self.quantized = any(op_facts(domain, op).quantization for op, domain in planner.op_types)
+        self.free: dict[ir.Node, int] = {}  # free node -> its number
+        self.nodes: list[ir.Node] = []
+        self.low: list[bool] = []  # the passes' assignment (True: 16-bit)
+        self.touched: list[list[ir.Value]] = []  # the free FP32 inputs, then outputs
         # Free nodes the forward pass kept FP32 for an FP32 input that may not fit the 16-bit type
         # (an output of an FP32 node neither bounded nor measured, or what such nodes compute
-        # from it): "follows FP32 input".
-        self.reads_tainted: set[ir.Node] = set()
-        self.inputs: dict[ir.Node, list[ir.Value]] = {}
-        self.outputs: dict[ir.Node, list[ir.Value]] = {}
+        # from it): "follows FP32 input"; number -> its free outputs.
+        self.tainted_outputs: dict[int, list[ir.Value]] = {}
+        self.flexible: dict[ir.Node, frozenset[int]] = {}  # free node -> inputs read as they are
+        self.flexible_reads: list[tuple[int, ir.Value]] = []  # (free node, value it reads so)
+        self.parent: list[int] = []  # union-find of the islands
+        self.anchors: dict[ir.Value, int] = {}  # value a free node reads -> a node of its island
         self._elements: dict[int, int] = {}  # id(shape) -> elements (the values keep their shapes alive)
-        self.model_inputs = planner.model_inputs
-        decisions = planner.plan.decisions
-        self.quantized = any(op_facts(domain, op).quantization for op, domain in planner.op_types)
+        self.is_weight_heavy = planner.is_weight_heavy
+        decisions, facts = planner.plan.decisions, self.facts
+        free, low, touched, parent = self.free, self.low, self.touched, self.parent
         for node in planner.plan.order:
-            found = self._free_node_values(node)
+            decision = decisions[node]
+            if decision.category not in _FREE_CATEGORIES or decision.precision is Precision.NONE:
+                continue  # not decided by the follow rules alone
+            fact = facts[node]
+            found = self._free_node_values(node, fact)
             if found is None:
                 continue
-            self.free[node] = len(self.free)
-            self.inputs[node], self.outputs[node] = found
-            decision = decisions[node]
-            if decision.category is Category.FOLLOW and decision.precision is Precision.FP32:
-                self.reads_tainted.add(node)
+            inputs, outputs = found
+            k = free[node] = len(parent)
+            parent.append(k)
+            low.append(decision.precision is Precision.LOW)
+            touched.append(inputs + outputs)
+            tainted = decision.category is Category.FOLLOW and decision.precision is Precision.FP32
+            if tainted or fact.flexible:
+                self._note_tainted_or_flexible(k, node, tainted, fact.flexible, outputs)
+            self._join_reads(k, inputs, outputs)
+        self.nodes = list(free)
 
-    def _free_node_values(self, node: ir.Node) -> tuple[list[ir.Value], list[ir.Value]] | None:
-        """The node's free FP32 inputs and outputs (:func:`_free_values`) when it is a free node:
-        decided by the follow rules alone, a lowerable follow-class op without a dtype attribute,
-        no part of a Q/DQ group and not kept for its weight; None otherwise."""
-        decision = self.view.decisions[node]
-        if decision.category not in _FREE_CATEGORIES or decision.precision is Precision.NONE:
-            return None
-        fact = self.view.facts[node]
+    def _free_node_values(
+        self, node: ir.Node, fact: NodeFacts
+    ) -> tuple[list[ir.Value], list[ir.Value]] | None:
+        """The FP32 inputs and outputs (:func:`_free_values`) of a node the follow rules alone
+        decided when it is a free node: a lowerable follow-class op without a dtype attribute, no
+        part of a Q/DQ group and not kept for its weight; None otherwise."""
         rule = fact.rule
         if (
             rule is None or rule.op_class is not OpClass.FOLLOW or rule.dtype_attribute is not None
@@ -283,60 +337,75 @@ class _Islands:
         if self.quantized and (qdq_role(node) is not None or _next_to_qdq(node)):
             return None  # Q/DQ pairs have rules of their own (mixprec.plan.qdq_pairs)
         found = _free_values(node, fact)
-        if found is None or self.planner.is_weight_heavy(node):
+        if found is None or self.is_weight_heavy(node):
             return None
         return found
 
-    def elements(self, value: ir.Value) -> int:
-        """Estimated elements of `value`: every dimension that is not static as `SYMBOLIC_DIM`, an
-        unknown shape as `_UNKNOWN_ELEMENTS` (costs must exist for every value of an island);
-        remembered per shape object (equal static shapes share one)."""
-        shape = value.shape
-        if shape is None:
-            return _UNKNOWN_ELEMENTS
-        found = self._elements.get(id(shape))
-        if found is None:
-            guessed = guessed_elements(shape)
-            found = self._elements[id(shape)] = guessed if guessed is not None else _UNKNOWN_ELEMENTS
-        return found
+    def _note_tainted_or_flexible(
+        self, k: int, node: ir.Node, tainted: bool, flexible: frozenset[int], outputs: list[ir.Value],
+    ) -> None:
+        """Note what free node `k` needs beyond the common case: it follows an FP32 input that may
+        not fit (`tainted`), or it reads some inputs as they are (`flexible`)."""
+        if tainted:
+            self.tainted_outputs[k] = outputs
+        if flexible:
+            self.flexible[node] = flexible
+            self.flexible_reads += ((k, node.inputs[i]) for i in flexible if i < len(node.inputs))
 
-    def groups(self) -> list[list[ir.Node]]:
-        """Islands: free nodes connected through a value one produces or they read (one Cast of
-        it serves them all), in graph order."""
-        parent = list(range(len(self.free)))
+    def _join_reads(self, k: int, inputs: list[ir.Value], outputs: list[ir.Value]) -> None:
+        """Join free node `k` with the islands of the values it reads (the producer if free, the
+        free readers before it) and of its outputs that a free node read before it came."""
+        anchors, parent, free, root = self.anchors, self.parent, self.free, k
+        for value in inputs:
+            anchor = anchors.setdefault(value, k)
+            if anchor == k:  # its first free reader: joins its producer if that is free
+                anchor = free.get(value.producer())  # type: ignore[arg-type]
+                if anchor is None:
+                    continue
+            root = _join(parent, root, anchor)
+        for value in outputs:
+            anchor = anchors.get(value)  # a free node before it read it (order not topological)
+            if anchor is not None:
+                root = _join(parent, root, anchor)
 
-        def find(i: int) -> int:
-            while parent[i] != i:
-                parent[i] = parent[parent[i]]
-                i = parent[i]
-            return i
-
-        free = self.free
-        # Each value once, however many free nodes read it: its free readers and its producer
-        # join one island (a value with N readers costs N, not N squared).
-        inputs = self.inputs
-        values = dict.fromkeys(chain.from_iterable(inputs[node] for node in free))
+    def _size(self, values: dict[ir.Value, int]) -> None:
+        """Map each of `values` to its estimated elements: every dimension that is not static as
+        `SYMBOLIC_DIM`, an unknown shape as `_UNKNOWN_ELEMENTS` (costs must exist for every value
+        of an island); remembered per shape object (equal static shapes share one)."""
+        known = self._elements
         for value in values:
-            members = [j for u in value.uses() if (j := free.get(u.node)) is not None]
-            producer = value.producer()
-            if producer is not None and (j := free.get(producer)) is not None:
-                members.append(j)
-            if len(members) < 2:
+            shape = value.shape
+            if shape is None:
+                values[value] = _UNKNOWN_ELEMENTS
                 continue
-            root = find(members[0])
-            for j in members[1:]:
-                other = find(j)
-                if other != root:
-                    parent[other] = root
-        out: dict[int, list[ir.Node]] = {}
-        for node, index in free.items():
-            out.setdefault(find(index), []).append(node)
+            found = known.get(id(shape))
+            if found is None:
+                guessed = guessed_elements(shape)
+                found = known[id(shape)] = guessed if guessed is not None else _UNKNOWN_ELEMENTS
+            values[value] = found
+
+    def groups(self) -> list[list[int]]:
+        """Islands (their free node numbers, in graph order): free nodes connected through a value
+        one produces or they read, in any input (one Cast of it serves them all)."""
+        parent, anchors = self.parent, self.anchors
+        for k, value in self.flexible_reads:  # joins a value only some free node reads as FP32
+            anchor = anchors.get(value)
+            if anchor is not None:
+                _join(parent, _root(parent, k), anchor)
+        for k, up in enumerate(parent):
+            parent[k] = parent[up]  # `up` precedes k: its parent is already its root
+        out: dict[int, list[int]] = {}
+        for k, root in enumerate(parent):
+            out.setdefault(root, []).append(k)
         return list(out.values())
 
-    def problem(self, nodes: list[ir.Node], greedy: tuple[bool, ...]) -> tuple[tuple, tuple[int, int]] | None:
-        """The island as plain data (local indices in graph order), with the (casts, bytes) of the
-        passes' assignment `greedy`; None when that assignment has no Cast (nothing to improve).
-        Repeated structures (the layers of a network) give equal problems, solved once.
+    def problem(
+        self, members: list[int], greedy: tuple[bool, ...]
+    ) -> tuple[tuple, tuple[int, int]] | None:
+        """The island of free nodes `members` as plain data (local indices in graph order), with
+        the (casts, bytes) of the passes' assignment `greedy`; None when that assignment has no
+        Cast (nothing to improve). Repeated structures (the layers of a network) give equal
+        problems, solved once.
 
         Nodes: (elements read and written, constraint, readers) with constraint 0 (none),
         1 (stays FP32: arithmetic on a value 16 bits may not hold) or 2 (16-bit only if each
@@ -344,67 +413,91 @@ class _Islands:
         or -1 / -2 for a fixed 16-bit / FP32 producer, free reader indices, a fixed reader wants
         16 bits, a fixed reader wants FP32).
         """
-        ids = {node: i for i, node in enumerate(nodes)}
-        inputs, outputs = self.inputs, self.outputs
-        values = dict.fromkeys(chain.from_iterable(chain(inputs[node], outputs[node]) for node in nodes))
-        described = [self._describe(value, ids) for value in values]
-        if not any(_needs_cast(spec, greedy) for spec in described):
+        nodes = list(map(self.nodes.__getitem__, members))
+        ids = dict(zip(nodes, range(len(nodes))))
+        # value -> its elements (filled once the island has a Cast to improve)
+        values = dict.fromkeys(chain.from_iterable(map(self.touched.__getitem__, members)), 0)
+        described = self._describe(values, ids)
+        casts = list(map(_needs_cast, described, repeat(greedy)))
+        if not any(casts):
             return None  # sized only where there is something to improve
-        value_specs = [(self.elements(value), *rest) for value, *rest in described]
-        before = _casts(value_specs, greedy)
-        specs = [self._node_spec(node, ids) for node in nodes]
-        return (tuple(specs), tuple(value_specs)), before
+        self._size(values)
+        value_specs = [(size, *spec[1:]) for size, spec in zip(values.values(), described)]
+        before = casts.count(True), sum(compress(values.values(), casts)) * _CAST_BYTES
+        return (tuple(self._node_specs(members, ids, values)), tuple(value_specs)), before
 
-    def _describe(self, value: ir.Value, ids: dict[ir.Node, int]) -> tuple:
-        """(value, producer index or -1 / -2 for a fixed 16-bit / FP32 producer, free reader
-        indices, a fixed reader wants 16 bits, a fixed reader wants FP32)."""
-        planner, facts = self.planner, self.view.facts
-        input_is_lowered, output_is_lowered = self.view.input_is_lowered, self.view.output_is_lowered
-        keep_io_types, main_outputs, sub_outputs = self.view.keep_io_types, planner.main_outputs, planner.sub_outputs
-        producer = value.producer()
-        if producer in ids:
-            origin = ids[producer]
-        elif producer is None:
-            origin = -2 if keep_io_types or value not in self.model_inputs else -1
-        else:
-            origin = -1 if output_is_lowered(producer, producer.outputs.index(value)) else -2
-        free_readers: set[int] = set()
-        wants_low = wants_high = False
-        for use in value.uses():
-            consumer, index = use.node, use.idx
-            fact = facts.get(consumer)
-            if fact is not None and index in fact.flexible:
-                continue  # read as it is (Shape, CastLike's input): no Cast either way
-            j = ids.get(consumer)
-            if j is not None:
-                free_readers.add(j)
-            elif input_is_lowered(consumer, index):
-                wants_low = True
-            else:
-                wants_high = True
-        if value in sub_outputs:
+    def _describe(self, values: Iterable[ir.Value], ids: dict[ir.Node, int]) -> list[tuple]:
+        """Per value: (value, producer index or -1 / -2 for a fixed 16-bit / FP32 producer, free
+        reader indices, a fixed reader wants 16 bits, a fixed reader wants FP32)."""
+        facts, flexible, no_inputs = self.facts, self.flexible, _NO_INPUTS
+        input_is_lowered, graph_outputs = self.view.input_is_lowered, self.graph_outputs
+        described: list[tuple] = []
+        append = described.append
+        for value in values:
+            producer = value.producer()
+            origin = ids.get(producer)  # type: ignore[arg-type]
+            if origin is None:
+                origin = self._fixed_origin(value, producer)
+            readers: list[int] = []
+            wants_low = wants_high = False
+            for consumer, index in value.uses():
+                j = ids.get(consumer)
+                if j is None:
+                    fact = facts.get(consumer)
+                    if fact is not None and index in fact.flexible:
+                        continue  # read as it is (Shape, CastLike's input): no Cast either way
+                    if input_is_lowered(consumer, index):
+                        wants_low = True
+                    else:
+                        wants_high = True
+                elif not flexible or index not in flexible.get(consumer, no_inputs):
+                    readers.append(j)
+            if value in graph_outputs:
+                wants_low, wants_high = self._output_wants(value, wants_low, wants_high)
+            free_readers = tuple(sorted(set(readers))) if len(readers) > 1 else tuple(readers)
+            append((value, origin, free_readers, wants_low, wants_high))
+        return described
+
+    def _fixed_origin(self, value: ir.Value, producer: ir.Node | None) -> int:
+        """-1 / -2: `value` comes in 16 bits / FP32 from outside the island (a fixed node or a
+        graph input)."""
+        if producer is None:
+            return -2 if self.view.keep_io_types or value not in self.model_inputs else -1
+        return -1 if self.view.output_is_lowered(producer, producer.outputs.index(value)) else -2
+
+    def _output_wants(self, value: ir.Value, wants_low: bool, wants_high: bool) -> tuple[bool, bool]:
+        """(wants 16 bits, wants FP32) of a graph output `value` given its readers' ones."""
+        if value in self.planner.sub_outputs:
             wants_high = True  # a subgraph returns it as it is, in FP32
-        if value in main_outputs:
-            if keep_io_types:
+        if value in self.planner.main_outputs:
+            if self.view.keep_io_types:
                 wants_high = True
             else:
                 wants_low = True
-        return value, origin, tuple(sorted(free_readers)), wants_low, wants_high
+        return wants_low, wants_high
 
-    def _node_spec(self, node: ir.Node, ids: dict[ir.Node, int]) -> tuple:
-        """(elements it reads and writes, constraint, readers): constraint 0 free, 1 FP32 (an
-        FP32 input that may not fit), 2 16-bit only when all `readers` are."""
-        elements, facts = self.elements, self.view.facts
-        inputs, outputs = self.inputs[node], self.outputs[node]
-        touched = sum(map(elements, inputs)) + sum(map(elements, outputs))
-        if node not in self.reads_tainted:
-            return touched, 0, ()
+    def _node_specs(
+        self, members: list[int], ids: dict[ir.Node, int], sizes: dict[ir.Value, int]
+    ) -> list[tuple]:
+        """Per node: (elements it reads and writes, constraint, readers): constraint 0 free, 1 FP32
+        (an FP32 input that may not fit), 2 16-bit only when all `readers` are."""
+        size, touched, tainted = sizes.__getitem__, self.touched, self.tainted_outputs
+        specs = []
+        for k in members:
+            elements = sum(map(size, touched[k]))
+            specs.append(self._tainted_spec(k, elements, ids) if k in tainted else (elements, 0, ()))
+        return specs
+
+    def _tainted_spec(self, k: int, touched: int, ids: dict[ir.Node, int]) -> tuple:
+        """The spec of free node `k`, which follows an FP32 input that may not fit (see
+        `_node_specs`)."""
+        node = self.nodes[k]
         if not op_facts(node.domain, node.op_type).value_preserving:
             return touched, 1, ()
-        keep_io_types = self.view.keep_io_types
+        facts, keep_io_types = self.facts, self.view.keep_io_types
         main_outputs, sub_outputs = self.planner.main_outputs, self.planner.sub_outputs
         readers: set[int] = set()
-        for value in outputs:
+        for value in self.tainted_outputs[k]:
             for use in value.uses():
                 fact = facts.get(use.node)
                 if fact is not None and use.idx in fact.flexible:
@@ -424,27 +517,29 @@ def min_cut_islands(
     by minimum cut. Returns, per island whose assignment changes, the
     island, the new assignment (node -> 16-bit) and the (casts, bytes) before and after."""
     islands = _Islands(planner)
-    if not islands.free:
+    if not islands.nodes:
         return []
-    decisions = planner.plan.decisions
+    low, free_nodes = islands.low, islands.nodes
     launch = round(runtime_cost(planner.runtime).launch_bytes)
     changes = []
     # Repeated layers give equal problems: each is solved once. A cut priced with launches that
     # trades cast bytes for fewer casts is not kept (cast bytes may not grow); the cut priced by
     # bytes alone is tried next.
     solved_problems: dict[tuple, tuple[tuple[bool, ...], tuple[int, int]] | None] = {}  # (problem, greedy)
-    for nodes in islands.groups():
-        greedy = tuple(decisions[n].precision is Precision.LOW for n in nodes)
-        found = islands.problem(nodes, greedy)
+    for members in islands.groups():
+        greedy = tuple(map(low.__getitem__, members))
+        found = islands.problem(members, greedy)
         if found is None:
             continue
         problem, before = found
-        key = (problem, greedy)
-        if key not in solved_problems:
-            solved_problems[key] = _best_cut(problem, greedy, before, launch)
-        solved = solved_problems[key]
+        key = (problem, greedy)  # hashed once if seen before, twice if not (large ones hash slowly)
+        try:
+            solved = solved_problems[key]
+        except KeyError:
+            solved = solved_problems[key] = _best_cut(problem, greedy, before, launch)
         if solved is not None:
             assignment, after = solved
+            nodes = list(map(free_nodes.__getitem__, members))
             changes.append((Island(nodes), dict(zip(nodes, assignment)), before, after))
     return changes
 
@@ -476,22 +571,27 @@ def _solve(problem: tuple, launch: int) -> tuple[bool, ...] | None:
     each Cast costs its bytes and `launch`."""
     nodes, values = problem
     net = _Network(len(nodes))  # free node i is network node i + 2
-    for n, spec in enumerate(nodes, 2):
-        _add_node_edges(net, n, spec)
+    edge = net.edge
+    for n, (touched, constraint, readers) in enumerate(nodes, 2):
+        edge(0, n, touched * _FP32_EXTRA_BYTES)  # cut when the node stays FP32
+        if constraint:
+            _add_constraint_edges(net, n, constraint, readers)
     for spec in values:
-        _add_value_edges(net, spec, launch)
+        elements, origin, readers, fixed_low_reader, fixed_high_reader = spec
+        if origin >= 0 and len(readers) == 1 and not (fixed_low_reader or fixed_high_reader):
+            cost = elements * _CAST_BYTES + launch
+            edge(origin + 2, readers[0] + 2, cost, cost)  # one Cast whichever of the two is 16-bit
+        else:
+            _add_value_edges(net, spec, launch)
     if net.max_flow() >= _INF:
         return None
     high = net.reaching_sink()
     return tuple(n not in high for n in range(2, len(nodes) + 2))
 
 
-def _add_node_edges(net: _Network, n: int, spec: tuple) -> None:
-    """The edges of free node `n` (network id: its local index + 2) with its spec (elements,
-    constraint, readers; see `_Islands.problem`): its FP32 compute cost, and what its constraint
-    forbids."""
-    touched, constraint, readers = spec
-    net.edge(0, n, touched * _FP32_EXTRA_BYTES)  # cut when the node stays FP32
+def _add_constraint_edges(net: _Network, n: int, constraint: int, readers: tuple[int, ...]) -> None:
+    """The edges that forbid what free node `n`'s constraint forbids (network id: its local index
+    + 2; constraint and readers as in `_Islands.problem`)."""
     if constraint == 1:
         net.edge(n, 1, _INF)
     elif constraint == 2:
@@ -501,14 +601,12 @@ def _add_node_edges(net: _Network, n: int, spec: tuple) -> None:
 
 def _add_value_edges(net: _Network, spec: tuple, launch: int) -> None:
     """The edges of one value (see `_Islands.problem`): its shared upcast and downcast, each
-    costing its bytes and `launch`."""
+    costing its bytes and `launch` (`_solve` gives a free node's output that one free node alone
+    reads a single edge instead)."""
     elements, producer_index, consumers_index, fixed_low_reader, fixed_high_reader = spec
     cost = elements * _CAST_BYTES + launch
     producer = producer_index + 2 if producer_index >= 0 else (0 if producer_index == -1 else 1)
     consumers = [c + 2 for c in consumers_index]
-    if producer > 1 and len(consumers) == 1 and not (fixed_low_reader or fixed_high_reader):
-        net.edge(producer, consumers[0], cost, cost)  # one Cast whichever of the two is 16-bit
-        return
     if producer != 1:  # a 16-bit producer with an FP32 reader: one upcast
         _add_upcast(net, producer, consumers, fixed_high_reader, cost)
     if producer != 0:  # an FP32 producer with a 16-bit reader: one downcast
