@@ -15,8 +15,8 @@ import onnx_ir as ir
 
 from mixprec.dtypes import LowPrecision
 from mixprec.graphs import is_default_domain
-from mixprec.io.loading import ExternalReader, read_external
 from mixprec.graphs import reduction_axes as graphs_reduction_axes
+from mixprec.io.loading import ExternalReader, read_external
 
 _CHUNK_BYTES = 64 * 1024 * 1024
 _META_RANGE = "mixprec.constant_range"
