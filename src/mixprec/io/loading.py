@@ -95,16 +95,10 @@ def read_external(tensor: ir.ExternalTensor) -> np.ndarray | None:
     """An external tensor's values read from its file (None for element types narrower than a
     byte). onnx_ir's own `numpy()` maps the whole data file once per tensor: thousands of small
     tensors each touching their own mapping cost tens of kilobytes of memory apiece, and one of
-    the process's limited mappings each."""
-    dtype = tensor.dtype
-    if not dtype.itemsize or dtype.bitwidth % 8:
-        return None
-    with open(tensor.path, "rb") as f:
-        f.seek(tensor.offset or 0)
-        array = np.fromfile(f, dtype=dtype.numpy(), count=tensor.size)
-    if array.size != tensor.size:
-        raise OSError(f"external data file {tensor.path} is shorter than declared")
-    return array.reshape(tuple(int(d) for d in tensor.shape))
+    the process's limited mappings each. Many tensors: :class:`ExternalReader`."""
+    with ExternalReader() as reader:
+        array = reader.read(tensor)
+    return None if array is None else array.reshape(tuple(int(d) for d in tensor.shape))
 
 
 def _check_locations(tensors: list[tuple[str, ir.ExternalTensor]], path: Path) -> None:
