@@ -520,7 +520,7 @@ def test_constant_ranges_measured_together_equal_one_at_a_time(tmp_path: Path, t
     """The planner measures many constants at once (small ones in batches, read from their
     external file with one open file): every range equals the one-tensor measurement, for
     overflow, flush, infinities, NaN, empty tensors and tensors larger than a batch."""
-    from mixprec.analysis.constants import _META_RANGE, constant_ranges, tensor_range
+    from mixprec.analysis.constants import constant_ranges, measured_range, tensor_range
     from mixprec.dtypes import parse_low_precision
 
     low = parse_low_precision(target)
@@ -545,4 +545,4 @@ def test_constant_ranges_measured_together_equal_one_at_a_time(tmp_path: Path, t
     assert all(isinstance(v.const_value, ir.ExternalTensor) for v in values if v.const_value.size)
     constant_ranges(values, low)
     for value, array in zip(values, arrays):
-        assert value.meta[_META_RANGE][low] == tensor_range(ir.Tensor(array), low), value.name
+        assert measured_range(value, low) == tensor_range(ir.Tensor(array), low), value.name

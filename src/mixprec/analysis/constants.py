@@ -7,6 +7,7 @@ inspecting a multi-gigabyte model does not grow the resident set.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -14,12 +15,16 @@ import numpy as np
 import onnx_ir as ir
 
 from mixprec.dtypes import LowPrecision
-from mixprec.graphs import is_default_domain
+from mixprec.graphs import all_graphs, is_default_domain
 from mixprec.graphs import reduction_axes as graphs_reduction_axes
 from mixprec.io.loading import ExternalReader, read_external
 
 _CHUNK_BYTES = 64 * 1024 * 1024
-_META_RANGE = "mixprec.constant_range"
+# What was measured of each constant, per target type (see `constant_range`). A side table, not
+# the value's metadata store: a store costs ~0.5 kB, and a graph may hold 50k constants.
+_RANGES: weakref.WeakKeyDictionary[ir.Value, tuple[tuple[LowPrecision, ConstantRange], ...]] = (
+    weakref.WeakKeyDictionary()
+)
 # How range evidence words an underflow, here and for measured values
 # (`mixprec.analysis.calibrate.range_evidence`): the planner tells a flush from an overflow by it.
 FLUSH_WORDS = "flush to zero"
@@ -141,7 +146,7 @@ def small_constant_array(value: ir.Value, max_bytes: int = 1 << 20) -> np.ndarra
     return read_array(tensor)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ConstantRange:
     """How a float constant fares when stored in a 16-bit type.
 
@@ -200,14 +205,34 @@ def replace_constant(value: ir.Value, tensor: ir.TensorProtocol) -> None:
     """Give an initializer new values (same type and shape), forgetting what was measured of
     the old ones."""
     value.const_value = tensor
-    value.meta.pop(_META_RANGE, None)
+    _RANGES.pop(value, None)
+
+
+def copy_ranges(source: ir.Model, copy: ir.Model) -> None:
+    """Give the initializers of `copy` (a clone of `source`) what was measured of `source`'s."""
+    for graph, copied in zip(all_graphs(source), all_graphs(copy)):
+        initializers = copied.initializers
+        for name, value in graph.initializers.items():
+            measured = _RANGES.get(value)
+            twin = initializers.get(name)
+            if measured is not None and twin is not None:
+                _RANGES[twin] = measured
+
+
+def measured_range(value: ir.Value, target: LowPrecision) -> ConstantRange | None:
+    """What `constant_range` or `constant_ranges` measured of `value` for `target` (None: not
+    measured)."""
+    for measured_target, found in _RANGES.get(value, ()):
+        if measured_target == target:
+            return found
+    return None
 
 
 def constant_range(value: ir.Value, target: LowPrecision) -> ConstantRange | None:
     """Range analysis of a float32 constant for `target` (cached on the value)."""
-    cache = value.meta.get(_META_RANGE)
-    if cache is not None and target in cache:
-        return cache[target]
+    measured = measured_range(value, target)
+    if measured is not None:
+        return measured
     tensor = constant_tensor(value)
     if tensor is None or tensor.dtype != ir.DataType.FLOAT:
         return None
@@ -229,8 +254,7 @@ def constant_ranges(values: Iterable[ir.Value], target: LowPrecision) -> None:
     size = 0
     with ExternalReader() as reader:
         for value in values:
-            cache = value.meta.get(_META_RANGE)
-            if cache is not None and target in cache:
+            if measured_range(value, target) is not None:
                 continue
             tensor = constant_tensor(value)
             if tensor is None or tensor.dtype != ir.DataType.FLOAT:
@@ -281,8 +305,8 @@ def _record_ranges(batch: list[tuple[ir.Value, np.ndarray]], target: LowPrecisio
 
 
 def _cache_range(value: ir.Value, target: LowPrecision, found: ConstantRange) -> None:
-    cache = value.meta.get(_META_RANGE)
-    value.meta[_META_RANGE] = {**(cache or {}), target: found}
+    others = tuple(entry for entry in _RANGES.get(value, ()) if entry[0] != target)
+    _RANGES[value] = (*others, (target, found))
 
 
 def tensor_range(tensor: ir.TensorProtocol, target: LowPrecision) -> ConstantRange:

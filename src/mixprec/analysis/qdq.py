@@ -17,10 +17,21 @@ from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.policy.opfacts import op_facts
 from mixprec.policy.quantized_groups import quantized_groups
 
-__all__ = ["FOLDED", "has_qdq", "quantizes_float_chain", "role"]
+__all__ = ["FOLDED", "folded_from", "has_qdq", "quantizes_float_chain", "role"]
 
 # Value meta key of a constant folded from a DequantizeLinear: that node's name.
 FOLDED = "mixprec.folded_dequantize"
+
+
+def folded_from(value: ir.Value) -> str | None:
+    """The DequantizeLinear `value` was folded from (its name; None: not folded). Reads the
+    value's metadata without creating its store, as reading `meta` would (~0.5 kB on each of
+    tens of thousands of weights)."""
+    try:
+        store = value._metadata  # noqa: SLF001 - `meta` creates the store
+    except AttributeError:  # an onnx_ir that names it otherwise
+        store = value.meta
+    return None if store is None else store.get(FOLDED)
 
 
 def role(node: ir.Node) -> str | None:

@@ -1,5 +1,6 @@
 """Models in and out: loading with path safety (`loading`), views of a model for tools that read
-whole protobufs (`views`), and atomic publishing of outputs (`publishing`)."""
+whole protobufs (`views`), atomic publishing of outputs (`publishing`), and the protobuf written
+a batch of nodes at a time (`streaming`)."""
 
 from mixprec.io.loading import load_model
 from mixprec.io.publishing import (

@@ -22,38 +22,58 @@ __all__ = ["load_model"]
 
 
 @dataclass(frozen=True)
-class ExternalSlot:
-    """A tensor stored in an external file, and where it sits: an initializer (`value`) or a
-    node's tensor attribute (`node`, `attribute`)."""
+class TensorSlot:
+    """A tensor of the model and where it sits: an initializer (`value`) or a node's tensor
+    attribute (`node`, `attribute`)."""
 
     name: str
-    tensor: ir.ExternalTensor
+    tensor: ir.TensorProtocol
     value: ir.Value | None = None
     node: ir.Node | None = None
     attribute: str | None = None
 
     def replace(self, tensor: ir.TensorProtocol) -> None:
-        """Put `tensor` where the external one was."""
+        """Put `tensor` where this one was."""
         if self.value is not None:
             self.value.const_value = tensor
         else:
             assert self.node is not None and self.attribute is not None
-            self.node.attributes[self.attribute] = ir.AttrTensor(self.attribute, tensor)
+            old = self.node.attributes[self.attribute]
+            self.node.attributes[self.attribute] = ir.AttrTensor(self.attribute, tensor, doc_string=old.doc_string)
 
 
-def external_slots(model: ir.Model) -> Iterator[ExternalSlot]:
-    """Every tensor stored in an external file: initializers of every graph, and tensors held in
-    node attributes (Constant values) anywhere, function bodies and their subgraphs included."""
+def tensor_slots(model: ir.Model, kind: type) -> Iterator[TensorSlot]:
+    """Every tensor of class `kind`: initializers of every graph, and tensors held in node
+    attributes (Constant values) anywhere, function bodies and their subgraphs included."""
     for graph in all_graphs(model):
         for value in graph.initializers.values():
-            if isinstance(value.const_value, ir.ExternalTensor):
-                yield ExternalSlot(value.name or "", value.const_value, value=value)
+            if isinstance(value.const_value, kind):
+                yield TensorSlot(value.name or "", value.const_value, value=value)
     for node in all_nodes(model):
         if not node.attributes:
             continue
         for attr in node.attributes.values():
-            if attr.type is ir.AttributeType.TENSOR and isinstance(attr.value, ir.ExternalTensor):
-                yield ExternalSlot(f"{node.name or node.op_type}.{attr.name}", attr.value, node=node, attribute=attr.name)
+            if attr.type is ir.AttributeType.TENSOR and isinstance(attr.value, kind):
+                yield TensorSlot(f"{node.name or node.op_type}.{attr.name}", attr.value, node=node, attribute=attr.name)
+
+
+def external_slots(model: ir.Model) -> Iterator[TensorSlot]:
+    """Every tensor stored in an external file (see `tensor_slots`)."""
+    return tensor_slots(model, ir.ExternalTensor)
+
+
+def _release_parsed_file(model: ir.Model) -> None:
+    """Copy the tensors onnx_ir reads from the parsed file (inline initializers, Constant
+    values) into a protobuf of their own. A tensor onnx_ir deserialized keeps its part of the
+    parsed message, and a part keeps the whole message alive, nodes included: 60 MB on a graph
+    of 100k nodes, for a few small constants."""
+    slots = list(tensor_slots(model, ir.serde.TensorProtoTensor))
+    if not slots:
+        return
+    holder = onnx.GraphProto()  # one message for all, apart from the file's
+    holder.initializer.extend(slot.tensor.raw for slot in slots)  # type: ignore[attr-defined]
+    for slot, proto in zip(slots, holder.initializer, strict=True):
+        slot.replace(ir.serde.TensorProtoTensor(proto))
 
 
 class ExternalReader:
@@ -188,6 +208,7 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> tuple[
         raise ModelLoadError(f"{path}: file is empty")
     try:
         model = ir.load(path)
+        _release_parsed_file(model)
     except DecodeError as e:
         raise ModelLoadError(f"{path}: not an ONNX model or truncated (protobuf parse error)") from e
     except (OSError, ValueError) as e:

@@ -26,6 +26,7 @@ import onnx_ir as ir
 
 from mixprec.errors import InputError
 from mixprec.graphs import all_graphs, is_default_domain
+from mixprec.io import streaming
 from mixprec.io.loading import external_slots, read_external
 from mixprec.io.views import wants_external_data
 from mixprec.progress import Progress
@@ -72,10 +73,42 @@ def _value_info_of(model: ir.Model, declared: set[str] | None) -> Iterator[None]
             value.shape = shape
 
 
+# The lazily created containers of onnx_ir objects that its serializer asks for on every value,
+# node and tensor it writes (`meta`, `metadata_props`), creating an empty one where there was none.
+_LAZY_SLOTS = ("_metadata", "_metadata_props")
+
+
+@contextlib.contextmanager
+def _no_metadata_left_behind(model: ir.Model) -> Iterator[None]:
+    """Undo a side effect of onnx_ir's serializer: reading `meta` and `metadata_props` of every
+    value, node and tensor creates an empty store on each that had none, ~35 MB that outlive
+    the save on a graph of 100k nodes. The containers it created and left empty are dropped
+    after the save."""
+    owners: list[object] = []
+    for graph in all_graphs(model):
+        for value in graph.initializers.values():
+            owners.append(value)
+            if value.const_value is not None:
+                owners.append(value.const_value)
+        owners.extend(graph.inputs)
+        for node in graph:
+            owners.append(node)
+            owners.extend(node.outputs)
+    bare = [
+        (owner, slot) for owner in owners for slot in _LAZY_SLOTS if getattr(owner, slot, False) is None
+    ]
+    try:
+        yield
+    finally:
+        for owner, slot in bare:
+            if not getattr(owner, slot):
+                setattr(owner, slot, None)
+
+
 def _write(
     model: ir.Model, path: Path, data_name: str | None, progress: bool | None, declared: set[str] | None = None
 ) -> None:
-    with _value_info_of(model, declared):
+    with _value_info_of(model, declared), _no_metadata_left_behind(model):
         _write_all(model, path, data_name, progress)
 
 
@@ -92,18 +125,31 @@ def _write_all(model: ir.Model, path: Path, data_name: str | None, progress: boo
         def callback(tensor: ir.TensorProtocol, info: ir.external_data.CallbackInfo) -> None:
             bar.advance(float(tensor.nbytes))
 
-        ir.save(
-            model,
-            path,
-            external_data=data_name,
-            size_threshold_bytes=_EXTERNAL_TENSOR_MIN_BYTES,
-            max_in_flight_bytes=256 << 20,
-            callback=callback,
-        )
+        initialized = [value for graph in all_graphs(model) for value in graph.initializers.values()]
+        tensors = [value.const_value for value in initialized]
+        try:
+            ir.external_data.unload_from_model(
+                model,
+                path.parent,
+                data_name,
+                size_threshold_bytes=_EXTERNAL_TENSOR_MIN_BYTES,
+                max_in_flight_bytes=256 << 20,
+                callback=callback,
+            )
+            streaming.save(model, path)
+        finally:  # the model keeps its own tensors, not the file's
+            for value, tensor in zip(initialized, tensors, strict=True):
+                value.const_value = tensor
         bar.close()
     else:
         _inline_external(model)
-        ir.save(model, path)
+        try:
+            streaming.save(model, path)
+        except streaming.ProtobufTooLarge as e:
+            raise InputError(
+                f"{path.name}: the converted model is larger than protobuf's 2 GB limit for one .onnx "
+                "file; save with external data (--external-data yes)"
+            ) from e
 
 
 def _inline_external(model: ir.Model) -> None:

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import onnx_ir as ir
 
 from mixprec.analysis.calibrate import RangeTable
+from mixprec.analysis.constants import copy_ranges
 from mixprec.config import Config
 from mixprec.graphs import node_keys
 from mixprec.io import StagedModel
@@ -165,6 +166,7 @@ class Prepared:
             plan: A plan file (or its dict) to apply instead of the configured one.
         """
         model = self.model.clone()
+        copy_ranges(self.model, model)
         config = self.config if plan is None else self.config.with_options(plan=plan)
         planned = make_plan(model, node_keys(model), config, self.plan_inputs(extra_fp32))
         rewritten = rewrite(model, planned.plan, config)

@@ -19,7 +19,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mixprec.analysis.constants import read_array
-from mixprec.analysis.qdq import FOLDED, has_qdq, role
+from mixprec.analysis.qdq import folded_from, has_qdq, role
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.plan.model import Category, Decision, PrecisionPlan
 from mixprec.policy.opfacts import op_facts
@@ -150,11 +150,11 @@ def _explain_folds(plan: PrecisionPlan) -> PrecisionPlan:
     explained: dict[ir.Node, Decision] = {}
     for node in plan.order:
         # Folded values are initializers: other values are not asked (asking creates their metadata).
-        folded = [v for v in node.inputs if v is not None and v.const_value is not None and FOLDED in v.meta]
+        folded = [v for v in node.inputs if v is not None and v.const_value is not None and folded_from(v)]
         if not folded:
             continue
         d = plan.decisions[node]
-        inputs = ", ".join(f"{v.name!r} (DequantizeLinear {v.meta[FOLDED]!r})" for v in folded)
+        inputs = ", ".join(f"{v.name!r} (DequantizeLinear {folded_from(v)!r})" for v in folded)
         explained[node] = Decision(
             d.precision, d.category,
             f"{d.reason}; constant input(s) {inputs} folded: the runtime dequantizes them in float, "

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
-from mixprec.analysis.qdq import FOLDED, has_qdq, role
+from mixprec.analysis.qdq import folded_from, has_qdq, role
 from mixprec.plan.model import Precision, PrecisionPlan
 
 __all__ = ["QuantizedSummary", "quantized_summary"]
@@ -72,7 +72,7 @@ def _quantized(node: ir.Node) -> bool:
 
 def quantized_summary(plan: PrecisionPlan) -> QuantizedSummary | None:
     """Counts for the report; None for a model without QuantizeLinear/DequantizeLinear."""
-    folded = [value.meta[FOLDED] for graph in plan.graphs for value in graph.initializers.values() if FOLDED in value.meta]
+    folded = [name for graph in plan.graphs for value in graph.initializers.values() if (name := folded_from(value))]
     if not has_qdq(plan.order) and not folded:
         return None
     summary = QuantizedSummary(folded=folded)

@@ -1,0 +1,172 @@
+"""Writing a model's protobuf a batch of nodes at a time.
+
+`onnx_ir`'s `save` builds the whole `ModelProto` before writing it: on a graph of 100k nodes
+that copy costs as much memory as the IR itself. Here the main graph's nodes are serialized
+in batches (each through onnx_ir's own serializer, on a `GraphView` of the batch), and the
+file is assembled from the pieces: the bytes are the ones `ir.save` writes, field for field,
+in the same order (the tests compare them).
+
+The pieces rely on one property of protobuf's encoders: a message's fields are written in
+ascending field number, so the bytes of one field of a serialized message are a slice of it
+(`_field_slices` finds the slice boundaries with `ByteSize` and checks each slice's tag).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+from onnx import serialization
+
+__all__ = ["ProtobufTooLarge", "save"]
+
+# Nodes serialized at a time: large enough that the per-batch overhead is nothing, small
+# enough that a batch's protobuf is a few MB.
+_NODES_PER_BATCH = 4096
+# A single protobuf message cannot exceed this.
+_PROTOBUF_LIMIT = (2 << 30) - 1
+
+# Field numbers (onnx.proto).
+_MODEL_GRAPH = 7
+_GRAPH_NODE, _GRAPH_OUTPUT, _GRAPH_VALUE_INFO, _GRAPH_ANNOTATION, _GRAPH_METADATA = 1, 12, 13, 14, 16
+# ModelProto's fields numbered below `graph`: written before it.
+_MODEL_HEAD = ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string")
+_LENGTH_DELIMITED = 2
+
+
+class ProtobufTooLarge(ValueError):
+    """The model does not fit in one protobuf message (2 GB)."""
+
+
+def save(model: ir.Model, path: str | os.PathLike) -> None:
+    """Write `model` to `path`: the same bytes as `ir.save(model, path)` without external data
+    (tensors that are external stay external).
+
+    Raises:
+        ProtobufTooLarge: The model does not fit in one protobuf message.
+    """
+    if not _streamable(model, path):
+        ir.save(model, path)
+        return
+    graph = model.graph
+    # Everything but the main graph's nodes and outputs, through onnx_ir's serializer.
+    shell = onnx.ModelProto()
+    ir.serde.serialize_model_into(shell, _WithGraph(model, _view(graph, nodes=(), outputs=())))
+    outputs = onnx.GraphProto()
+    ir.serde.serialize_graph_into(outputs, ir.GraphView((), graph.outputs, nodes=()))
+    graph_proto = shell.graph
+    shell_parts = _field_slices(graph_proto, (_GRAPH_VALUE_INFO, _GRAPH_ANNOTATION, _GRAPH_METADATA))
+    output_parts = _field_slices(outputs, (_GRAPH_OUTPUT, _GRAPH_ANNOTATION))
+    nodes: list[memoryview] = []
+    value_info: list[memoryview] = [shell_parts[_GRAPH_VALUE_INFO]]
+    annotations: list[memoryview] = [shell_parts[_GRAPH_ANNOTATION]]
+    for batch in _batches(graph):
+        proto = onnx.GraphProto()
+        ir.serde.serialize_graph_into(proto, ir.GraphView((), (), nodes=batch), model_ir_version=model.ir_version)
+        parts = _field_slices(proto, (_GRAPH_NODE, _GRAPH_VALUE_INFO, _GRAPH_ANNOTATION))
+        nodes.append(parts[_GRAPH_NODE])
+        value_info.append(parts[_GRAPH_VALUE_INFO])
+        annotations.append(parts[_GRAPH_ANNOTATION])
+    annotations.append(output_parts[_GRAPH_ANNOTATION])
+    graph_pieces = [
+        *nodes, shell_parts[0], output_parts[_GRAPH_OUTPUT], *value_info, *annotations,
+        shell_parts[_GRAPH_METADATA],
+    ]
+    graph_size = sum(len(piece) for piece in graph_pieces)
+
+    shell.ClearField("graph")
+    head = onnx.ModelProto()
+    for name in _MODEL_HEAD:
+        if shell.HasField(name):
+            setattr(head, name, getattr(shell, name))
+            shell.ClearField(name)
+    head_bytes, tail_bytes = head.SerializeToString(), shell.SerializeToString()
+    graph_header = _tag(_MODEL_GRAPH) + _varint(graph_size)
+    if len(head_bytes) + len(graph_header) + graph_size + len(tail_bytes) > _PROTOBUF_LIMIT:
+        raise ProtobufTooLarge("the model exceeds protobuf's 2 GB limit for one .onnx file")
+    with open(path, "wb") as f:
+        f.write(head_bytes)
+        f.write(graph_header)
+        for piece in graph_pieces:
+            f.write(piece)
+        f.write(tail_bytes)
+
+
+def _streamable(model: ir.Model, path: str | os.PathLike) -> bool:
+    """Whether the pieces make the file `ir.save` writes: binary protobuf (onnx infers the
+    format from the extension; unknown extensions are protobuf), and no function value types
+    that IR versions below 10 keep in the main graph."""
+    format_ = serialization.registry.get_format_from_file_extension(os.path.splitext(path)[1])
+    return format_ in (None, "protobuf") and (model.ir_version >= 10 or not model.functions)
+
+
+class _WithGraph:
+    """`model` seen with another graph (what onnx_ir's model serializer reads of it)."""
+
+    def __init__(self, model: ir.Model, graph: ir.GraphView) -> None:
+        self._model = model
+        self.graph = graph
+
+    def __getattr__(self, name: str) -> Any:  # noqa: ANN401 - whatever the model has
+        return getattr(self._model, name)
+
+
+def _view(graph: ir.Graph, *, nodes: Sequence[ir.Node], outputs: Sequence[ir.Value]) -> ir.GraphView:
+    """`graph`'s name, documentation, inputs, initializers and metadata, with these nodes and
+    outputs."""
+    return ir.GraphView(
+        graph.inputs, outputs, nodes=nodes, initializers=tuple(graph.initializers.values()),
+        doc_string=graph.doc_string, opset_imports=graph.opset_imports, name=graph.name,
+        metadata_props=graph.metadata_props,
+    )
+
+
+def _batches(graph: ir.Graph) -> Iterator[list[ir.Node]]:
+    batch: list[ir.Node] = []
+    for node in graph:
+        batch.append(node)
+        if len(batch) == _NODES_PER_BATCH:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _field_slices(message: Any, fields: Sequence[int]) -> dict[int, memoryview]:  # noqa: ANN401 - a protobuf message
+    """The serialized bytes of `message`, sliced at the start of each of `fields` (ascending
+    field numbers): slice 0 holds the fields numbered below `fields[0]`, slice `f` the fields
+    from `f` up to the next one listed. Clears `message` as it goes."""
+    whole = memoryview(message.SerializeToString())
+    by_number = {field.number: field.name for field in message.DESCRIPTOR.fields}
+    slices: dict[int, memoryview] = {}
+    end = len(whole)
+    for number in sorted(fields, reverse=True):
+        message.ClearField(by_number[number])
+        start = message.ByteSize()
+        piece = whole[start:end]
+        if piece and bytes(piece[: len(tag := _tag(number))]) != tag:
+            raise AssertionError(f"serialized fields out of order at field {number}")
+        slices[number] = piece
+        end = start
+    slices[0] = whole[:end]
+    return slices
+
+
+def _tag(field: int) -> bytes:
+    return _varint(field << 3 | _LENGTH_DELIMITED)
+
+
+def _varint(number: int) -> bytes:
+    out = bytearray()
+    while True:
+        low = number & 0x7F
+        number >>= 7
+        if number:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)

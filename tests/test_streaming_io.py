@@ -1,0 +1,179 @@
+"""The batched protobuf writer writes what onnx_ir writes, and loading does not keep the parsed
+file alive."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto
+from onnx import helper as oh
+from onnx import numpy_helper as nh
+
+from mixprec.io import load_model, streaming
+from mixprec.io.publishing import save_model
+
+
+def _rich_model() -> onnx.ModelProto:
+    """Every part of a ModelProto the writer assembles from pieces: doc strings, metadata on
+    the model, graph and nodes, inline and Constant tensors, quantization annotations on an
+    input, an initializer, an intermediate value and an output, value_info, an If with two
+    branches, a model-local function, and graph outputs produced by nodes in different batches."""
+    def branch(name: str, op: str) -> onnx.GraphProto:
+        return oh.make_graph(
+            [oh.make_node(op, ["h", "h"], [f"{name}_out"])], name, [],
+            [oh.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, [2, 3])],
+        )
+
+    nodes = [
+        oh.make_node("Constant", [], ["k"], value=nh.from_array(np.full((2, 3), 0.5, np.float32))),
+        oh.make_node("Add", ["x", "w"], ["a"], name="add", doc_string="adds"),
+        oh.make_node("Mul", ["a", "k"], ["h"], name="mul"),
+        oh.make_node("ReduceMax", ["x"], ["top"], keepdims=0),
+        oh.make_node("Greater", ["top", "zero"], ["cond"]),
+        oh.make_node("If", ["cond"], ["branch"], then_branch=branch("then", "Add"), else_branch=branch("else", "Sub")),
+        oh.make_node("Scale2", ["branch"], ["s"], domain="local"),
+        oh.make_node("Relu", ["s"], ["y"], name="relu"),
+        oh.make_node("Neg", ["h"], ["z"]),
+    ]
+    nodes[1].metadata_props.add(key="origin", value="layer.0")
+    graph = oh.make_graph(
+        nodes, "rich", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3]), oh.make_tensor_value_info("z", TensorProto.FLOAT, [2, 3])],
+        [nh.from_array(np.arange(6, dtype=np.float32).reshape(2, 3), "w"), nh.from_array(np.array(0, np.float32), "zero")],
+        doc_string="a graph",
+        value_info=[oh.make_tensor_value_info("a", TensorProto.FLOAT, [2, 3])],
+    )
+    for tensor in ("x", "w", "a", "y"):
+        entry = graph.quantization_annotation.add(tensor_name=tensor)
+        entry.quant_parameter_tensor_names.add(key="SCALE_TENSOR", value=f"{tensor}_scale")
+    graph.metadata_props.add(key="graph_key", value="graph_value")
+    function = oh.make_function(
+        "local", "Scale2", ["t"], ["u"], [oh.make_node("Add", ["t", "t"], ["u"])],
+        [oh.make_opsetid("", 17)],
+    )
+    model = oh.make_model(
+        graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid("local", 1)], functions=[function],
+        producer_name="tests", doc_string="a model",
+    )
+    model.metadata_props.add(key="model_key", value="model_value")
+    return model
+
+
+@pytest.fixture
+def small_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(streaming, "_NODES_PER_BATCH", 2)
+
+
+@pytest.mark.usefixtures("small_batches")
+def test_the_batched_writer_writes_the_bytes_onnx_ir_writes(tmp_path: Path) -> None:
+    model = ir.serde.deserialize_model(_rich_model())
+    ir.save(model, tmp_path / "whole.onnx")
+    streaming.save(model, tmp_path / "batched.onnx")
+    assert (tmp_path / "batched.onnx").read_bytes() == (tmp_path / "whole.onnx").read_bytes()
+    loaded = onnx.load(tmp_path / "batched.onnx")
+    onnx.checker.check_model(loaded, full_check=True)
+    assert [n.op_type for n in loaded.graph.node][-3:] == ["Scale2", "Relu", "Neg"]
+    assert len(loaded.graph.quantization_annotation) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("small_batches")
+def test_the_batched_writer_matches_onnx_ir_on_the_backend_corpus(tmp_path: Path) -> None:
+    """Control flow, functions, every attribute type: the node tests of onnx's backend."""
+    from conformance import collect  # noqa: PLC0415
+
+    cases = [case for case in collect() if case.name.startswith(("test_if", "test_loop", "test_scan", "test_sequence_map", "test_cast", "test_constant"))]
+    assert len(cases) > 20
+    for case in cases:
+        model = ir.serde.deserialize_model(case.model)
+        ir.save(model, tmp_path / "whole.onnx")
+        streaming.save(model, tmp_path / "batched.onnx")
+        assert (tmp_path / "batched.onnx").read_bytes() == (tmp_path / "whole.onnx").read_bytes(), case.name
+
+
+@pytest.mark.usefixtures("small_batches")
+def test_a_save_with_external_data_keeps_the_models_own_tensors(tmp_path: Path) -> None:
+    weights = np.linspace(-1, 1, 4096, dtype=np.float32).reshape(64, 64)
+    graph = oh.make_graph(
+        [oh.make_node("MatMul", ["x", "w"], ["m"]), oh.make_node("Relu", ["m"], ["y"])], "g",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])], [nh.from_array(weights, "w")],
+    )
+    model = ir.serde.deserialize_model(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)]))
+    save_model(model, tmp_path / "out.onnx", external_data=True)
+    assert isinstance(model.graph.initializers["w"].const_value, ir.serde.TensorProtoTensor)
+    assert onnx.load(tmp_path / "out.onnx", load_external_data=False).graph.initializer[0].data_location == TensorProto.EXTERNAL
+    np.testing.assert_array_equal(nh.to_array(onnx.load(tmp_path / "out.onnx").graph.initializer[0]), weights)
+
+
+def test_other_formats_go_through_onnx(tmp_path: Path) -> None:
+    model = ir.serde.deserialize_model(_rich_model())
+    streaming.save(model, tmp_path / "model.textproto")
+    assert "producer_name" in (tmp_path / "model.textproto").read_text()
+
+
+def test_saving_leaves_no_empty_metadata_behind(tmp_path: Path) -> None:
+    """onnx_ir's serializer creates an empty metadata store on every value, node and tensor it
+    reads; the save drops the ones it created."""
+    model = ir.serde.deserialize_model(_rich_model())
+    owners = [*model.graph.inputs, *(v for n in model.graph for v in n.outputs), *model.graph, *model.graph.initializers.values()]
+    before = [(getattr(o, "_metadata", None), getattr(o, "_metadata_props", None)) for o in owners]
+    save_model(model, tmp_path / "out.onnx")
+    after = [(getattr(o, "_metadata", None), getattr(o, "_metadata_props", None)) for o in owners]
+    assert [(a is None, b is None) for a, b in after] == [(a is None, b is None) for a, b in before]
+
+
+def test_loading_copies_inline_tensors_and_keeps_their_values(tmp_path: Path) -> None:
+    onnx.save(_rich_model(), tmp_path / "m.onnx")
+    model, _ = load_model(tmp_path / "m.onnx")
+    w = model.graph.initializers["w"].const_value
+    assert isinstance(w, ir.serde.TensorProtoTensor) and w.name == "w"
+    np.testing.assert_array_equal(w.numpy(), np.arange(6, dtype=np.float32).reshape(2, 3))
+    constant = next(n for n in model.graph if n.op_type == "Constant").attributes["value"].value
+    np.testing.assert_array_equal(constant.numpy(), np.full((2, 3), 0.5, np.float32))
+    ir.save(model, tmp_path / "again.onnx")
+    ir.save(ir.load(tmp_path / "m.onnx"), tmp_path / "plain.onnx")
+    assert (tmp_path / "again.onnx").read_bytes() == (tmp_path / "plain.onnx").read_bytes()
+
+
+_MEASURE = textwrap.dedent("""
+    import ctypes, gc, sys
+    import onnx_ir as ir
+    from mixprec.io import loading
+    if sys.argv[2] == "keep":
+        loading._release_parsed_file = lambda model: None
+    def anon():
+        gc.collect(); ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon")).split()[1])
+    before = anon()
+    model, _ = loading.load_model(sys.argv[1])
+    print(anon() - before)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status and glibc's malloc_trim")
+def test_a_loaded_model_does_not_keep_the_parsed_file_alive(tmp_path: Path) -> None:
+    """A few inline tensors kept the whole parsed message (every node) alive: measured as the
+    memory the loaded model holds, with and without the copy."""
+    nodes = [oh.make_node("Constant", [], ["c0"], value=nh.from_array(np.ones(4, np.float32)))]
+    nodes += [oh.make_node("Add", [f"c{i}", "b"], [f"c{i + 1}"], name=f"add_{i}") for i in range(20000)]
+    graph = oh.make_graph(
+        nodes, "g", [], [oh.make_tensor_value_info("c20000", TensorProto.FLOAT, [4])],
+        [nh.from_array(np.ones(4, np.float32), "b")],
+    )
+    onnx.save(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)]), tmp_path / "m.onnx")
+    held = {
+        mode: int(subprocess.run(
+            [sys.executable, "-c", _MEASURE, str(tmp_path / "m.onnx"), mode], capture_output=True, text=True, check=True
+        ).stdout)
+        for mode in ("keep", "release")
+    }
+    parsed = (tmp_path / "m.onnx").stat().st_size  # the parsed message is a few times the file
+    assert held["keep"] - held["release"] > parsed // 1024, held
