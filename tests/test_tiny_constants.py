@@ -546,3 +546,14 @@ def test_constant_ranges_measured_together_equal_one_at_a_time(tmp_path: Path, t
     constant_ranges(values, low)
     for value, array in zip(values, arrays):
         assert measured_range(value, low) == tensor_range(ir.Tensor(array), low), value.name
+
+
+def test_a_constant_read_from_a_truncated_data_file_is_an_error_not_short_data(tmp_path: Path) -> None:
+    from mixprec.analysis.constants import iter_chunks
+
+    (tmp_path / "w.data").write_bytes(np.arange(10, dtype=np.float32).tobytes())
+    whole = ir.ExternalTensor("w.data", offset=8, length=32, dtype=ir.DataType.FLOAT, shape=ir.Shape([8]), name="w", base_dir=tmp_path)
+    np.testing.assert_array_equal(np.concatenate(list(iter_chunks(whole))), np.arange(2, 10, dtype=np.float32))
+    cut = ir.ExternalTensor("w.data", offset=8, length=40, dtype=ir.DataType.FLOAT, shape=ir.Shape([10]), name="w", base_dir=tmp_path)
+    with pytest.raises(OSError, match="shorter than declared"):
+        list(iter_chunks(cut))
