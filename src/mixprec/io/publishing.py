@@ -82,27 +82,24 @@ _LAZY_SLOTS = ("_metadata", "_metadata_props")
 def _no_metadata_left_behind(model: ir.Model) -> Iterator[None]:
     """Undo a side effect of onnx_ir's serializer: reading `meta` and `metadata_props` of every
     value, node and tensor creates an empty store on each that had none, ~35 MB that outlive
-    the save on a graph of 100k nodes. The containers it created and left empty are dropped
-    after the save."""
-    owners: list[object] = []
-    for graph in all_graphs(model):
-        for value in graph.initializers.values():
-            owners.append(value)
-            if value.const_value is not None:
-                owners.append(value.const_value)
-        owners.extend(graph.inputs)
-        for node in graph:
-            owners.append(node)
-            owners.extend(node.outputs)
-    bare = [
-        (owner, slot) for owner in owners for slot in _LAZY_SLOTS if getattr(owner, slot, False) is None
-    ]
+    the save on a graph of 100k nodes. Empty stores are dropped after the save (reading the
+    property again makes a new one)."""
     try:
         yield
     finally:
-        for owner, slot in bare:
-            if not getattr(owner, slot):
-                setattr(owner, slot, None)
+        for graph in all_graphs(model):
+            owners: list[object] = [*graph.inputs]
+            for value in graph.initializers.values():
+                owners.append(value)
+                owners.append(value.const_value)
+            for node in graph:
+                owners.append(node)
+                owners.extend(node.outputs)
+            for owner in owners:
+                for slot in _LAZY_SLOTS:
+                    store = getattr(owner, slot, None)
+                    if store is not None and not store:
+                        setattr(owner, slot, None)
 
 
 def _write(
