@@ -22,9 +22,7 @@ from mixprec.io.loading import ExternalReader, read_external
 _CHUNK_BYTES = 64 * 1024 * 1024
 # What was measured of each constant, per target type (see `constant_range`). A side table, not
 # the value's metadata store: a store costs ~0.5 kB, and a graph may hold 50k constants.
-_RANGES: weakref.WeakKeyDictionary[ir.Value, tuple[tuple[LowPrecision, ConstantRange], ...]] = (
-    weakref.WeakKeyDictionary()
-)
+_RANGES: dict[LowPrecision, weakref.WeakKeyDictionary[ir.Value, ConstantRange]] = {}
 # How range evidence words an underflow, here and for measured values
 # (`mixprec.analysis.calibrate.range_evidence`): the planner tells a flush from an overflow by it.
 FLUSH_WORDS = "flush to zero"
@@ -211,7 +209,8 @@ def replace_constant(value: ir.Value, tensor: ir.TensorProtocol) -> None:
     """Give an initializer new values (same type and shape), forgetting what was measured of
     the old ones."""
     value.const_value = tensor
-    _RANGES.pop(value, None)
+    for measured in _RANGES.values():
+        measured.pop(value, None)
 
 
 def copy_ranges(source: ir.Model, copy: ir.Model) -> None:
@@ -219,19 +218,18 @@ def copy_ranges(source: ir.Model, copy: ir.Model) -> None:
     for graph, copied in zip(all_graphs(source), all_graphs(copy)):
         initializers = copied.initializers
         for name, value in graph.initializers.items():
-            measured = _RANGES.get(value)
             twin = initializers.get(name)
-            if measured is not None and twin is not None:
-                _RANGES[twin] = measured
+            for measured in _RANGES.values():
+                found = measured.get(value)
+                if found is not None and twin is not None:
+                    measured[twin] = found
 
 
 def measured_range(value: ir.Value, target: LowPrecision) -> ConstantRange | None:
     """What `constant_range` or `constant_ranges` measured of `value` for `target` (None: not
     measured)."""
-    for measured_target, found in _RANGES.get(value, ()):
-        if measured_target == target:
-            return found
-    return None
+    measured = _RANGES.get(target)
+    return measured.get(value) if measured is not None else None
 
 
 def constant_range(value: ir.Value, target: LowPrecision) -> ConstantRange | None:
@@ -311,8 +309,7 @@ def _record_ranges(batch: list[tuple[ir.Value, np.ndarray]], target: LowPrecisio
 
 
 def _cache_range(value: ir.Value, target: LowPrecision, found: ConstantRange) -> None:
-    others = tuple(entry for entry in _RANGES.get(value, ()) if entry[0] != target)
-    _RANGES[value] = (*others, (target, found))
+    _RANGES.setdefault(target, weakref.WeakKeyDictionary())[value] = found
 
 
 def tensor_range(tensor: ir.TensorProtocol, target: LowPrecision) -> ConstantRange:

@@ -68,7 +68,9 @@ def cast_tensor_lazily(
     """A lazy 16-bit copy of an FP32 tensor, converted in chunks when it is first read."""
     shape = tuple(int(d) for d in tensor.shape)
     load = _CastLoad(tensor, target, saturate, shape, name or tensor.name)
-    return ir.LazyTensor(load, dtype=target.ir_dtype, shape=ir.Shape(shape), name=name or tensor.name)
+    # A tensor's shape is frozen: the copy shares it (one Shape less per weight).
+    same = tensor.shape if isinstance(tensor.shape, ir.Shape) and tensor.shape.frozen else ir.Shape(shape, frozen=True)
+    return ir.LazyTensor(load, dtype=target.ir_dtype, shape=same, name=name or tensor.name)
 
 
 class _CastLoad:
