@@ -557,3 +557,26 @@ def test_a_constant_read_from_a_truncated_data_file_is_an_error_not_short_data(t
     cut = ir.ExternalTensor("w.data", offset=8, length=40, dtype=ir.DataType.FLOAT, shape=ir.Shape([10]), name="w", base_dir=tmp_path)
     with pytest.raises(OSError, match="shorter than declared"):
         list(iter_chunks(cut))
+
+
+def test_a_clone_gets_the_measured_ranges_and_a_replaced_constant_forgets_its_own() -> None:
+    from mixprec.analysis.constants import constant_ranges, copy_ranges, measured_range, replace_constant
+    from mixprec.dtypes import parse_low_precision
+
+    low = parse_low_precision("float16")
+    graph = oh.make_graph(
+        [oh.make_node("Add", ["x", "w"], ["y"])], "g",
+        [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3])],
+        [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [3])],
+        [numpy_helper.from_array(np.array([1e-9, 2.0, 7e5], np.float32), "w")],
+    )
+    model = ir.serde.deserialize_model(oh.make_model(graph))
+    w = model.graph.initializers["w"]
+    constant_ranges([w], low)
+    found = measured_range(w, low)
+    assert found is not None and found.overflow == 1 and found.flushed == 1
+    clone = model.clone()
+    copy_ranges(model, clone)
+    assert measured_range(clone.graph.initializers["w"], low) == found
+    replace_constant(w, ir.Tensor(np.ones(3, np.float32)))
+    assert measured_range(w, low) is None and measured_range(clone.graph.initializers["w"], low) == found
