@@ -179,3 +179,16 @@ def test_a_loaded_model_does_not_keep_the_parsed_file_alive(tmp_path: Path) -> N
     }
     parsed = (tmp_path / "m.onnx").stat().st_size  # the parsed message is a few times the file
     assert held["keep"] - held["release"] > parsed // 1024, held
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_a_model_over_the_protobuf_limit_is_a_one_line_error_and_nothing_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, external: bool
+) -> None:
+    from mixprec.errors import InputError
+
+    monkeypatch.setattr(streaming, "_PROTOBUF_LIMIT", 200)  # the rich model is ~1.5 kB
+    model = ir.serde.deserialize_model(_rich_model())
+    with pytest.raises(InputError, match="larger than protobuf's 2 GB limit"):
+        save_model(model, tmp_path / "out.onnx", external_data=external)
+    assert list(tmp_path.iterdir()) == []

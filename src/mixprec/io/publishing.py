@@ -110,43 +110,47 @@ def _write(
 
 
 def _write_all(model: ir.Model, path: Path, data_name: str | None, progress: bool | None) -> None:
-    if data_name is not None:
-        sizes = {
-            v.name: v.const_value.nbytes
-            for graph in all_graphs(model)
-            for v in graph.initializers.values()
-            if v.const_value is not None and v.const_value.nbytes >= _EXTERNAL_TENSOR_MIN_BYTES
-        }
-        bar = Progress.auto("writing weights", float(sum(sizes.values())), unit="B", enabled=progress)
-
-        def callback(tensor: ir.TensorProtocol, info: ir.external_data.CallbackInfo) -> None:
-            bar.advance(float(tensor.nbytes))
-
-        initialized = [value for graph in all_graphs(model) for value in graph.initializers.values()]
-        tensors = [value.const_value for value in initialized]
-        try:
-            ir.external_data.unload_from_model(
-                model,
-                path.parent,
-                data_name,
-                size_threshold_bytes=_EXTERNAL_TENSOR_MIN_BYTES,
-                max_in_flight_bytes=256 << 20,
-                callback=callback,
-            )
+    try:
+        if data_name is not None:
+            _write_with_external_data(model, path, data_name, progress)
+        else:
+            _inline_external(model)
             streaming.save(model, path)
-        finally:  # the model keeps its own tensors, not the file's
-            for value, tensor in zip(initialized, tensors, strict=True):
-                value.const_value = tensor
-        bar.close()
-    else:
-        _inline_external(model)
-        try:
-            streaming.save(model, path)
-        except streaming.ProtobufTooLarge as e:
-            raise InputError(
-                f"{path.name}: the converted model is larger than protobuf's 2 GB limit for one .onnx "
-                "file; save with external data (--external-data yes)"
-            ) from e
+    except streaming.ProtobufTooLarge as e:
+        what = "its graph alone (weights aside)" if data_name is not None else "the converted model"
+        advice = "no .onnx file can hold it" if data_name is not None else "save with external data (--external-data yes)"
+        raise InputError(f"{path.name}: {what} is larger than protobuf's 2 GB limit for one .onnx file; {advice}") from e
+
+
+def _write_with_external_data(model: ir.Model, path: Path, data_name: str, progress: bool | None) -> None:
+    """Tensors of at least 1 kB go to `data_name` beside `path`; the model keeps its own."""
+    sizes = {
+        v.name: v.const_value.nbytes
+        for graph in all_graphs(model)
+        for v in graph.initializers.values()
+        if v.const_value is not None and v.const_value.nbytes >= _EXTERNAL_TENSOR_MIN_BYTES
+    }
+    bar = Progress.auto("writing weights", float(sum(sizes.values())), unit="B", enabled=progress)
+
+    def callback(tensor: ir.TensorProtocol, info: ir.external_data.CallbackInfo) -> None:
+        bar.advance(float(tensor.nbytes))
+
+    initialized = [value for graph in all_graphs(model) for value in graph.initializers.values()]
+    tensors = [value.const_value for value in initialized]
+    try:
+        ir.external_data.unload_from_model(
+            model,
+            path.parent,
+            data_name,
+            size_threshold_bytes=_EXTERNAL_TENSOR_MIN_BYTES,
+            max_in_flight_bytes=256 << 20,
+            callback=callback,
+        )
+        streaming.save(model, path)
+    finally:  # the model keeps its own tensors, not the file's
+        for value, tensor in zip(initialized, tensors, strict=True):
+            value.const_value = tensor
+    bar.close()
 
 
 def _inline_external(model: ir.Model) -> None:
