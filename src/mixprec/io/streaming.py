@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import onnx
@@ -91,8 +90,7 @@ def save(model: ir.Model, path: str | os.PathLike) -> None:
     with open(path, "wb") as f:
         f.write(head_bytes)
         f.write(graph_header)
-        for piece in graph_pieces:
-            f.write(piece)
+        f.writelines(graph_pieces)
         f.write(tail_bytes)
 
 
