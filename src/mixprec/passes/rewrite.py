@@ -73,6 +73,14 @@ def cast_tensor_lazily(
     return ir.LazyTensor(load, dtype=target.ir_dtype, shape=same, name=name or tensor.name)
 
 
+def _same_shape(shape: ir.Shape | None) -> ir.Shape | None:
+    """The shape for a value of the same shape: a frozen one is shared (values share them
+    already, see `typeinfo`), a mutable one copied."""
+    if shape is None or shape.frozen:
+        return shape
+    return shape.copy()
+
+
 class _CastLoad:
     """The function of a lazy 16-bit copy: one small object per weight (a closure costs a
     function and a cell per captured name, ~0.5 kB on each of tens of thousands of weights)."""
@@ -179,7 +187,7 @@ class _Rewriter:
         out = ir.Value(
             name=self.value_names(f"{base}_{short}"),
             type=ir.TensorType(dtype),
-            shape=value.shape.copy() if value.shape is not None else None,
+            shape=_same_shape(value.shape),
         )
         node = ir.Node(
             "",
