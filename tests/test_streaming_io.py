@@ -150,7 +150,7 @@ _MEASURE = textwrap.dedent("""
     import onnx_ir as ir
     from mixprec.io import loading
     if sys.argv[2] == "keep":
-        loading._release_parsed_file = lambda model: None
+        loading._release_parsed_file = lambda slots: None
     def anon():
         gc.collect(); ctypes.CDLL("libc.so.6").malloc_trim(0)
         return int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon")).split()[1])
@@ -192,3 +192,34 @@ def test_a_model_over_the_protobuf_limit_is_a_one_line_error_and_nothing_is_writ
     with pytest.raises(InputError, match="larger than protobuf's 2 GB limit"):
         save_model(model, tmp_path / "out.onnx", external_data=external)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_tensors_in_lists_of_tensors_load_from_the_models_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, external: bool) -> None:
+    """A list-of-tensors attribute (a custom op's) is walked like a Constant's value: its
+    external tensors read from the model's folder (not the working directory), inline ones are
+    copied out of the parsed file."""
+    arrays = [np.arange(300, dtype=np.float32) + k for k in range(3)]
+    folder = tmp_path / "models"
+    folder.mkdir()
+    tables = [nh.from_array(a, f"t{k}") for k, a in enumerate(arrays)]
+    if external:  # onnx's helpers leave lists of tensors inline: point them at a data file by hand
+        (folder / "m.data").write_bytes(b"".join(a.tobytes() for a in arrays))
+        for k, table in enumerate(tables):
+            table.ClearField("raw_data")
+            table.data_location = TensorProto.EXTERNAL
+            for key, value in (("location", "m.data"), ("offset", str(k * 1200)), ("length", "1200")):
+                table.external_data.add(key=key, value=value)
+    node = oh.make_node("Table", ["x"], ["y"], domain="custom", tables=tables)
+    graph = oh.make_graph(
+        [node], "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [3])],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid("custom", 1)])
+    onnx.save(model, folder / "m.onnx")
+    monkeypatch.chdir(tmp_path)  # the data file is not in the working directory
+    loaded, _ = load_model(Path("models") / "m.onnx")
+    tensors = loaded.graph.node(0).attributes["tables"].value
+    assert all(isinstance(t, ir.ExternalTensor if external else ir.serde.TensorProtoTensor) for t in tensors)
+    for tensor, array in zip(tensors, arrays):
+        np.testing.assert_array_equal(tensor.numpy(), array)

@@ -24,27 +24,34 @@ __all__ = ["load_model"]
 @dataclass(frozen=True)
 class TensorSlot:
     """A tensor of the model and where it sits: an initializer (`value`) or a node's tensor
-    attribute (`node`, `attribute`)."""
+    attribute (`node`, `attribute`; `position` in a list of tensors)."""
 
     name: str
     tensor: ir.TensorProtocol
     value: ir.Value | None = None
     node: ir.Node | None = None
     attribute: str | None = None
+    position: int | None = None
 
     def replace(self, tensor: ir.TensorProtocol) -> None:
         """Put `tensor` where this one was."""
         if self.value is not None:
             self.value.const_value = tensor
-        else:
-            assert self.node is not None and self.attribute is not None
-            old = self.node.attributes[self.attribute]
+            return
+        assert self.node is not None and self.attribute is not None
+        old = self.node.attributes[self.attribute]
+        if self.position is None:
             self.node.attributes[self.attribute] = ir.AttrTensor(self.attribute, tensor, doc_string=old.doc_string)
+        else:
+            tensors = list(old.value)
+            tensors[self.position] = tensor
+            self.node.attributes[self.attribute] = ir.AttrTensors(self.attribute, tensors, doc_string=old.doc_string)
 
 
-def tensor_slots(model: ir.Model, kind: type) -> Iterator[TensorSlot]:
+def tensor_slots(model: ir.Model, kind: type | tuple[type, ...]) -> Iterator[TensorSlot]:
     """Every tensor of class `kind`: initializers of every graph, and tensors held in node
-    attributes (Constant values) anywhere, function bodies and their subgraphs included."""
+    attributes (Constant values, lists of tensors) anywhere, function bodies and their
+    subgraphs included."""
     for graph in all_graphs(model):
         for value in graph.initializers.values():
             if isinstance(value.const_value, kind):
@@ -55,6 +62,13 @@ def tensor_slots(model: ir.Model, kind: type) -> Iterator[TensorSlot]:
         for attr in node.attributes.values():
             if attr.type is ir.AttributeType.TENSOR and isinstance(attr.value, kind):
                 yield TensorSlot(f"{node.name or node.op_type}.{attr.name}", attr.value, node=node, attribute=attr.name)
+            elif attr.type is ir.AttributeType.TENSORS and not attr.is_ref():
+                for position, tensor in enumerate(attr.value or ()):
+                    if isinstance(tensor, kind):
+                        yield TensorSlot(
+                            f"{node.name or node.op_type}.{attr.name}[{position}]", tensor,
+                            node=node, attribute=attr.name, position=position,
+                        )
 
 
 def external_slots(model: ir.Model) -> Iterator[TensorSlot]:
@@ -62,18 +76,29 @@ def external_slots(model: ir.Model) -> Iterator[TensorSlot]:
     return tensor_slots(model, ir.ExternalTensor)
 
 
-def _release_parsed_file(model: ir.Model) -> None:
-    """Copy the tensors onnx_ir reads from the parsed file (inline initializers, Constant
+def _release_parsed_file(slots: list[TensorSlot]) -> None:
+    """Copy the tensors onnx_ir read from the parsed file (inline initializers, Constant
     values) into a protobuf of their own. A tensor onnx_ir deserialized keeps its part of the
     parsed message, and a part keeps the whole message alive, nodes included: 60 MB on a graph
     of 100k nodes, for a few small constants."""
-    slots = list(tensor_slots(model, ir.serde.TensorProtoTensor))
     if not slots:
         return
     holder = onnx.GraphProto()  # one message for all, apart from the file's
     holder.initializer.extend(slot.tensor.raw for slot in slots)  # type: ignore[attr-defined]
     for slot, proto in zip(slots, holder.initializer, strict=True):
         slot.replace(ir.serde.TensorProtoTensor(proto))
+
+
+def _settle_tensors(model: ir.Model, path: Path) -> None:
+    """One walk over the tensors of a model loaded from `path`: external ones learn the
+    model's folder and are checked (see `_check_external_data`), the ones read from the
+    parsed file get a protobuf of their own (`_release_parsed_file`)."""
+    external: list[TensorSlot] = []
+    parsed: list[TensorSlot] = []
+    for slot in tensor_slots(model, (ir.ExternalTensor, ir.serde.TensorProtoTensor)):
+        (external if isinstance(slot.tensor, ir.ExternalTensor) else parsed).append(slot)
+    _release_parsed_file(parsed)
+    _check_external_data(external, path)
 
 
 class ExternalReader:
@@ -143,11 +168,11 @@ def _check_locations(tensors: list[tuple[str, ir.ExternalTensor]], path: Path) -
         checked.add(location)
 
 
-def _check_external_data(model: ir.Model, path: Path) -> None:
-    slots = list(external_slots(model))
+def _check_external_data(slots: list[TensorSlot], path: Path) -> None:
+    """External tensors read from the model's folder, and only from there; their files exist
+    and hold their bytes."""
     for slot in slots:
-        if not slot.tensor.base_dir:  # onnx_ir leaves it unset on tensors in function bodies
-            slot.tensor.base_dir = path.parent
+        slot.tensor.base_dir = path.parent  # type: ignore[attr-defined]
     tensors = [(slot.name, slot.tensor) for slot in slots]
     _check_locations(tensors, path)
     sizes: dict[str, int | None] = {}  # data file -> its size (None: missing), looked up once
@@ -207,8 +232,8 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> tuple[
     if path.stat().st_size == 0:
         raise ModelLoadError(f"{path}: file is empty")
     try:
-        model = ir.load(path)
-        _release_parsed_file(model)
+        # onnx_ir's `load` without its own walk over the tensors (`_settle_tensors` makes one).
+        model = ir.serde.deserialize_model(onnx.load(path, load_external_data=False))
     except DecodeError as e:
         raise ModelLoadError(f"{path}: not an ONNX model or truncated (protobuf parse error)") from e
     except (OSError, ValueError) as e:
@@ -217,5 +242,5 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> tuple[
         raise ModelLoadError(f"{path}: cannot be read: {_root_message(e)}") from e
     if model.graph is None or (len(model.graph) == 0 and not model.graph.outputs):
         raise ModelLoadError(f"{path}: not an ONNX model (no graph)")
-    _check_external_data(model, path)
+    _settle_tensors(model, path)
     return model, path
