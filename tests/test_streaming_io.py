@@ -223,3 +223,15 @@ def test_tensors_in_lists_of_tensors_load_from_the_models_folder(tmp_path: Path,
     assert all(isinstance(t, ir.ExternalTensor if external else ir.serde.TensorProtoTensor) for t in tensors)
     for tensor, array in zip(tensors, arrays):
         np.testing.assert_array_equal(tensor.numpy(), array)
+
+
+def test_tensor_sizes_read_from_the_protobuf_equal_onnx_irs() -> None:
+    from mixprec.io.views import tensor_nbytes, tensor_size
+
+    protos = [nh.from_array(np.ones((3, 4), np.float32)), nh.from_array(np.ones((0, 2), np.float16)),
+              nh.from_array(np.array(3, np.int64)), oh.make_tensor("q", TensorProto.INT4, [5], [1, 2, 3, 4, 5])]
+    for proto in protos:
+        tensor = ir.serde.TensorProtoTensor(proto)
+        assert (tensor_size(tensor), tensor_nbytes(tensor)) == (tensor.size, tensor.nbytes), proto.name
+    external = ir.ExternalTensor("w.data", 0, 24, ir.DataType.FLOAT, shape=ir.Shape([2, 3]), name="w")
+    assert (tensor_size(external), tensor_nbytes(external)) == (6, 24)

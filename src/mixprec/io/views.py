@@ -4,6 +4,7 @@ weight bytes, and whether it wants external data when saved."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import onnx
@@ -88,16 +89,31 @@ def weight_free_proto(model: ir.Model, max_inline_bytes: int = 1024) -> onnx.Mod
         graph.inputs.extend(original_inputs)
 
 
+def tensor_size(tensor: ir.TensorProtocol) -> int:
+    """`tensor.size`. onnx_ir builds a new Shape on every `shape` access of a tensor read from a
+    protobuf (which `size` and `nbytes` go through): its dims are read directly."""
+    if type(tensor) is ir.serde.TensorProtoTensor:
+        return math.prod(tensor.raw.dims)
+    return tensor.size
+
+
+def tensor_nbytes(tensor: ir.TensorProtocol) -> int:
+    """`tensor.nbytes` (see `tensor_size`)."""
+    if type(tensor) is ir.serde.TensorProtoTensor and tensor.dtype.bitwidth % 8 == 0:
+        return math.prod(tensor.raw.dims) * tensor.dtype.itemsize
+    return tensor.nbytes
+
+
 def weight_bytes(model: ir.Model) -> int:
     """Total bytes of the weights: initializers and tensors held in Constant nodes (as some
     exporters store them), subgraphs included."""
     total = 0
     for graph in all_graphs(model):
-        total += sum(v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None)
+        total += sum(tensor_nbytes(v.const_value) for v in graph.initializers.values() if v.const_value is not None)
         for node in graph:
             if node.op_type == "Constant" and (attr := node.attributes.get("value")) is not None:
                 if attr.type is ir.AttributeType.TENSOR:
-                    total += attr.value.nbytes
+                    total += tensor_nbytes(attr.value)
     return total
 
 

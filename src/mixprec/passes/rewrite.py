@@ -66,10 +66,11 @@ def cast_tensor_lazily(
     tensor: ir.TensorProtocol, target: LowPrecision, *, saturate: bool = False, name: str | None = None
 ) -> ir.LazyTensor:
     """A lazy 16-bit copy of an FP32 tensor, converted in chunks when it is first read."""
-    shape = tuple(int(d) for d in tensor.shape)
+    source_shape = tensor.shape  # read once: some tensors build a new Shape on every access
+    shape = tuple(int(d) for d in source_shape)
     load = _CastLoad(tensor, target, saturate, shape, name or tensor.name)
     # A tensor's shape is frozen: the copy shares it (one Shape less per weight).
-    same = tensor.shape if isinstance(tensor.shape, ir.Shape) and tensor.shape.frozen else ir.Shape(shape, frozen=True)
+    same = source_shape if isinstance(source_shape, ir.Shape) and source_shape.frozen else ir.Shape(shape, frozen=True)
     return ir.LazyTensor(load, dtype=target.ir_dtype, shape=same, name=name or tensor.name)
 
 
