@@ -224,8 +224,14 @@ def _alive(pid: int) -> bool:
 
 
 def _data_files_of(model_path: Path) -> set[str]:
-    """Names of the external data files a saved model refers to (in its folder)."""
+    """Names of the external data files a saved model refers to (in its folder). Only data
+    files named after the model can be ours (`<name>.data`, `<name>.<pid>-<token>.data`): when
+    there are none, the model is not parsed (a second of work for a large graph)."""
     if not model_path.is_file():
+        return set()
+    parent = model_path.parent if str(model_path.parent) else Path(".")
+    prefix = f"{model_path.name}."
+    if not any(entry.name.startswith(prefix) and entry.name.endswith(".data") for entry in parent.iterdir()):
         return set()
     try:
         proto = onnx.load(str(model_path), load_external_data=False)
