@@ -28,7 +28,7 @@ from mixprec.errors import InputError
 from mixprec.graphs import all_graphs, is_default_domain
 from mixprec.io import streaming
 from mixprec.io.loading import external_slots, read_external
-from mixprec.io.views import wants_external_data
+from mixprec.io.views import tensor_nbytes, wants_external_data
 from mixprec.progress import Progress
 
 __all__ = ["StagedModel", "check_output_path", "save_model", "staged_save", "without_staging", "write_text_atomic"]
@@ -124,19 +124,16 @@ def _write_all(model: ir.Model, path: Path, data_name: str | None, progress: boo
 
 def _write_with_external_data(model: ir.Model, path: Path, data_name: str, progress: bool | None) -> None:
     """Tensors of at least 1 kB go to `data_name` beside `path`; the model keeps its own."""
-    sizes = {
-        v.name: v.const_value.nbytes
-        for graph in all_graphs(model)
-        for v in graph.initializers.values()
-        if v.const_value is not None and v.const_value.nbytes >= _EXTERNAL_TENSOR_MIN_BYTES
-    }
-    bar = Progress.auto("writing weights", float(sum(sizes.values())), unit="B", enabled=progress)
+    initialized = [value for graph in all_graphs(model) for value in graph.initializers.values()]
+    tensors = [value.const_value for value in initialized]
+    written = sum(
+        size for tensor in tensors if tensor is not None and (size := tensor_nbytes(tensor)) >= _EXTERNAL_TENSOR_MIN_BYTES
+    )
+    bar = Progress.auto("writing weights", float(written), unit="B", enabled=progress)
 
     def callback(tensor: ir.TensorProtocol, info: ir.external_data.CallbackInfo) -> None:
         bar.advance(float(tensor.nbytes))
 
-    initialized = [value for graph in all_graphs(model) for value in graph.initializers.values()]
-    tensors = [value.const_value for value in initialized]
     try:
         ir.external_data.unload_from_model(
             model,
