@@ -59,6 +59,37 @@ def test_forget_structure_sees_control_flow_added_in_place() -> None:
     assert len(all_nodes(plain)) == 3
 
 
+def test_weights_of_equal_dims_share_one_frozen_shape(tmp_path) -> None:  # noqa: ANN001 - pytest's tmp_path
+    """A transformer's weights come in few shapes: the converted model's weights (their values
+    and their lazy 16-bit tensors) share one frozen Shape per dims, and still save and run."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import numpy_helper as nh
+
+    import mixprec
+
+    rng = np.random.default_rng(0)
+    nodes, inits, x = [], [], "x"
+    for i in range(6):
+        inits.append(nh.from_array(rng.standard_normal((8, 8)).astype(np.float32), f"w{i}"))
+        nodes.append(oh.make_node("MatMul", [x, f"w{i}"], [f"h{i}"]))
+        x = f"h{i}"
+    graph = oh.make_graph(
+        nodes, "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [oh.make_tensor_value_info(x, TensorProto.FLOAT, [2, 8])], inits,
+    )
+    source = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    result = mixprec.convert(source, tmp_path / "out.onnx", validate="checker")
+    weights = list(result.model.graph.initializers.values())
+    assert len(weights) == 6 and all(w.dtype == ir.DataType.FLOAT16 for w in weights)
+    shapes = {id(w.shape) for w in weights} | {id(w.const_value.shape) for w in weights}
+    assert len(shapes) == 1 and weights[0].shape.frozen and list(weights[0].shape) == [8, 8]
+    feed = {"x": rng.standard_normal((2, 8)).astype(np.float32)}
+    expected = ort.InferenceSession(source.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    got = ort.InferenceSession(str(tmp_path / "out.onnx"), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
+
+
 def test_inferred_shapes_share_their_dimension_symbols() -> None:
     """Inference names an unknown dimension once and passes the name on: the values that carry
     it share one SymbolicDim (not one per value), and equal shapes share one Shape."""

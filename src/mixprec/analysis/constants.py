@@ -15,7 +15,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mixprec.dtypes import LowPrecision
-from mixprec.graphs import all_graphs, is_default_domain
+from mixprec.graphs import all_graphs, is_default_domain, static_shape
 from mixprec.graphs import reduction_axes as graphs_reduction_axes
 from mixprec.io.loading import ExternalReader, read_external
 from mixprec.io.views import tensor_size
@@ -106,7 +106,7 @@ class ScaledTensor(ir.LazyTensor):
         self._stride = math.prod(shape[axis + 1 :])  # elements that share one factor
         super().__init__(
             lambda: ir.Tensor(np.concatenate([np.empty(0, np.float32), *self.chunks()]).reshape(shape), name=source.name),
-            dtype=ir.DataType.FLOAT, shape=ir.Shape(shape), name=source.name,
+            dtype=ir.DataType.FLOAT, shape=static_shape(shape), name=source.name,
         )
 
     def chunks(self) -> Iterator[np.ndarray]:

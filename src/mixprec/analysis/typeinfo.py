@@ -19,7 +19,7 @@ import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_node_tensor
 from mixprec.errors import MixprecError
-from mixprec.graphs import all_graphs, all_nodes, has_subgraphs, shapes_contradict, walk_nodes
+from mixprec.graphs import all_graphs, all_nodes, has_subgraphs, shapes_contradict, static_shape, walk_nodes
 from mixprec.io import graph_only_proto, weight_free_proto
 from mixprec.policy.profiles import binding_signature
 from mixprec.policy.schemas import Signature, signature
@@ -242,6 +242,9 @@ def infer_types(
     for value in model.graph.initializers.values():
         if value.const_value is not None and value.dtype is None:
             value.dtype = value.const_value.dtype
+        shape = value.shape  # deserialized: one frozen Shape per weight; shared by dims here
+        if shape is not None and shape.frozen and all(isinstance(d, int) for d in shape.dims):
+            value.shape = static_shape(tuple(shape.dims))
     inferred, corrected, warning = _infer_graph_types(model, source, strict_failure)
     main_nodes = walk_nodes(model.graph)
     _fill_constant_types(model, main_nodes)

@@ -32,7 +32,7 @@ import onnx_ir as ir
 from mixprec.analysis.constants import constant_tensor, is_constant, read_array
 from mixprec.analysis.qdq import FOLDED, role
 from mixprec.dtypes import LowPrecision
-from mixprec.graphs import all_graphs
+from mixprec.graphs import all_graphs, static_shape
 from mixprec.policy.quantized_groups import QuantizedGroups, quantized_groups
 from mixprec.policy.profiles import RuntimeProfile
 
@@ -146,7 +146,7 @@ def fold_node(graph: ir.Graph, node: ir.Node) -> ir.DataType:
     source = tensors[0]
     assert source is not None and out_type is not None
     attributes, name = _dequantize_attributes(node), out.name
-    shape = ir.Shape(tuple(int(d) for d in source.shape))
+    shape = static_shape(tuple(int(d) for d in source.shape))
     lazy = ir.LazyTensor(
         lambda: ir.Tensor(dequantized_constant(tensors, attributes, out_type)), out_type, shape, name=name
     )

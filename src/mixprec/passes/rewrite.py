@@ -29,7 +29,7 @@ from mixprec.analysis.constants import constant_tensor, is_constant, iter_chunks
 from mixprec.analysis.cost_model import estimated_elements, guessed_elements, tensor_elements
 from mixprec.plan.model import Precision, PrecisionPlan, Storage
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
-from mixprec.graphs import FreshNames
+from mixprec.graphs import FreshNames, static_shape
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +66,9 @@ def cast_tensor_lazily(
     tensor: ir.TensorProtocol, target: LowPrecision, *, saturate: bool = False, name: str | None = None
 ) -> ir.LazyTensor:
     """A lazy 16-bit copy of an FP32 tensor, converted in chunks when it is first read."""
-    source_shape = tensor.shape  # read once: some tensors build a new Shape on every access
-    shape = tuple(int(d) for d in source_shape)
+    shape = tuple(int(d) for d in tensor.shape)
     load = _CastLoad(tensor, target, saturate, shape, name or tensor.name)
-    # A tensor's shape is frozen: the copy shares it (one Shape less per weight).
-    same = source_shape if isinstance(source_shape, ir.Shape) and source_shape.frozen else ir.Shape(shape, frozen=True)
-    return ir.LazyTensor(load, dtype=target.ir_dtype, shape=same, name=name or tensor.name)
+    return ir.LazyTensor(load, dtype=target.ir_dtype, shape=static_shape(shape), name=name or tensor.name)
 
 
 def _same_shape(shape: ir.Shape | None) -> ir.Shape | None:
