@@ -75,11 +75,8 @@ def iter_chunks(tensor: ir.TensorProtocol) -> Iterator[np.ndarray]:
         dtype = tensor.dtype.numpy()
         total = tensor.size
         step = max(1, _CHUNK_BYTES // dtype.itemsize)
-        if total <= step:  # one read (the common small constant: no file object in Python)
-            chunk = np.fromfile(tensor.path, dtype=dtype, count=total, offset=tensor.offset or 0)
-            if chunk.size != total:
-                raise OSError(f"external data file {tensor.path} is shorter than declared")
-            yield chunk
+        if total <= step:  # the common small constant: one read
+            yield read_external(tensor).reshape(-1)  # type: ignore[union-attr] - whole bytes: not None
             return
         with open(tensor.path, "rb") as f:
             f.seek(tensor.offset or 0)

@@ -179,7 +179,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write a text file atomically: a temporary file in the same folder, then renamed over
     `path` (readers see the old file or the new one, never a part)."""
     path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
+    folder = path.parent
     if not folder.is_dir():
         raise InputError(f"{path}: folder {folder} does not exist")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
@@ -198,7 +198,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 def check_output_path(destination: str | os.PathLike) -> Path:
     """Refuse an output path that cannot be written, before any work is done."""
     destination = Path(destination)
-    parent = destination.parent if str(destination.parent) else Path(".")
+    parent = destination.parent
     if not parent.is_dir():
         raise InputError(f"{destination}: output folder {parent} does not exist")
     if destination.is_dir():
@@ -226,7 +226,7 @@ def _data_files_of(model_path: Path) -> set[str]:
     there are none, the model is not parsed (a second of work for a large graph)."""
     if not model_path.is_file():
         return set()
-    parent = model_path.parent if str(model_path.parent) else Path(".")
+    parent = model_path.parent
     prefix = f"{model_path.name}."
     if not any(entry.name.startswith(prefix) and entry.name.endswith(".data") for entry in parent.iterdir()):
         return set()
@@ -254,7 +254,7 @@ def _data_files_of(model_path: Path) -> set[str]:
 def _remove_leftovers(destination: Path, keep: set[str]) -> None:
     """Staging folders and data files of dead writers of `destination`, and data files of
     ours that no published model refers to."""
-    parent = destination.parent if str(destination.parent) else Path(".")
+    parent = destination.parent
     staging = re.compile(re.escape(f".{destination.name}.mixprec-") + r"(\d+)-")
     prefixes = (f".{destination.name}.mixprec-", f"{destination.name}.")
     for entry in parent.iterdir():
@@ -298,7 +298,7 @@ class StagedModel:
         declared: set[str] | None = None,
     ) -> None:
         self.destination = check_output_path(destination)
-        self._parent = self.destination.parent if str(self.destination.parent) else Path(".")
+        self._parent = self.destination.parent
         self._previous = _data_files_of(self.destination)
         _remove_leftovers(self.destination, self._previous)
         if external_data is None:
