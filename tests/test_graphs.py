@@ -112,3 +112,69 @@ def test_inferred_shapes_share_their_dimension_symbols() -> None:
     assert nz is not None and t is not None and u is not None
     assert not isinstance(nz[1], int) and nz[1] is t[0]
     assert t is u
+
+
+def _reshape_by_computed_shape() -> ir.Model:
+    """x[batch, seq, 8] -> Reshape to [batch, seq, 2, 4], the target computed from x's Shape (as
+    exporters write attention heads): only data propagation keeps batch and seq."""
+    graph = oh.make_graph(
+        [
+            oh.make_node("Shape", ["x"], ["s"]),
+            oh.make_node("Slice", ["s", "zero", "two"], ["lead"]),
+            oh.make_node("Concat", ["lead", "heads"], ["target"], axis=0),
+            oh.make_node("Reshape", ["x", "target"], ["y"]),
+            oh.make_node("Relu", ["y"], ["z"]),
+        ],
+        "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 8])],
+        [oh.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+        [
+            oh.make_tensor("zero", TensorProto.INT64, [1], [0]),
+            oh.make_tensor("two", TensorProto.INT64, [1], [2]),
+            oh.make_tensor("heads", TensorProto.INT64, [2], [2, 4]),
+        ],
+    )
+    return ir.serde.deserialize_model(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)]))
+
+
+def _dims(value: ir.Value) -> list[object]:
+    assert value.shape is not None
+    return [d if isinstance(d, int) else d.value for d in value.shape]
+
+
+def test_shapes_computed_in_the_graph_keep_their_dimensions() -> None:
+    """A Reshape whose target the graph computes from a Shape gets the named and static
+    dimensions it computes, not a new unknown dimension per value."""
+    from mixprec.analysis.typeinfo import infer_types
+
+    model = _reshape_by_computed_shape()
+    info = infer_types(model, strict_failure=lambda line: None)
+    values = {v.name: v for node in model.graph for v in node.outputs}
+    assert info.warning is None
+    assert _dims(values["y"]) == ["batch", "seq", 2, 4]
+    assert values["z"].shape is values["y"].shape  # equal shapes: one Shape
+
+
+def test_inference_without_propagation_where_propagation_objects(monkeypatch) -> None:  # noqa: ANN001
+    """Where data propagation raises, inference runs again without it (as the checker runs it):
+    the types are still filled in and the strict check is not failed for it."""
+    import onnx
+
+    from mixprec.analysis import typeinfo
+
+    real = onnx.shape_inference.infer_shapes
+    calls: list[bool] = []
+
+    def propagation_fails(model, check_type=False, strict_mode=False, data_prop=False):  # noqa: ANN001, ANN202, FBT002
+        calls.append(data_prop)
+        if data_prop:
+            raise onnx.shape_inference.InferenceError("[ShapeInferenceError] propagation objects")
+        return real(model, check_type=check_type, strict_mode=strict_mode, data_prop=False)
+
+    monkeypatch.setattr(typeinfo.onnx.shape_inference, "infer_shapes", propagation_fails)
+    failures: list[str] = []
+    model = _reshape_by_computed_shape()
+    info = typeinfo.infer_types(model, strict_failure=failures.append)
+    values = {v.name: v for node in model.graph for v in node.outputs}
+    assert calls == [True, False] and failures == [] and info.warning is None
+    assert values["z"].dtype == ir.DataType.FLOAT
+    assert len(_dims(values["y"])) == 4  # the rank only: nothing was propagated

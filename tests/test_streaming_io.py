@@ -235,3 +235,43 @@ def test_tensor_sizes_read_from_the_protobuf_equal_onnx_irs() -> None:
         assert (tensor_size(tensor), tensor_nbytes(tensor)) == (tensor.size, tensor.nbytes), proto.name
     external = ir.ExternalTensor("w.data", 0, 24, ir.DataType.FLOAT, shape=ir.Shape([2, 3]), name="w")
     assert (tensor_size(external), tensor_nbytes(external)) == (6, 24)
+
+
+def test_a_conversion_opens_each_data_file_a_handful_of_times(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small external weights are read one at a time (their ranges, then their 16-bit copies
+    as the output is written): the data file stays open for the conversion instead of being
+    opened once per read. The output still runs and matches."""
+    import onnxruntime as ort
+
+    import mixprec
+    from mixprec.io import loading
+
+    rng = np.random.default_rng(1)
+    nodes, weights, x = [], [], "x"
+    for i in range(40):
+        weights.append(nh.from_array(rng.standard_normal((8, 8)).astype(np.float32), f"w{i}"))
+        nodes.append(oh.make_node("MatMul", [x, f"w{i}"], [f"h{i}"]))
+        x = f"h{i}"
+    graph = oh.make_graph(
+        nodes, "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [oh.make_tensor_value_info(x, TensorProto.FLOAT, [2, 8])], weights,
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    source = tmp_path / "in.onnx"
+    onnx.save(model, source, save_as_external_data=True, location="in.data", size_threshold=0)
+    data = str(tmp_path / "in.data")
+    opened: list[str] = []
+    real_open = open
+
+    def counting_open(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        opened.append(str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(loading, "open", counting_open, raising=False)
+    mixprec.convert(source, tmp_path / "out.onnx", validate="checker")
+    monkeypatch.undo()
+    assert 1 <= opened.count(data) <= 3, opened.count(data)  # 80 reads: 2 per weight
+    feed = {"x": rng.standard_normal((2, 8)).astype(np.float32) * 0.3}
+    expected = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    got = ort.InferenceSession(str(tmp_path / "out.onnx"), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    np.testing.assert_allclose(got, expected, rtol=5e-2, atol=5e-2 * np.abs(expected).max())

@@ -190,7 +190,7 @@ def _infer_graph_types(
         del proto
         result = _strict_inference(graph_bytes, strict_failure) if strict_failure is not None else None
         if result is None:
-            result = onnx.shape_inference.infer_shapes(graph_bytes, check_type=False, strict_mode=False)
+            result = _inference(graph_bytes, strict=False)
     except Exception as e:  # noqa: BLE001 - inference is best effort; the planner copes
         if isinstance(e, MixprecError):
             raise
@@ -204,11 +204,22 @@ def _infer_graph_types(
     return inferred, corrected, None
 
 
+def _inference(model: bytes, *, strict: bool) -> onnx.ModelProto:
+    """ONNX inference of a serialized model (`strict`: types checked, the first error raised),
+    with data propagation: shapes computed in the graph (Shape -> Gather -> Concat -> Reshape)
+    keep their named and static dimensions instead of a new unknown one per value. Where
+    propagation objects, inference runs again without it, as the checker runs it."""
+    try:
+        return onnx.shape_inference.infer_shapes(model, check_type=strict, strict_mode=strict, data_prop=True)
+    except Exception:  # noqa: BLE001 - judged by inference without propagation, the checker's own
+        return onnx.shape_inference.infer_shapes(model, check_type=strict, strict_mode=strict)
+
+
 def _strict_inference(model: bytes, strict_failure: Callable[[str], None]) -> onnx.ModelProto | None:
     """Strict inference of a serialized model; None (after telling `strict_failure`) when it
     objects."""
     try:
-        return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+        return _inference(model, strict=True)
     except Exception as e:  # noqa: BLE001 - any objection is the checker's; lenient inference follows
         strict_failure(_first_line(e))
         return None

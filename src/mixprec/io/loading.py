@@ -4,6 +4,8 @@ through onnx_ir, so external weights stay memory-mapped / unread until needed.""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -140,10 +142,31 @@ def read_external(tensor: ir.ExternalTensor) -> np.ndarray | None:
     """An external tensor's values read from its file (None for element types narrower than a
     byte). onnx_ir's own `numpy()` maps the whole data file once per tensor: thousands of small
     tensors each touching their own mapping cost tens of kilobytes of memory apiece, and one of
-    the process's limited mappings each. Many tensors: :class:`ExternalReader`."""
-    with ExternalReader() as reader:
-        array = reader.read(tensor)
+    the process's limited mappings each. Within :func:`shared_reads` the files stay open;
+    many tensors in one place: :class:`ExternalReader`."""
+    shared = _SHARED.get()
+    if shared is not None:
+        array = shared.read(tensor)
+    else:
+        with ExternalReader() as reader:
+            array = reader.read(tensor)
     return None if array is None else array.reshape(tuple(int(d) for d in tensor.shape))
+
+
+# The reader of the innermost `shared_reads` block in progress (per thread and task).
+_SHARED: contextvars.ContextVar[ExternalReader | None] = contextvars.ContextVar("mixprec_shared_reads", default=None)
+
+
+@contextlib.contextmanager
+def shared_reads() -> Iterator[None]:
+    """Within the block, `read_external` keeps each data file open (a save reads thousands of
+    small weights one at a time, through their lazy 16-bit copies: an open each otherwise)."""
+    with ExternalReader() as reader:
+        token = _SHARED.set(reader)
+        try:
+            yield
+        finally:
+            _SHARED.reset(token)
 
 
 def _check_locations(tensors: list[tuple[str, ir.ExternalTensor]], path: Path) -> None:

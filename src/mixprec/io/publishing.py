@@ -27,7 +27,7 @@ import onnx_ir as ir
 from mixprec.errors import InputError
 from mixprec.graphs import all_graphs, is_default_domain
 from mixprec.io import streaming
-from mixprec.io.loading import external_slots, read_external
+from mixprec.io.loading import external_slots, read_external, shared_reads
 from mixprec.io.views import tensor_nbytes, wants_external_data
 from mixprec.progress import Progress
 
@@ -105,7 +105,7 @@ def _no_metadata_left_behind(model: ir.Model) -> Iterator[None]:
 def _write(
     model: ir.Model, path: Path, data_name: str | None, progress: bool | None, declared: set[str] | None = None
 ) -> None:
-    with _value_info_of(model, declared), _no_metadata_left_behind(model):
+    with _value_info_of(model, declared), _no_metadata_left_behind(model), shared_reads():
         _write_all(model, path, data_name, progress)
 
 

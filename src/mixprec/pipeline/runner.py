@@ -25,6 +25,7 @@ from mixprec.analysis.constants import copy_ranges
 from mixprec.config import Config
 from mixprec.graphs import node_keys
 from mixprec.io import StagedModel
+from mixprec.io.loading import shared_reads
 from mixprec.pipeline.planning import PlanInputs, Planned, make_plan
 from mixprec.pipeline.steps import (
     Analysis,
@@ -213,6 +214,7 @@ def prepare(source: object, config: Config) -> Prepared:
     """Run the preparation steps (no validation, no output)."""
     config = config.with_options(validate="none")
     with contextlib.ExitStack() as cleanup:
+        cleanup.enter_context(shared_reads())
         return _prepare(Steps(config), source, config, cleanup)
 
 
@@ -220,6 +222,7 @@ def convert_model(source: object, output: Path | None, config: Config) -> Conver
     """Convert `source` by `config`; publish to `output` only when every check passed."""
     steps = Steps(config)
     with contextlib.ExitStack() as cleanup:
+        cleanup.enter_context(shared_reads())  # one open file per data file for the weights read
         prepared = _prepare(steps, source, config, cleanup)
         model = prepared.model
         planned = steps.run("plan", make_plan, model, prepared.keys, config, prepared.plan_inputs())

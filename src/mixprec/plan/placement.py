@@ -38,7 +38,6 @@ from mixprec.analysis.cost_model import (
     guessed_elements,
 )
 from mixprec.analysis.qdq import role as qdq_role
-from mixprec.dtypes import is_fp32_tensor
 from mixprec.plan.model import Category, NodeFacts, Precision, PrecisionPlan
 from mixprec.policy.costs import runtime_cost
 from mixprec.policy.opfacts import op_facts
@@ -201,15 +200,17 @@ def _next_to_qdq(node: ir.Node) -> bool:
     return any(qdq_role(use.node) == "quantize" for value in node.outputs for use in value.uses())
 
 
-def _free_values(node: ir.Node, fact) -> tuple[list[ir.Value], list[ir.Value]] | None:  # noqa: ANN001
+def _free_values(
+    node: ir.Node, fact, fp32: frozenset[ir.Value]  # noqa: ANN001
+) -> tuple[list[ir.Value], list[ir.Value]] | None:
     """The node's FP32 inputs that follow its precision (flexible ones and constants aside) and
-    its FP32 outputs; None when an FP32 input or output does not follow it (bound to a type
-    variable that cannot be lowered)."""
+    its FP32 outputs (of `fp32`, the model's FP32 tensor values); None when an FP32 input or
+    output does not follow it (bound to a type variable that cannot be lowered)."""
     sig, lowerable, flexible = fact.sig, fact.lowerable, fact.flexible
     input_vars, output_vars = sig.input_vars, sig.output_vars
     inputs: list[ir.Value] = []
     for index, value in enumerate(node.inputs):
-        if index in flexible or not is_fp32_tensor(value):
+        if index in flexible or value not in fp32:
             continue
         var = input_vars[index] if index < len(input_vars) else None
         if var is None or var not in lowerable:
@@ -218,7 +219,7 @@ def _free_values(node: ir.Node, fact) -> tuple[list[ir.Value], list[ir.Value]] |
             inputs.append(value)  # type: ignore[arg-type]
     outputs: list[ir.Value] = []
     for index, value in enumerate(node.outputs):
-        if not is_fp32_tensor(value):
+        if value not in fp32:
             continue
         var = output_vars[index] if index < len(output_vars) else None
         if var is None or var not in lowerable:
@@ -240,6 +241,7 @@ class PlannerView:
         runtime: The runtime profile's name (its costs price a Cast).
         is_weight_heavy: Whether a node was lowered for the large constant it reads (kept as
             decided).
+        fp32: The model's FP32 tensor values.
     """
 
     plan: PrecisionPlan
@@ -249,6 +251,7 @@ class PlannerView:
     op_types: frozenset[tuple[str, str]]
     runtime: str
     is_weight_heavy: Callable[[ir.Node], bool]
+    fp32: frozenset[ir.Value]
 
 
 def _join(parent: list[int], root: int, other: int) -> int:
@@ -336,7 +339,7 @@ class _Islands:
             return None
         if self.quantized and (qdq_role(node) is not None or _next_to_qdq(node)):
             return None  # Q/DQ pairs have rules of their own (mixprec.plan.qdq_pairs)
-        found = _free_values(node, fact)
+        found = _free_values(node, fact, self.planner.fp32)
         if found is None or self.is_weight_heavy(node):
             return None
         return found

@@ -240,16 +240,13 @@ class Planner:
 
     def _read_fp32(self) -> frozenset[ir.Value]:
         """The FP32 tensor values the graphs and nodes read and write (each type read once)."""
-        known: dict[ir.Value, bool] = {}
+        values: set[ir.Value | None] = set()
         for graph in self.graphs:
-            for value in (*graph.inputs, *graph.outputs, *graph.initializers.values()):
-                if value is not None and value not in known:
-                    known[value] = is_fp32_tensor(value)
+            values.update(graph.inputs, graph.outputs, graph.initializers.values())
         for node in self.order:
-            for value in (*node.inputs, *node.outputs):
-                if value is not None and value not in known:
-                    known[value] = is_fp32_tensor(value)
-        return frozenset(value for value, fp32 in known.items() if fp32)
+            values.update(node.inputs, node.outputs)
+        values.discard(None)
+        return frozenset(filter(is_fp32_tensor, values))
 
     # -- forward pass -------------------------------------------------------------------
     def start(self) -> None:
@@ -493,6 +490,7 @@ class Planner:
             op_types=frozenset((key[0], key[1]) for key in self._templates),
             runtime=self.runtime.name,
             is_weight_heavy=lambda node: weight_heavy(node, self.facts[node]),
+            fp32=self.fp32,
         )
 
     def _place_casts(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import onnx_ir as ir
 
@@ -40,9 +40,9 @@ class PolicyClass:
     held: bool = True  # False: a condition that did not hold keeps the node FP32
 
 
-@dataclass(frozen=True)
-class Inputs:
-    """What a node's FP32 inputs hold, read once per node by the rules after the policy class.
+class Inputs(NamedTuple):
+    """What a node's FP32 inputs hold, read once per node by the rules after the policy class
+    (immutable; a named tuple: one is made per node).
 
     Attributes:
         facts: The node's facts with the type variables of pinned inputs no longer lowerable.
@@ -63,7 +63,7 @@ class Inputs:
     castable: Mapping[ir.Value, str]
     moves_tiny: bool
     lowerable: tuple[tuple[int, ir.Value, str], ...]
-    saturated: tuple[ir.Value, ...] = field(default=())
+    saturated: tuple[ir.Value, ...] = ()
 
 
 def classify(node: ir.Node, facts: NodeFacts) -> PolicyClass:

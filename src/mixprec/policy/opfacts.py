@@ -110,7 +110,15 @@ _KEYS = frozenset({*_FLAGS, *_NAMES, *_INDICES, *_INPUT_SETS, "carrier", "intege
 
 def op_facts(domain: str, op_type: str) -> OpFacts:
     """The facts about `op_type` of `domain` ("" or "ai.onnx": the default domain)."""
-    return _shipped().get((normalize_domain(domain), op_type), NO_FACTS)
+    key = (domain, op_type)
+    found = _LOOKUPS.get(key)  # read per node by several steps: one dict lookup
+    if found is None:
+        found = _LOOKUPS[key] = _shipped().get((normalize_domain(domain), op_type), NO_FACTS)
+    return found
+
+
+# (domain as written, op type) -> facts, filled on first lookup (the table is immutable).
+_LOOKUPS: dict[tuple[str, str], OpFacts] = {}
 
 
 def all_op_facts() -> Mapping[tuple[str, str], OpFacts]:
