@@ -184,7 +184,7 @@ def _infer_graph_types(
     corrected: list[str] = []
     try:
         proto = graph_only_proto(source) if source is not None else weight_free_proto(model)
-        _forget_output_shapes(proto.graph)
+        _forget_output_shapes(proto.graph, nested=len(all_graphs(model)) > 1)
         # Inference reads bytes: the parsed copy need not live beside onnx's own and its result.
         graph_bytes = proto.SerializeToString()
         del proto
@@ -295,12 +295,15 @@ def retype_after_upgrade(model: ir.Model, untyped_before: set[str], previous: Ty
     return infer_types(model) if lost else previous
 
 
-def _forget_output_shapes(graph: onnx.GraphProto) -> None:
-    """Drop the declared shapes of the graph outputs (subgraphs included) from the copy that
-    inference reads, so that what it infers for them is what the model computes."""
+def _forget_output_shapes(graph: onnx.GraphProto, *, nested: bool = True) -> None:
+    """Drop the declared shapes of the graph outputs (subgraphs included; `nested`: whether it
+    has any, else its nodes are not walked) from the copy that inference reads, so that what it
+    infers for them is what the model computes."""
     for output in graph.output:
         if output.type.HasField("tensor_type"):
             output.type.tensor_type.ClearField("shape")
+    if not nested:
+        return
     for node in graph.node:
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:

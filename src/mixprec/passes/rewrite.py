@@ -29,7 +29,7 @@ from mixprec.analysis.constants import constant_tensor, is_constant, iter_chunks
 from mixprec.analysis.cost_model import estimated_elements, guessed_elements, tensor_elements
 from mixprec.plan.model import Precision, PrecisionPlan, Storage
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
-from mixprec.graphs import FreshNames, static_shape
+from mixprec.graphs import FreshNames, keep_structure, static_shape
 
 logger = logging.getLogger(__name__)
 
@@ -426,6 +426,8 @@ class _Rewriter:
             self._fix_outputs(graph, FLOAT)
         self._remove_noop_casts()
         self._ensure_default_opset()
+        for graph in plan.graphs:
+            keep_structure(graph)  # only Casts and Constants were added or removed: no subgraph owners
         return self.stats
 
 
