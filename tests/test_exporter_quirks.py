@@ -175,3 +175,37 @@ def test_runtime_repair_of_a_bfloat16_model_keeps_only_the_culprit(tmp_path, mon
     assert kept == [culprit]
     assert result.report.low_by_op.get("MatMul") == 1
     assert any("kept 1 node(s) FP32" in note and ".mixprec-" not in note for note in result.report.notes)
+
+
+def test_repair_trials_are_written_as_the_output_is(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """onnxruntime may fail on a converted model only without the inferred shapes of its
+    intermediate values (which the output leaves out): the repair's trials are written the same
+    way, so they fail the same way and the culprit is found (trials that declared every shape
+    all loaded, and the repair gave up)."""
+    import mixprec.pipeline.repair  # noqa: PLC0415
+    import mixprec.validate.staged  # noqa: PLC0415
+    from mixprec.runtime.isolated import RuntimeOutcome  # noqa: PLC0415
+
+    culprit = "p2o.MatMul.0"
+    declared_types: list[int] = []
+
+    def fake_runtime(path, feeds=None):  # type: ignore[no-untyped-def]
+        converted = onnx.load(str(path), load_external_data=False)
+        declared_types.append(len(converted.graph.value_info))
+        weights = {i.name: i.data_type for i in converted.graph.initializer}
+        if weights.get("w0") == TensorProto.BFLOAT16 and not converted.graph.value_info:
+            error = f"Type Error: Type parameter (T) bound to different types in node ({culprit}/SomeFusion/)."
+        elif TensorProto.BFLOAT16 in weights.values():
+            error = "NOT_IMPLEMENTED : Could not find an implementation for MatMul(13) node with name 'x'"
+        else:  # the FP32 reference
+            error = None
+        return RuntimeOutcome(loaded=False, ran=False, error=error, crashed=False, outputs=None, seconds=0.0)
+
+    monkeypatch.setattr(mixprec.validate.staged, "run_isolated", fake_runtime)
+    monkeypatch.setattr(mixprec.pipeline.repair, "run_isolated", fake_runtime)
+    source = tmp_path / "encoder.onnx"
+    onnx.save(_two_norm_encoder(17), source)
+    result = mixprec.convert(str(source), str(tmp_path / "out.onnx"), target_dtype="bfloat16", runtime="tensorrt")
+    kept = [k.name for k in result.report.kept_fp32 if k.category == "runtime fails on it"]
+    assert kept == [culprit]
+    assert len(declared_types) > 3 and not any(declared_types)  # every run: no inferred shapes

@@ -470,3 +470,19 @@ def test_subgraph_arithmetic_on_outer_lengths() -> None:
         for flag in (True, False):
             feeds = {"audio": np.zeros((1, n), np.float32), "flag": np.array(flag)}
             assert emulated.run(None, feeds)[0] == session_ref.run(None, feeds)[0]
+
+
+@pytest.mark.parametrize("target", [LowPrecision.FLOAT16, LowPrecision.BFLOAT16])
+def test_a_constant_beyond_the_16_bit_range_is_not_exact_and_warns_nothing(target: LowPrecision) -> None:
+    """A value fixed at a constant the 16-bit type cannot hold (an attention mask's -3.4e38,
+    a 1e6 scale) is not exact there; asking says so without a NumPy overflow warning."""
+    import warnings
+
+    from mixprec.analysis.value_bounds import ValueBounds
+
+    value = ir.Value(name="big", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1]))
+    value.const_value = ir.Tensor(np.array([-3.0e38], np.float32), name="big")
+    bounds = ValueBounds({}, target)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not bounds.exact(value)

@@ -181,3 +181,50 @@ def test_errors_name_the_path(tmp_path: Path) -> None:
         list(load_batches(bad_pb, ["x"]))
     with pytest.raises(InputError, match="nowhere"):
         load_expected_outputs(tmp_path / "nowhere", ["y"])
+
+
+def _embedding_model() -> onnx.ModelProto:
+    """Token ids reach an embedding of 50 rows through Cast, Unsqueeze and Concat (as exporters
+    write them); a second integer input is a shape, a third feeds a smaller table too."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Cast", ["ids"], ["ids64"], to=TensorProto.INT64),
+            helper.make_node("Unsqueeze", ["ids64", "zero"], ["ids_u"]),
+            helper.make_node("Concat", ["ids_u", "ids_u"], ["both"], axis=0),
+            helper.make_node("Gather", ["table", "both"], ["emb"], axis=0),
+            helper.make_node("Gather", ["small", "pos"], ["pe"], axis=1),
+            helper.make_node("Gather", ["table", "pos"], ["pe2"], axis=0),
+            helper.make_node("Reshape", ["emb", "shape"], ["out"]),
+        ],
+        "g",
+        [
+            helper.make_tensor_value_info("ids", TensorProto.INT32, ["b", "s"]),
+            helper.make_tensor_value_info("pos", TensorProto.INT64, ["s"]),
+            helper.make_tensor_value_info("shape", TensorProto.INT64, [2]),
+        ],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+        [
+            numpy_helper.from_array(np.zeros((50, 4), np.float32), "table"),
+            numpy_helper.from_array(np.zeros((4, 7), np.float32), "small"),
+            numpy_helper.from_array(np.array([0], np.int64), "zero"),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_token_ids_are_drawn_over_the_whole_embedding() -> None:
+    """Integer inputs the graph uses as indices into a constant table are drawn from its whole
+    size (the smallest of the tables they index), not only 0 and 1; a shape input is not."""
+    from mixprec.analysis.input_indices import with_index_limits
+
+    model = _embedding_model()
+    for source in (model, ir.serde.deserialize_model(model)):
+        limits = {s.name: s.index_limit for s in with_index_limits(input_specs(source), source)}
+        assert limits == {"ids": 50, "pos": 7, "shape": None}
+    assert all(s.index_limit is None for s in input_specs(model))  # the signature alone says nothing
+    feeds = generate_inputs(with_index_limits(input_specs(model), model), seed=0, dim_value=16)
+    ids = feeds["ids"]
+    assert ids.dtype == np.int32 and ids.min() >= 0 and ids.max() < 50 and len(np.unique(ids)) > 10
+    assert feeds["pos"].max() < 7 and set(np.unique(feeds["shape"])) <= {0, 1}

@@ -243,7 +243,8 @@ class ValueBounds:
         if bound.integral and bound.magnitude <= self.limit:
             return True
         if bound.lo == bound.hi and math.isfinite(bound.lo):
-            rounded = np.array(bound.lo, dtype=np.float64).astype(self.target.numpy_dtype)
+            with np.errstate(over="ignore"):  # beyond the 16-bit range: inf, not exact
+                rounded = np.array(bound.lo, dtype=np.float64).astype(self.target.numpy_dtype)
             return float(rounded.astype(np.float64)) == bound.lo
         return False
 

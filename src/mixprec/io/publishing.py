@@ -374,9 +374,11 @@ def save_model(
     external_data: bool | None = None,
     check: Callable[[Path], None] | None = None,
     progress: bool | None = False,
+    declared: set[str] | None = None,
 ) -> Path:
-    """Save atomically; `check(staged_path)` may raise to prevent publishing."""
-    with staged_save(model, destination, external_data=external_data, progress=progress) as staged:
+    """Save atomically; `check(staged_path)` may raise to prevent publishing. `declared`: as
+    for :func:`staged_save` (a conversion's output keeps only the types its input declared)."""
+    with staged_save(model, destination, external_data=external_data, progress=progress, declared=declared) as staged:
         if check is not None:
             check(staged)
     return Path(destination)

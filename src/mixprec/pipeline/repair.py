@@ -69,7 +69,9 @@ def repair(rejection: RuntimeRejection, prepared: Prepared, rejected: PrecisionP
         model, _ = trials.rewrite(dict.fromkeys(kept, (Category.RUNTIME_FAILURE, reason)))
         with tempfile.TemporaryDirectory(prefix="mixprec-repair-") as tmp:
             path = Path(tmp) / "trial.onnx"
-            save_model(model, path, external_data=wants_external_data(model))
+            # Written as the output is (the inferred types of intermediate values left out):
+            # whether onnxruntime fails may depend on which shapes the file declares.
+            save_model(model, path, external_data=wants_external_data(model), declared=trials.typed.declared)
             return not loads_as_validated(run_isolated(path, rejection.feeds), target)
 
     logger.warning("%s; searching for the nodes to keep FP32", rejection)

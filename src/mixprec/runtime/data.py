@@ -55,12 +55,15 @@ class InputSpec:
         kind: ``"tensor"``, or ``"sequence"``, ``"optional"``, ``"map"``,
             ``"sparse_tensor"``, ``"unknown"`` (no element type) for inputs that cannot
             be generated.
+        index_limit: Generated integers stay below it (token ids over their embedding, see
+            :func:`mixprec.analysis.input_indices.with_index_limits`); None: ``[0, 2)``.
     """
 
     name: str
     dtype: np.dtype
     shape: Shape | None
     kind: str = "tensor"
+    index_limit: int | None = None
 
 
 def input_specs(model: onnx.ModelProto | ir.Model) -> list[InputSpec]:
@@ -83,9 +86,7 @@ def input_specs(model: onnx.ModelProto | ir.Model) -> list[InputSpec]:
     if not isinstance(model, ir.Model):
         raise InputError(f"expected an onnx.ModelProto or onnx_ir.Model, got {type(model)!r}")
     graph = model.graph
-    return [
-        _spec_from_ir_value(value) for value in graph.inputs if value.name not in graph.initializers
-    ]
+    return [_spec_from_ir_value(value) for value in graph.inputs if value.name not in graph.initializers]
 
 
 def _spec_from_type_proto(name: str, type_proto: onnx.TypeProto) -> InputSpec:
@@ -224,8 +225,9 @@ def generate_inputs(
     Each input gets its own random stream derived from ``seed`` and its name, so an
     input's data does not depend on the other inputs. Floats are standard normal
     (drawn in float32, then cast to the input dtype), integers are uniform in
-    ``[0, 2)`` so they are valid indices, lengths and 0/1 masks, booleans are uniform, strings
-    are decimal digits.
+    ``[0, 2)`` so they are valid indices, lengths and 0/1 masks (token ids: over the table
+    they index, see ``InputSpec.index_limit``), booleans are uniform, strings are decimal
+    digits.
 
     Args:
         specs: Input signatures, e.g. from :func:`input_specs`.
@@ -257,7 +259,8 @@ def _random_array(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Genera
         imag = rng.standard_normal(shape, dtype=np.float32)
         return (real + 1j * imag).astype(dtype)
     if np.issubdtype(dtype, np.integer):
-        return rng.integers(0, _INT_HIGH, size=shape).astype(dtype)
+        high = spec.index_limit or _INT_HIGH  # token ids over the whole embedding
+        return rng.integers(0, high, size=shape).astype(dtype)
     if _is_ml_int(dtype):  # int4/uint4/int2...: stay within the type's range
         high = min(_INT_HIGH, int(ml_dtypes.iinfo(dtype).max) + 1)
         return rng.integers(0, high, size=shape).astype(dtype)

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from mixprec.analysis.input_indices import with_index_limits
 from mixprec.errors import InputError
 from mixprec.runtime.batches import BatchSource
 from mixprec.runtime.data import generate_inputs, input_specs
@@ -24,7 +25,7 @@ def read_batches(
     proto = onnx.load(str(model_path), load_external_data=False)
     if data is None:
         notes.append("no data given: one generated batch (random inputs) is used")
-        return [generate_inputs(input_specs(proto), seed=0)]
+        return [generate_inputs(with_index_limits(input_specs(proto), proto), seed=0)]
     initializers = {t.name for t in proto.graph.initializer}
     names = [v.name for v in proto.graph.input if v.name not in initializers]
     source = BatchSource(data, names, max_batches)

@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from mixprec.analysis.input_indices import with_index_limits
 from mixprec.dtypes import LowPrecision
 from mixprec.errors import InputError, MixprecError, RunError, ValidationFailure
 from mixprec.host import host_cpu
@@ -400,7 +401,9 @@ def _data_batches(
 def _generated_batch(reference: Path, session: object, result: Validation) -> Iterator[tuple[Batch, dict[str, np.ndarray]]]:
     """One generated batch and its FP32 outputs: symbolic dimensions grow along the ladder until
     the FP32 model runs (memory bounded; stops when two sizes fail the same way)."""
-    specs = data_mod.input_specs(onnx.load(str(reference), load_external_data=False))
+    proto = onnx.load(str(reference), load_external_data=False)
+    specs = with_index_limits(data_mod.input_specs(proto), proto)
+    del proto
     errors: list[str] = []
     for size in _DIM_LADDER:
         batch = min(size, _GENERATED_BATCH)
