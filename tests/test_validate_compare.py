@@ -160,3 +160,43 @@ def test_scaled_error_is_relative_to_the_output_scale() -> None:
     assert c.scaled_error == pytest.approx(0.1 / 4.0, rel=1e-5)
     (d,) = compare_outputs({"y": np.array([8.0], np.float32)}, {"y": np.array([8.0], np.float32)})
     assert c.merge(d).scaled_error == pytest.approx(0.1 / 8.0, rel=1e-5)
+
+
+def _cancelling_model(offset: float) -> "onnx.ModelProto":
+    """Two matrix products around h + offset - offset: exact in FP32, but a 16-bit sum with a
+    large offset keeps only a few bits of h (catastrophic cancellation that no range check
+    sees: every value fits)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w1"], ["h"]),
+            helper.make_node("Add", ["h", "c"], ["s"]),
+            helper.make_node("Sub", ["s", "c"], ["d"]),
+            helper.make_node("MatMul", ["d", "w2"], ["y"]),
+        ],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 64])],
+        [
+            numpy_helper.from_array(np.array(offset, np.float32), "c"),
+            numpy_helper.from_array((rng.standard_normal((64, 64)) / 8).astype(np.float32), "w1"),
+            numpy_helper.from_array((rng.standard_normal((64, 64)) / 8).astype(np.float32), "w2"),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_an_error_beyond_rounding_is_pointed_out_without_a_tolerance(tmp_path, target: str) -> None:  # noqa: ANN001
+    """Without a tolerance nothing fails, but an output further from FP32 than rounding explains
+    gets a note that says by how much, on which inputs, and what to do; one that only rounds
+    gets none."""
+    import mixprec
+
+    noisy = mixprec.convert(_cancelling_model(1000.0), tmp_path / "noisy.onnx", target_dtype=target, validate="run")
+    notes = [n for n in noisy.report.validation.notes if "more than" in n]
+    assert len(notes) == 1 and "output 'y'" in notes[0] and "generated random inputs" in notes[0]
+    assert "--data" in notes[0] and "mixprec tune" in notes[0]
+    quiet = mixprec.convert(_cancelling_model(0.5), tmp_path / "quiet.onnx", target_dtype=target, validate="run")
+    assert quiet.report.validation.outputs and not [n for n in quiet.report.validation.notes if "more than" in n]

@@ -194,6 +194,30 @@ def _run_check(
         result.notes.append(origin)
     if tolerance is not None:
         _raise_beyond_tolerance(result, tolerance, origin)
+    else:
+        _note_large_errors(result, target, generated=data is None)
+
+
+# Without a tolerance, an output further from the FP32 model than this many times the 16-bit
+# type's epsilon (of its largest value) is pointed out: ten roundings' worth (float16 ~1%,
+# bfloat16 ~8%); a conversion that only rounds stays well within it.
+_NOTABLE_ERROR_EPS = 10
+
+
+def _note_large_errors(result: Validation, target: LowPrecision, *, generated: bool) -> None:
+    """Say where an output differs from the FP32 model by more than rounding explains (no
+    tolerance was given, so nothing failed), and what to do about it."""
+    limit = _NOTABLE_ERROR_EPS * target.limits.eps
+    for out in (*result.outputs, *result.real_outputs):
+        if out.scaled_error is not None and out.scaled_error > limit:
+            inputs = "generated random inputs" if generated else "the data given"
+            result.notes.append(
+                f"output {out.name!r} differs from the FP32 model by up to {out.scaled_error:.1%} of its "
+                f"largest value on {inputs} (more than {target.value} rounding explains)"
+                + ("; --data measures ranges and checks on real inputs" if generated else "")
+                + "; `mixprec tune --data ... --tolerance ...` finds the fewest ops to keep FP32"
+            )
+            return  # the first such output: one note
 
 
 def _reference_batches_or_check(
