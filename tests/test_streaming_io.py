@@ -261,13 +261,13 @@ def test_a_conversion_opens_each_data_file_a_handful_of_times(tmp_path: Path, mo
     onnx.save(model, source, save_as_external_data=True, location="in.data", size_threshold=0)
     data = str(tmp_path / "in.data")
     opened: list[str] = []
-    real_open = open
+    real_open = loading.os.open
 
     def counting_open(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         opened.append(str(path))
         return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(loading, "open", counting_open, raising=False)
+    monkeypatch.setattr(loading.os, "open", counting_open)
     mixprec.convert(source, tmp_path / "out.onnx", validate="checker")
     monkeypatch.undo()
     assert 1 <= opened.count(data) <= 3, opened.count(data)  # 80 reads: 2 per weight
@@ -275,3 +275,25 @@ def test_a_conversion_opens_each_data_file_a_handful_of_times(tmp_path: Path, mo
     expected = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"]).run(None, feed)[0]
     got = ort.InferenceSession(str(tmp_path / "out.onnx"), providers=["CPUExecutionProvider"]).run(None, feed)[0]
     np.testing.assert_allclose(got, expected, rtol=5e-2, atol=5e-2 * np.abs(expected).max())
+
+
+def test_external_tensors_read_the_same_without_positioned_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the platform has no positioned read into a buffer, the reader seeks and reads:
+    the same values, at every offset of a shared data file."""
+    from mixprec.io import loading
+
+    rng = np.random.default_rng(2)
+    arrays = {f"t{i}": rng.standard_normal((3, i + 1)).astype(np.float32) for i in range(5)}
+    graph = oh.make_graph(
+        [oh.make_node("Identity", [name], [f"o{name}"]) for name in arrays], "g", [],
+        [oh.make_tensor_value_info(f"o{name}", TensorProto.FLOAT, None) for name in arrays],
+        [nh.from_array(a, name) for name, a in arrays.items()],
+    )
+    onnx.save(oh.make_model(graph), tmp_path / "m.onnx", save_as_external_data=True, location="m.data", size_threshold=0)
+    model, _ = load_model(tmp_path / "m.onnx")
+    tensors = {v.name: v.const_value for v in model.graph.initializers.values()}
+    positioned = {name: loading.read_external(t) for name, t in tensors.items()}
+    monkeypatch.delattr(loading.os, "preadv", raising=False)
+    for name, tensor in tensors.items():
+        np.testing.assert_array_equal(loading.read_external(tensor), arrays[name])
+        np.testing.assert_array_equal(positioned[name], arrays[name])

@@ -10,7 +10,6 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePath
-from typing import BinaryIO
 
 import numpy as np
 import onnx
@@ -105,17 +104,17 @@ def _settle_tensors(model: ir.Model, path: Path) -> None:
 
 class ExternalReader:
     """Reads external tensors with one open file per data file (a context manager): thousands
-    of small tensors in one file cost a seek and a read each, not an open each."""
+    of small tensors in one file cost one positioned read each, not an open each."""
 
     def __init__(self) -> None:
-        self._files: dict[str, BinaryIO] = {}
+        self._files: dict[tuple[object, str], int] = {}  # (folder, location) -> descriptor
 
     def __enter__(self) -> ExternalReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for file in self._files.values():
-            file.close()
+        for descriptor in self._files.values():
+            os.close(descriptor)
         self._files.clear()
 
     def read(self, tensor: ir.ExternalTensor) -> np.ndarray | None:
@@ -123,19 +122,28 @@ class ExternalReader:
         dtype = tensor.dtype
         if not dtype.itemsize or dtype.bitwidth % 8:
             return None
-        path = str(tensor.path)
-        file = self._files.get(path)
-        if file is None:
-            file = self._files[path] = open(path, "rb", buffering=0)  # noqa: SIM115 - closed on exit
-        data = bytearray(tensor.size * int(dtype.itemsize))
-        view, done = memoryview(data), 0
-        file.seek(tensor.offset or 0)
-        while done < len(data):
-            count = file.readinto(view[done:])
+        key = (tensor.base_dir, tensor.location)
+        descriptor = self._files.get(key)
+        if descriptor is None:
+            descriptor = self._files[key] = os.open(tensor.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        array = np.empty(tensor.size, dtype=dtype.numpy())
+        target, done, offset = array.view(np.uint8), 0, tensor.offset or 0
+        while done < target.size:
+            count = _read_at(descriptor, target[done:], offset + done)
             if not count:
-                raise OSError(f"external data file {path} is shorter than declared")
+                raise OSError(f"external data file {tensor.path} is shorter than declared")
             done += count
-        return np.frombuffer(data, dtype=dtype.numpy())
+        return array
+
+
+def _read_at(descriptor: int, into: np.ndarray, offset: int) -> int:
+    """Read into `into` (bytes) from `offset` of the file; the count read (0 at its end)."""
+    if hasattr(os, "preadv"):
+        return os.preadv(descriptor, [into], offset)
+    os.lseek(descriptor, offset, os.SEEK_SET)  # platforms without positioned reads into a buffer
+    data = os.read(descriptor, into.size)
+    into[: len(data)] = np.frombuffer(data, np.uint8)
+    return len(data)
 
 
 def read_external(tensor: ir.ExternalTensor) -> np.ndarray | None:
