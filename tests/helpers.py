@@ -366,3 +366,20 @@ def qdq_matmul(
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", opset)])
     onnx.checker.check_model(model, full_check=True)
     return model
+
+
+def matmul_chain(layers: int, seed: int) -> onnx.ModelProto:
+    """x[2, 8] through `layers` MatMuls with random 8x8 weights w0, w1, ... (opset 17)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    nodes, weights, x = [], [], "x"
+    for i in range(layers):
+        weights.append(numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), f"w{i}"))
+        nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"h{i}"]))
+        x = f"h{i}"
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [2, 8])], weights,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])

@@ -145,21 +145,26 @@ def test_declared_output_shape_that_agrees_keeps_its_names(tmp_path) -> None:
     assert not any("declared output shape" in note for note in result.report.notes)
 
 
-def test_runtime_repair_of_a_bfloat16_model_keeps_only_the_culprit(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """onnxruntime's CPU provider has no bfloat16 kernels: a trial that only lacks them loads
-    as far as the check goes, so the repair of a fusion that fails on one 16-bit node keeps
-    that node FP32 and nothing else (it once counted every bfloat16 trial as failing)."""
+_CULPRIT = "p2o.MatMul.0"
+
+
+def _repair_with_a_fusion_failure(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, fails_with_shapes: bool, declared_types: list[int]  # noqa: ANN001
+):  # noqa: ANN202
+    """Convert the two-norm encoder to bfloat16 for TensorRT where onnxruntime (faked) fails on
+    a fusion through the MatMul `_CULPRIT` in bfloat16 (with the file's intermediate shapes
+    declared too, or only without them) and lacks bfloat16 kernels elsewhere; each run's
+    number of declared intermediate types goes to `declared_types`."""
     import mixprec.pipeline.repair  # noqa: PLC0415
     import mixprec.validate.staged  # noqa: PLC0415
     from mixprec.runtime.isolated import RuntimeOutcome  # noqa: PLC0415
 
-    culprit = "p2o.MatMul.0"
-
     def fake_runtime(path, feeds=None):  # type: ignore[no-untyped-def]
         converted = onnx.load(str(path), load_external_data=False)
+        declared_types.append(len(converted.graph.value_info))
         weights = {i.name: i.data_type for i in converted.graph.initializer}
-        if weights.get("w0") == TensorProto.BFLOAT16:  # the culprit MatMul computes in bfloat16
-            error = f"Type Error: Type parameter (T) bound to different types in node ({culprit}/SomeFusion/)."
+        if weights.get("w0") == TensorProto.BFLOAT16 and (fails_with_shapes or not converted.graph.value_info):
+            error = f"Type Error: Type parameter (T) bound to different types in node ({_CULPRIT}/SomeFusion/)."
         elif TensorProto.BFLOAT16 in weights.values():
             error = "NOT_IMPLEMENTED : Could not find an implementation for MatMul(13) node with name 'x'"
         else:  # the FP32 reference
@@ -170,9 +175,16 @@ def test_runtime_repair_of_a_bfloat16_model_keeps_only_the_culprit(tmp_path, mon
     monkeypatch.setattr(mixprec.pipeline.repair, "run_isolated", fake_runtime)
     source = tmp_path / "encoder.onnx"
     onnx.save(_two_norm_encoder(17), source)
-    result = mixprec.convert(str(source), str(tmp_path / "out.onnx"), target_dtype="bfloat16", runtime="tensorrt")
+    return mixprec.convert(str(source), str(tmp_path / "out.onnx"), target_dtype="bfloat16", runtime="tensorrt")
+
+
+def test_runtime_repair_of_a_bfloat16_model_keeps_only_the_culprit(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """onnxruntime's CPU provider has no bfloat16 kernels: a trial that only lacks them loads
+    as far as the check goes, so the repair of a fusion that fails on one 16-bit node keeps
+    that node FP32 and nothing else (it once counted every bfloat16 trial as failing)."""
+    result = _repair_with_a_fusion_failure(tmp_path, monkeypatch, True, [])
     kept = [k.name for k in result.report.kept_fp32 if k.category == "runtime fails on it"]
-    assert kept == [culprit]
+    assert kept == [_CULPRIT]
     assert result.report.low_by_op.get("MatMul") == 1
     assert any("kept 1 node(s) FP32" in note and ".mixprec-" not in note for note in result.report.notes)
 
@@ -182,30 +194,8 @@ def test_repair_trials_are_written_as_the_output_is(tmp_path, monkeypatch: pytes
     intermediate values (which the output leaves out): the repair's trials are written the same
     way, so they fail the same way and the culprit is found (trials that declared every shape
     all loaded, and the repair gave up)."""
-    import mixprec.pipeline.repair  # noqa: PLC0415
-    import mixprec.validate.staged  # noqa: PLC0415
-    from mixprec.runtime.isolated import RuntimeOutcome  # noqa: PLC0415
-
-    culprit = "p2o.MatMul.0"
     declared_types: list[int] = []
-
-    def fake_runtime(path, feeds=None):  # type: ignore[no-untyped-def]
-        converted = onnx.load(str(path), load_external_data=False)
-        declared_types.append(len(converted.graph.value_info))
-        weights = {i.name: i.data_type for i in converted.graph.initializer}
-        if weights.get("w0") == TensorProto.BFLOAT16 and not converted.graph.value_info:
-            error = f"Type Error: Type parameter (T) bound to different types in node ({culprit}/SomeFusion/)."
-        elif TensorProto.BFLOAT16 in weights.values():
-            error = "NOT_IMPLEMENTED : Could not find an implementation for MatMul(13) node with name 'x'"
-        else:  # the FP32 reference
-            error = None
-        return RuntimeOutcome(loaded=False, ran=False, error=error, crashed=False, outputs=None, seconds=0.0)
-
-    monkeypatch.setattr(mixprec.validate.staged, "run_isolated", fake_runtime)
-    monkeypatch.setattr(mixprec.pipeline.repair, "run_isolated", fake_runtime)
-    source = tmp_path / "encoder.onnx"
-    onnx.save(_two_norm_encoder(17), source)
-    result = mixprec.convert(str(source), str(tmp_path / "out.onnx"), target_dtype="bfloat16", runtime="tensorrt")
+    result = _repair_with_a_fusion_failure(tmp_path, monkeypatch, False, declared_types)
     kept = [k.name for k in result.report.kept_fp32 if k.category == "runtime fails on it"]
-    assert kept == [culprit]
+    assert kept == [_CULPRIT]
     assert len(declared_types) > 3 and not any(declared_types)  # every run: no inferred shapes

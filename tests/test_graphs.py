@@ -10,6 +10,8 @@ import onnx_ir as ir
 from onnx import TensorProto
 from onnx import helper as oh
 
+from helpers import matmul_chain
+
 from mixprec.graphs import all_graphs, all_nodes, forget_structure
 
 
@@ -69,16 +71,7 @@ def test_weights_of_equal_dims_share_one_frozen_shape(tmp_path) -> None:  # noqa
     import mixprec
 
     rng = np.random.default_rng(0)
-    nodes, inits, x = [], [], "x"
-    for i in range(6):
-        inits.append(nh.from_array(rng.standard_normal((8, 8)).astype(np.float32), f"w{i}"))
-        nodes.append(oh.make_node("MatMul", [x, f"w{i}"], [f"h{i}"]))
-        x = f"h{i}"
-    graph = oh.make_graph(
-        nodes, "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
-        [oh.make_tensor_value_info(x, TensorProto.FLOAT, [2, 8])], inits,
-    )
-    source = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    source = matmul_chain(6, seed=0)
     result = mixprec.convert(source, tmp_path / "out.onnx", validate="checker")
     weights = list(result.model.graph.initializers.values())
     assert len(weights) == 6 and all(w.dtype == ir.DataType.FLOAT16 for w in weights)

@@ -16,6 +16,8 @@ from onnx import TensorProto
 from onnx import helper as oh
 from onnx import numpy_helper as nh
 
+from helpers import matmul_chain
+
 from mixprec.io import load_model, streaming
 from mixprec.io.publishing import save_model
 
@@ -247,16 +249,7 @@ def test_a_conversion_opens_each_data_file_a_handful_of_times(tmp_path: Path, mo
     from mixprec.io import loading
 
     rng = np.random.default_rng(1)
-    nodes, weights, x = [], [], "x"
-    for i in range(40):
-        weights.append(nh.from_array(rng.standard_normal((8, 8)).astype(np.float32), f"w{i}"))
-        nodes.append(oh.make_node("MatMul", [x, f"w{i}"], [f"h{i}"]))
-        x = f"h{i}"
-    graph = oh.make_graph(
-        nodes, "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
-        [oh.make_tensor_value_info(x, TensorProto.FLOAT, [2, 8])], weights,
-    )
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model = matmul_chain(40, seed=1)
     source = tmp_path / "in.onnx"
     onnx.save(model, source, save_as_external_data=True, location="in.data", size_threshold=0)
     data = str(tmp_path / "in.data")
