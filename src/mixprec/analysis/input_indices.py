@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from mixprec.analysis.constants import constant_tensor
 from mixprec.policy.opfacts import Carrier, op_facts
 from mixprec.runtime.data import InputSpec
 
@@ -47,13 +48,7 @@ def _proto_nodes(graph: onnx.GraphProto) -> list[_NodeView]:
 
 def _ir_nodes(graph: ir.Graph) -> list[_NodeView]:
     def constant_dims(value: ir.Value | None) -> tuple[int, ...] | None:
-        if value is None:
-            return None
-        tensor = value.const_value
-        producer = value.producer()
-        if tensor is None and producer is not None and producer.op_type == "Constant":
-            attr = producer.attributes.get("value")
-            tensor = attr.value if attr is not None and attr.type is ir.AttributeType.TENSOR else None
+        tensor = constant_tensor(value) if value is not None else None
         return None if tensor is None else tuple(int(d) for d in tensor.shape)
 
     return [
