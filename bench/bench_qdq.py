@@ -20,7 +20,8 @@ the transformer) and the smallest cosine similarity over the batches; detectors:
 k of n inputs with the same boxes (corpus metric: same class, IoU >= 0.9, same count), I the
 smallest IoU of a reference box with its same-class match, m reference boxes lost, e boxes added.
 
-Columns: groups (ops between DequantizeLinear and QuantizeLinear with a 16-bit float side), folded
+Columns: groups (ops between DequantizeLinear and QuantizeLinear with a 16-bit float side; `+Ni`:
+N more groups of data movement written on integers, which have no float side left), folded
 (constant DequantizeLinear folded into float constants), casts (runtime Casts; `adjacent`: none
 beside a Q/DQ node), ints (integer tensors byte-identical, folded ones aside), ort-cpu (float16:
 runs on onnxruntime's CPU provider with default options, and its agreement with the unfused model).
@@ -257,7 +258,7 @@ def _row(case: Case, target: str, runtime: str, folder: Path, references: dict[s
     report, source, converted = result.report, onnx.load(str(case.path)), onnx.load(str(out))
     q = report.quantization
     try:
-        assert_pairs_adjacent(source, converted, q.folded)
+        assert_pairs_adjacent(source, converted, q.folded, q.on_integers)
         pairs = "adjacent"
     except AssertionError:
         pairs = "BROKEN"
@@ -265,12 +266,14 @@ def _row(case: Case, target: str, runtime: str, folder: Path, references: dict[s
     got = [emulated(feeds) for feeds in case.batches]
     total = sum(q.quantized_ops.values())
     groups = f"{q.quantized_low}/{total} {q.quantized_low / total:.0%}" if total else "-"
+    if q.on_integers:
+        groups += f" +{len(q.on_integers)}i"
     cpu = "-"
     if target == "fp16":
         real = _session(out, fused=True)
         cpu = _agree(case, [real(feeds) for feeds in case.batches], references["unfused"])
     return (
-        f"{case.name:<12} {target + ' ' + runtime:<14} {groups:>12} {len(q.folded):>6} {report.casts_runtime:>5} "
+        f"{case.name:<12} {target + ' ' + runtime:<14} {groups:>16} {len(q.folded):>6} {report.casts_runtime:>5} "
         f"{pairs:<8} {'same' if _integers_kept(source, converted) else 'CHANGED':<7} {report.validation.checker:<7} "
         f"{_agree(case, got, references['unfused']):>16} {_agree(case, got, references['fused']):>16} "
         f"{cpu:>16}"
@@ -328,7 +331,7 @@ def _foreign_row(
     pairs = "adjacent" if beside == 0 else f"{beside} beside"
     ints = "-" if source is None else "same" if _integers_kept(source, converted) else "CHANGED"
     return (
-        f"{case.name:<12} {label:<14} {groups:>12} {'-':>6} {casts:>5} {pairs:<8} {ints:<7} {checker:<7} "
+        f"{case.name:<12} {label:<14} {groups:>16} {'-':>6} {casts:>5} {pairs:<8} {ints:<7} {checker:<7} "
         f"{cols[0][:16]:>16} {cols[1][:16]:>16} {cols[2][:16]:>16}"
     )
 
@@ -420,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
             if not options.no_torch:
                 cases += [_transformer(folder, options.batches), _speech(folder, options.batches)]
         print(
-            f"{'model':<12} {'target':<14} {'groups 16-bit':>12} {'folded':>6} {'casts':>5} {'pairs':<8} {'ints':<7} "
+            f"{'model':<12} {'target':<14} {'groups 16-bit':>16} {'folded':>6} {'casts':>5} {'pairs':<8} {'ints':<7} "
             f"{'checker':<7} {'vs unfused':>16} {'vs fused':>16} {'ort-cpu fp16':>16}   (top-1, min cosine over "
             f"{options.batches} batches)"
         )

@@ -11,7 +11,7 @@ a light CNN and a transformer exported from PyTorch.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import ml_dtypes
@@ -39,9 +39,14 @@ def _feeds(seed: int = 1) -> dict[str, np.ndarray]:
     return {"x": np.random.default_rng(seed).uniform(-2, 2, (2, K)).astype(np.float32)}
 
 
-def assert_pairs_adjacent(source: onnx.ModelProto, converted: onnx.ModelProto, folded: Iterable[str] = ()) -> None:
+def assert_pairs_adjacent(
+    source: onnx.ModelProto, converted: onnx.ModelProto, folded: Iterable[str] = (),
+    on_integers: Mapping[str, Iterable[str]] | None = None,
+) -> None:
     """Every Q/DQ node of `source` is still there but the `folded` ones (DequantizeLinear nodes
-    of constants, folded into float constants), besides twins of shared DequantizeLinear nodes
+    of constants, folded into float constants) and those of groups written on integers
+    (`on_integers`: op -> the Q/DQ nodes it replaced; `mixprec.passes.integer_groups`, whose
+    requantizations are named after the op), besides twins of shared DequantizeLinear nodes
     (`mixprec.passes.split_dequantize`), and no Cast reads a DequantizeLinear's output
     or feeds a QuantizeLinear (in any graph)."""
     def nodes(graph: onnx.GraphProto):  # noqa: ANN202
@@ -57,11 +62,14 @@ def assert_pairs_adjacent(source: onnx.ModelProto, converted: onnx.ModelProto, f
     for node in nodes(source.graph):
         if node.name in gone:
             assert node.op_type == "DequantizeLinear" and all(not i or i in constants for i in node.input), node.name
+    rewritten = dict(on_integers or {})
+    gone.update(name for replaced in rewritten.values() for name in replaced)
     before = sorted(n.name for n in nodes(source.graph) if n.op_type in qdq and n.name not in gone)
     after = list(nodes(converted.graph))
     twins = [n.name for n in after if n.op_type == "DequantizeLinear" and SUFFIX in n.name]  # split_dequantize
     assert all(name.split(SUFFIX)[0] in before for name in twins), twins
-    assert sorted(n.name for n in after if n.op_type in qdq and n.name not in twins) == before
+    added = [n.name for n in after if n.op_type == "QuantizeLinear" and any(n.name.startswith(f"{op}_input") for op in rewritten)]
+    assert sorted(n.name for n in after if n.op_type in qdq and n.name not in twins and n.name not in added) == before
     cast_inputs = {n.input[0]: n.name for n in after if n.op_type == "Cast"}
     cast_outputs = {n.output[0]: n.name for n in after if n.op_type == "Cast"}
     for node in after:
@@ -383,13 +391,14 @@ def test_quantized_cnn_fp16_keeps_top1_and_pairs(quantized_squeezenet: tuple[Pat
     check_full(out)
     # ONNX Runtime CUDA dequantizes the int8 weights in float: they are folded (26 Conv groups).
     assert len(result.report.quantization.folded) == 26
-    assert_pairs_adjacent(source, out, result.report.quantization.folded)
+    assert_pairs_adjacent(source, out, result.report.quantization.folded, result.report.quantization.on_integers)
     report = result.report
     assert report.validation.runtime.startswith("ran")  # onnxruntime CPU, default options, child process
-    # Every group converts but the 8 Concat ones (onnxruntime's CPU provider fuses those into
-    # QLinearConcat, which takes FP32 scales only).
+    # Every group converts; the 8 Concat ones are written on integers (onnxruntime's CPU provider
+    # fuses their 16-bit form into QLinearConcat, which takes FP32 scales only).
     wrapped = report.quantization.quantized_ops
-    assert wrapped["Conv"] == 26 and report.quantization.quantized_low == sum(wrapped.values()) - wrapped["Concat"]
+    assert wrapped["Conv"] == 26 and report.quantization.quantized_low == sum(wrapped.values())
+    assert len(report.quantization.on_integers) == 8
     assert report.low_by_op["Conv"] == 26
     for feeds in _images():
         expected, got = run(source, feeds)[0], run(out, feeds)[0]

@@ -262,32 +262,88 @@ def _concat_group() -> list[onnx.NodeProto]:
     ]
 
 
-def test_concat_group_stays_fp32_for_onnxruntimes_cpu_provider() -> None:
-    # onnxruntime's CPU provider fuses DQ -> Concat -> Q into QLinearConcat whatever the scale
-    # type, and QLinearConcat takes FP32 scales only: the group stays FP32, the model loads.
+def _concat_model(*, a_scale: float = 0.02) -> onnx.ModelProto:
+    """The Concat group of :func:`_concat_group` (input a at scale `a_scale`, b and the output at
+    0.02) read by a MatMul."""
     rng = np.random.default_rng(0)
+    nodes = [*_concat_group(), oh.make_node("MatMul", ["c_dq", "w"], ["y"], name="matmul")]
+    nodes[0].input[1] = nodes[1].input[1] = "s_a"
     graph = oh.make_graph(
-        [
-            *_concat_group(),
-            oh.make_node("MatMul", ["c_dq", "w"], ["y"], name="matmul"),
-        ],
-        "concat", [oh.make_tensor_value_info(n, FLOAT, [2, 4]) for n in ("a", "b")],
+        nodes, "concat", [oh.make_tensor_value_info(n, FLOAT, [2, 4]) for n in ("a", "b")],
         [oh.make_tensor_value_info("y", FLOAT, [2, 3])],
-        [nh.from_array(np.array(0.02, np.float32), "s"), nh.from_array(np.array(0, np.int8), "z"),
-         nh.from_array(rng.normal(0, 0.3, (8, 3)).astype(np.float32), "w")],
+        [nh.from_array(np.array(0.02, np.float32), "s"), nh.from_array(np.array(a_scale, np.float32), "s_a"),
+         nh.from_array(np.array(0, np.int8), "z"), nh.from_array(rng.normal(0, 0.3, (8, 3)).astype(np.float32), "w")],
     )
-    source = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
+def _concat_feeds() -> dict[str, np.ndarray]:
+    return {"a": np.linspace(-1.3, 1.3, 8, dtype=np.float32).reshape(2, 4), "b": np.full((2, 4), 0.5, np.float32)}
+
+
+@pytest.mark.parametrize("a_scale", [0.02, 0.013])
+def test_concat_group_is_written_on_integers_where_its_16bit_form_cannot_load(a_scale: float) -> None:
+    # onnxruntime's CPU provider fuses DQ -> Concat -> Q into QLinearConcat whatever the scale
+    # type, and QLinearConcat takes FP32 scales only. ONNX Runtime CUDA concatenates int8: the
+    # group becomes Concat(QuantizeLinear(DequantizeLinear(x_i), s, z)), the same values, with
+    # no QuantizeLinear where input and output share scale and zero point. Nothing stays FP32 but
+    # the quantizers of the FP32 graph inputs.
+    source = _concat_model(a_scale=a_scale)
     result, out = convert(source, target_dtype="fp16", runtime="ort-cuda", validate="run")
-    assert "concat" in _decisions(result) and "matmul" not in _decisions(result)
+    assert set(_decisions(result)) == {"q_a", "q_b"}
+    nodes = {n.name: n for n in out.graph.node}
+    concat = nodes["concat"]
+    assert "q_c" not in nodes and concat.output[0] == "c_q"
+    if a_scale == 0.02:  # the same scale and zero point: the integers themselves
+        assert list(concat.input) == ["a_q", "b_q"] and "dq_a" not in nodes and "dq_b" not in nodes
+    else:  # a is requantized to the output's scale (in float16), b moves as it is
+        requantize = next(n for n in out.graph.node if n.output[0] == concat.input[0])
+        assert requantize.op_type == "QuantizeLinear" and requantize.input[0] == "a_dq" and concat.input[1] == "b_q"
+        assert initializer_types(out)[requantize.input[1]] == FLOAT16
+    assert result.report.quantization.on_integers == {"concat": ("q_c", *(("dq_a", "dq_b") if a_scale == 0.02 else ("dq_b",)))}
+    assert_pairs_adjacent(source, out, (), result.report.quantization.on_integers)
+    assert "1 data-movement group(s) written on integers" in result.report.format_text()
+    assert any("wrote 1 quantized data-movement group(s) on integers" in note for note in result.report.notes)
     assert result.report.validation.runtime.startswith("ran")
     assert not any("onnxruntime fails" in n for n in result.report.notes)  # no repair was needed
+    feeds = _concat_feeds()
+    np.testing.assert_allclose(run(out, feeds)[0], run_unfused(source, feeds)[0], rtol=2e-3, atol=1e-3)
+    # The concatenated integers are those of the FP32 group, requantized by the CPU provider's
+    # QLinearConcat or unfused: the converted model, on the CPU provider with default options.
+    integers = [run(_with_output(out, "c_q"), feeds)[1], run(_with_output(source, "c_q"), feeds)[1],
+                run_unfused(_with_output(source, "c_q"), feeds)[1]]
+    assert integers[0].dtype == np.int8 and all((i == integers[0]).all() for i in integers)
+    assert (integers[0][:, :4] == np.round(feeds["a"] / a_scale)).all() == (a_scale == 0.02)  # a's own, or requantized
+
+
+def _with_output(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    """A copy of `model` that also yields the int8 value `name`."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    copy.graph.output.append(oh.make_tensor_value_info(name, TensorProto.INT8, [2, 8]))
+    return copy
+
+
+def test_concat_group_stays_fp32_where_the_runtime_moves_no_integers() -> None:
+    # TensorRT's Concat reads no int8 (its profile): the group stays FP32, the model loads on
+    # onnxruntime's CPU provider, and the MatMul after it converts.
+    source = _concat_model()
+    result, _ = convert(source, target_dtype="fp16", runtime="tensorrt", validate="run")
+    assert "concat" in _decisions(result) and "matmul" not in _decisions(result)
+    assert not result.report.quantization.on_integers
+    assert result.report.validation.runtime.startswith("ran")
+    assert not any("onnxruntime fails" in n for n in result.report.notes)
 
 
 @pytest.mark.parametrize("runtime", ["ort-cuda", "tensorrt"])
-def test_dequantization_shared_with_a_concat_group_gets_a_twin_for_the_other_readers(runtime: str) -> None:
-    # YOLO's CSP blocks: one DequantizeLinear feeds a Concat (a group these runtimes keep FP32)
-    # and a MatMul. The MatMul reads a twin DequantizeLinear (same int8 input, scale, zero
-    # point) in float16; the Concat keeps the original in FP32; no Cast beside a Q/DQ node.
+def test_dequantization_shared_with_a_concat_group_converts_for_its_other_readers(runtime: str) -> None:
+    # YOLO's CSP blocks: one DequantizeLinear feeds a Concat group and a MatMul. Where the Concat
+    # group stays FP32 (tensorrt), the MatMul reads a twin DequantizeLinear (same int8 input,
+    # scale, zero point) in float16 and the Concat keeps the original in FP32; where it is
+    # written on integers (ort-cuda), the Concat reads the integers and the MatMul the original
+    # in float16. No Cast beside a Q/DQ node either way.
     rng = np.random.default_rng(0)
     graph = oh.make_graph(
         [
@@ -307,12 +363,20 @@ def test_dequantization_shared_with_a_concat_group_gets_a_twin_for_the_other_rea
     source.ir_version = 10
     result, out = convert(source, target_dtype="fp16", runtime=runtime, validate="run")
     kept = _decisions(result)
-    assert "concat" in kept and "dq_a" in kept and "matmul" not in kept and "dq_a_unshared" not in kept
-    twin = next(n for n in out.graph.node if n.name == "dq_a_unshared")
-    assert twin.input[0] == "a_q" and next(n for n in out.graph.node if n.name == "matmul").input[0] == twin.output[0]
-    assert_pairs_adjacent(source, out, result.report.quantization.folded)
+    nodes = {n.name: n for n in out.graph.node}
+    q = result.report.quantization
+    assert "matmul" not in kept and "dq_a_unshared" not in kept
+    if runtime == "tensorrt":
+        assert "concat" in kept and "dq_a" in kept and not q.on_integers
+        twin = nodes["dq_a_unshared"]
+        assert twin.input[0] == "a_q" and nodes["matmul"].input[0] == twin.output[0]
+        assert any("twin" in note for note in result.report.notes)
+    else:
+        assert "concat" not in kept and "dq_a" not in kept and "dq_a_unshared" not in nodes
+        assert list(nodes["concat"].input) == ["a_q", "b_q"] and nodes["matmul"].input[0] == "a_dq"
+        assert q.on_integers == {"concat": ("q_c", "dq_b")}
+    assert_pairs_adjacent(source, out, q.folded, q.on_integers)
     assert result.report.validation.runtime.startswith("ran")
-    assert any("twin" in note for note in result.report.notes)
     feeds = {"a": np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4), "b": np.full((2, 4), 0.5, np.float32)}
     for got, expected in zip(run_unfused(emulate_low_precision(out), feeds), run_unfused(source, feeds)):
         np.testing.assert_allclose(got, expected, atol=0.02 + 1e-6)  # at most one output step
@@ -336,6 +400,21 @@ def test_folded_bias_beside_an_integer_weight_keeps_its_values_on_onnxruntime() 
     got = session.run(None, {k: v.astype(np.float16) if types[k] == "tensor(float16)" else v for k, v in feeds.items()})[0]
     expected = run_unfused(out, feeds)[0]
     assert np.abs(np.asarray(got, np.float32) - expected).max() <= 2 * Y_SCALE
+
+
+def test_validation_judges_a_float_dequantizing_runtime_without_the_cpu_providers_qdq_rewriting() -> None:
+    # The same model through validation: the default CPU run is tens of output steps off (the
+    # rewrite above); run again with the provider's QDQ rewriting off it is within float16
+    # rounding, and that is what tensorrt runs, so the report takes those figures and says why.
+    result, _ = convert(qdq_conv(x_scale=0.0005), target_dtype="fp16", runtime="tensorrt", validate="run")
+    v = result.report.validation
+    assert v.real_runtime == "onnxruntime CPU (batch 1, QDQ rewriting off)"
+    assert all(o.scaled_error is not None and o.scaled_error < 10 * 2**-10 for o in v.real_outputs)
+    note = next(n for n in v.notes if "session.disable_quant_qdq" in n)
+    assert "with default options differs from the FP32 model by up to" in note and "tensorrt dequantizes" in note
+    # Where the CPU provider's integer kernels are the runtime's own, the default run is the real one.
+    cpu, _ = convert(qdq_conv(x_scale=0.0005), target_dtype="fp16", runtime="ort-cpu", validate="run")
+    assert cpu.report.validation.real_runtime == "onnxruntime CPU (batch 1)"
 
 
 # -- the emulation of every Q/DQ form -----------------------------------------------------------------
@@ -430,16 +509,21 @@ def test_quantized_groups_table_agrees_with_the_runtime_profiles() -> None:
     assert quantized_groups("onnx") is quantized_groups("no-such-runtime")  # the default
 
 
+_ENTRY = {"float_dequantize": [], "group_scales": ["float"], "fp32_groups": [], "integer_groups": [], "fp32_readers": [], "source": "x"}
+
+
 @pytest.mark.parametrize(
     ("entry", "message"),
     [
-        ({"float_dequantize": [], "group_scales": ["float"], "fp32_groups": [], "source": "x"}, "missing key 'fp32_readers'"),
-        ({"float_dequantize": ["float"], "group_scales": ["float"], "fp32_groups": [], "fp32_readers": [], "source": "x"}, "integer types only"),
-        ({"float_dequantize": [], "group_scales": ["int8"], "fp32_groups": [], "fp32_readers": [], "source": "x"}, "unknown type 'int8'"),
-        ({"float_dequantize": [], "group_scales": [], "fp32_groups": [], "fp32_readers": [], "source": "x", "extra": 1}, "unknown key 'extra'"),
+        ({**_ENTRY, "fp32_readers": None}, "missing key 'fp32_readers'"),
+        ({**_ENTRY, "float_dequantize": ["float"]}, "integer types only"),
+        ({**_ENTRY, "group_scales": ["int8"]}, "unknown type 'int8'"),
+        ({**_ENTRY, "extra": 1}, "unknown key 'extra'"),
+        ({**_ENTRY, "integer_groups": ["Concat"]}, "'integer_groups' lists ops of 'fp32_groups' only"),
     ],
 )
 def test_quantized_groups_table_is_parsed_strictly(entry: dict, message: str) -> None:
+    entry = {key: value for key, value in entry.items() if value is not None}
     with pytest.raises(PolicyError, match=message):
         parse_quantized_groups({"default": entry}, "t.toml")
 
@@ -463,11 +547,17 @@ def test_quantized_cnn_groups_in_16_bits(
     out = onnx.load(str(out_path))
     check_full(out)
     q = result.report.quantization
-    assert_pairs_adjacent(source, out, q.folded)
+    assert_pairs_adjacent(source, out, q.folded, q.on_integers)
     assert result.report.casts_runtime == 0
-    # Every group converts but the Concat ones (onnxruntime's CPU provider); every int32 bias is
-    # folded, and on ort-cuda the int8 weights too.
-    assert q.quantized_low == sum(q.quantized_ops.values()) - q.quantized_ops["Concat"]
+    # Every group converts but the 8 Concat ones, which onnxruntime's CPU provider cannot load in
+    # 16 bits: on ort-cuda they are written on integers, on tensorrt (no int8 Concat) they stay
+    # FP32. Every int32 bias is folded, and on ort-cuda the int8 weights too.
+    if runtime == "ort-cuda":
+        assert len(q.on_integers) == 8 and "Concat" not in q.quantized_ops
+        assert q.quantized_low == sum(q.quantized_ops.values())
+    else:
+        assert not q.on_integers and q.quantized_ops["Concat"] == 8
+        assert q.quantized_low == sum(q.quantized_ops.values()) - q.quantized_ops["Concat"]
     assert len(q.folded) == (52 if runtime == "ort-cuda" else 26)
     kept = {t.name: t for t in out.graph.initializer}
     for t in source.graph.initializer:

@@ -10,6 +10,9 @@ when nothing stands between them; the planner keeps such pairs cast-free
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import onnx_ir as ir
 
 from mixprec.analysis.constants import is_constant
@@ -17,21 +20,34 @@ from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.policy.opfacts import op_facts
 from mixprec.policy.quantized_groups import quantized_groups
 
-__all__ = ["FOLDED", "folded_from", "has_qdq", "quantizes_float_chain", "role"]
+__all__ = ["FOLDED", "ON_INTEGERS", "folded_from", "has_qdq", "on_integers", "quantizes_float_chain", "role"]
 
 # Value meta key of a constant folded from a DequantizeLinear: that node's name.
 FOLDED = "mixprec.folded_dequantize"
+# Node meta key of an op whose quantized group was written on integers: the QuantizeLinear it
+# replaced and the DequantizeLinear(s) it no longer needs, by name.
+ON_INTEGERS = "mixprec.on_integers"
+
+
+def _metadata(item: ir.Value | ir.Node) -> Mapping[str, Any] | None:
+    """The metadata store of a value or node if it has one, without creating it as reading
+    `meta` would (~0.5 kB on each of tens of thousands of weights)."""
+    try:
+        return item._metadata  # noqa: SLF001 - `meta` creates the store
+    except AttributeError:  # an onnx_ir that names it otherwise
+        return item.meta
 
 
 def folded_from(value: ir.Value) -> str | None:
-    """The DequantizeLinear `value` was folded from (its name; None: not folded). Reads the
-    value's metadata without creating its store, as reading `meta` would (~0.5 kB on each of
-    tens of thousands of weights)."""
-    try:
-        store = value._metadata  # noqa: SLF001 - `meta` creates the store
-    except AttributeError:  # an onnx_ir that names it otherwise
-        store = value.meta
+    """The DequantizeLinear `value` was folded from (its name; None: not folded)."""
+    store = _metadata(value)
     return None if store is None else store.get(FOLDED)
+
+
+def on_integers(node: ir.Node) -> tuple[str, ...] | None:
+    """The Q/DQ nodes an op written on integers replaced (None: not such an op)."""
+    store = _metadata(node)
+    return None if store is None else store.get(ON_INTEGERS)
 
 
 def role(node: ir.Node) -> str | None:

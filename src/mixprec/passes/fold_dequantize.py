@@ -36,7 +36,10 @@ from mixprec.graphs import all_graphs, static_shape
 from mixprec.policy.quantized_groups import QuantizedGroups, quantized_groups
 from mixprec.policy.profiles import RuntimeProfile
 
-__all__ = ["FoldedDequantizations", "dequantize", "dequantized_constant", "fold_constant_dequantizations", "fold_node"]
+__all__ = [
+    "FoldedDequantizations", "dequantize", "dequantized_constant", "drop_if_unused", "fold_constant_dequantizations",
+    "fold_node",
+]
 
 
 @dataclass
@@ -158,7 +161,7 @@ def fold_node(graph: ir.Graph, node: ir.Node) -> ir.DataType:
     value.name = name
     graph.initializers.add(value)
     for old in inputs:
-        _drop_if_unused(graph, old)
+        drop_if_unused(graph, old)
     return source.dtype
 
 
@@ -169,7 +172,7 @@ def _dequantize_attributes(node: ir.Node) -> tuple[int, int]:
     return (axis.as_int() if axis is not None else 1, block.as_int() if block is not None else 0)
 
 
-def _drop_if_unused(graph: ir.Graph, value: ir.Value) -> None:
+def drop_if_unused(graph: ir.Graph, value: ir.Value) -> None:
     """Remove an initializer or Constant output that nothing reads any more."""
     if value.uses() or value.is_graph_output() or value.is_graph_input():
         return

@@ -32,6 +32,7 @@ from mixprec.passes.norm_blocks import fuse_norm_blocks, opset_for_fusion
 from mixprec.passes.norm_scales import FoldedScales, fold_norm_scales
 from mixprec.passes.opset import upgrade_for_target, upgrade_opset
 from mixprec.passes.rewrite import RewriteStats, apply_plan
+from mixprec.passes.integer_groups import write_groups_on_integers
 from mixprec.passes.split_dequantize import split_shared_dequantizations
 from mixprec.plan.model import Category, PrecisionPlan
 from mixprec.policy.profiles import RuntimeProfile, load_runtime
@@ -141,9 +142,9 @@ def upgrade(loaded: Loaded, config: Config) -> Edited:
 
 
 def fold(model: ir.Model, profile: RuntimeProfile, config: Config) -> Edited:
-    """Fold the constant dequantizations the runtime computes in float and give a
-    DequantizeLinear shared by a group the runtime keeps FP32 and other ops a twin for the
-    others (QDQ models)."""
+    """Fold the constant dequantizations the runtime computes in float, write the data-movement
+    groups whose 16-bit form cannot load on integers, and give a DequantizeLinear shared by a
+    group the runtime keeps FP32 and other ops a twin for the others (QDQ models)."""
     if config.ops.weights_only:
         return Edited(model, False)
     target = config.ops.target
@@ -151,10 +152,13 @@ def fold(model: ir.Model, profile: RuntimeProfile, config: Config) -> Edited:
     folded = fold_constant_dequantizations(model, profile, target)
     if folded.nodes:
         notes.append(folded.note(profile.name, target))
+    on_integers = write_groups_on_integers(model, profile, target)
+    if on_integers.nodes:
+        notes.append(on_integers.note(profile.name, target))
     split = split_shared_dequantizations(model, profile, target)
     if split.nodes:
         notes.append(split.note(profile.name))
-    return Edited(model, bool(folded.nodes or split.nodes), tuple(notes))
+    return Edited(model, bool(folded.nodes or on_integers.nodes or split.nodes), tuple(notes))
 
 
 # -- reference: what the checks and the calibration run --------------------------------------------

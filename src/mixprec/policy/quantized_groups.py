@@ -18,7 +18,7 @@ from mixprec.policy.toml_tables import runtime_sections, shipped_table
 __all__ = ["QuantizedGroups", "parse_quantized_groups", "quantized_groups"]
 
 _SOURCE = "quantized_groups.toml"
-_KEYS = ("float_dequantize", "group_scales", "fp32_groups", "fp32_readers", "source")
+_KEYS = ("float_dequantize", "group_scales", "fp32_groups", "integer_groups", "fp32_readers", "source")
 _FLOAT_NAMES = {"float": "FLOAT", "float16": "FLOAT16", "bfloat16": "BFLOAT16"}
 
 
@@ -32,6 +32,8 @@ class QuantizedGroups:
             dequantizes to float at run time inside a quantized group.
         group_scales: Float types the runtime runs a one-op group in.
         fp32_groups: (domain, op) of the one-op groups that stay FP32 all the same.
+        integer_groups: (domain, op) of the data-movement ones among those the converter
+            writes on integers where the runtime runs the op on the integer type.
         fp32_readers: (domain, op) of the ops the runtime runs only with an FP32
             DequantizeLinear input.
         source: Where the facts come from.
@@ -41,6 +43,7 @@ class QuantizedGroups:
     float_dequantize: frozenset[ir.DataType]
     group_scales: frozenset[ir.DataType]
     fp32_groups: frozenset[tuple[str, str]]
+    integer_groups: frozenset[tuple[str, str]]
     fp32_readers: frozenset[tuple[str, str]]
     source: str
 
@@ -78,8 +81,12 @@ def parse_quantized_groups(document: Mapping[str, Any], source: str) -> dict[str
         if any(t.is_floating_point() for t in integers):
             raise PolicyError(f"{where}: 'float_dequantize' lists integer types only")
         scales = _types(entry["group_scales"], f"{where}: 'group_scales'", _FLOAT_NAMES)
-        groups, readers = (_ops(entry[key], f"{where}: {key!r}") for key in ("fp32_groups", "fp32_readers"))
-        table[runtime] = QuantizedGroups(runtime, integers, scales, groups, readers, entry["source"])
+        groups, on_integers, readers = (
+            _ops(entry[key], f"{where}: {key!r}") for key in ("fp32_groups", "integer_groups", "fp32_readers")
+        )
+        if not on_integers <= groups:
+            raise PolicyError(f"{where}: 'integer_groups' lists ops of 'fp32_groups' only")
+        table[runtime] = QuantizedGroups(runtime, integers, scales, groups, on_integers, readers, entry["source"])
     return table
 
 

@@ -260,6 +260,7 @@ def _quantization_card(report: Report) -> list[str]:
         f"{esc(report.target)}; {qdq}; ops between them: {wrapped} ({q.quantized_low} with a "
         f"{esc(report.target)} float side)"
         + (f"; {len(q.folded)} constant DequantizeLinear folded into float constants" if q.folded else "")
+        + (f"; {len(q.on_integers)} data-movement group(s) written on integers" if q.on_integers else "")
         + "</div></div>",
     ]
 

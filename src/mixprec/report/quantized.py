@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
-from mixprec.analysis.qdq import folded_from, has_qdq, role
+from mixprec.analysis.qdq import folded_from, has_qdq, on_integers, role
 from mixprec.plan.model import Precision, PrecisionPlan
 
 __all__ = ["QuantizedSummary", "quantized_summary"]
@@ -29,6 +29,9 @@ class QuantizedSummary:
         float_low_share: float_low / (float_low + float_fp32); None without such ops.
         folded: The constant DequantizeLinear nodes folded into float constants (the runtime
             dequantizes them in float), by name.
+        on_integers: The data-movement ops whose quantized group was written on integers
+            (:mod:`mixprec.passes.integer_groups`), by name, with the Q/DQ nodes that left the
+            model with it.
     """
 
     qdq_nodes: dict[str, int] = field(default_factory=dict)
@@ -39,6 +42,7 @@ class QuantizedSummary:
     fp32_ops: dict[str, int] = field(default_factory=dict)
     float_low_share: float | None = None
     folded: list[str] = field(default_factory=list)
+    on_integers: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def format_line(self, target: str) -> str:
         """One line for the terminal report."""
@@ -50,9 +54,10 @@ class QuantizedSummary:
             if self.float_low_share is not None else "none"
         )
         folded = f"; {len(self.folded)} constant DequantizeLinear folded into float constants" if self.folded else ""
+        moved = f"; {len(self.on_integers)} data-movement group(s) written on integers" if self.on_integers else ""
         return (
             f"  quantized: {qdq}; ops between them: {wrapped} ({self.quantized_low} with a "
-            f"{target} float side); float ops outside them: {outside}{folded}"
+            f"{target} float side); float ops outside them: {outside}{folded}{moved}"
         )
 
 
@@ -81,6 +86,8 @@ def quantized_summary(plan: PrecisionPlan) -> QuantizedSummary | None:
     fp32: Counter[str] = Counter()
     for node in plan.order:
         decision = plan.decisions[node]
+        if (replaced := on_integers(node)) is not None:
+            summary.on_integers[node.name or node.op_type] = replaced
         if role(node) is not None:
             qdq[node.op_type] += 1
         elif _quantized(node):
