@@ -6,7 +6,8 @@ created in a child Python process with onnxruntime's default options; a crash co
 outcome naming the signal instead of killing the converter.
 
 The child (`python -m mixprec.runtime.isolated`) lives on between checks and answers one JSON
-request per line: `[MODEL]` or `[MODEL, FEEDS.npz, OUT.npz]`.
+request per line: `[MODEL]` or `[MODEL, FEEDS.npz, OUT.npz]`, optionally followed by session
+config entries (`{"session.disable_quant_qdq": "1"}`) for a diagnosis beside the default run.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class _Worker:
             self.process.wait()
         self.process = None
 
-    def request(self, arguments: list[str], timeout: float) -> dict | str:
+    def request(self, arguments: list, timeout: float) -> dict | str:
         """The child's JSON answer, or how it died."""
         process = self._start()
         assert process.stdin is not None and process.stdout is not None
@@ -119,17 +120,21 @@ def run_isolated(
     feeds: Mapping[str, np.ndarray] | None = None,
     *,
     timeout: float = _TIMEOUT_S,
+    config: Mapping[str, str] | None = None,
 ) -> RuntimeOutcome:
-    """Create an onnxruntime CPU session with default options for `model_path` in a child
-    process and, with `feeds`, run it once."""
+    """Create an onnxruntime CPU session with default options (and the session `config`
+    entries, where given, with `feeds`) for `model_path` in a child process and, with `feeds`,
+    run it once."""
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="mixprec-child-") as tmp:
-        arguments = [str(Path(model_path).resolve())]
+        arguments: list = [str(Path(model_path).resolve())]
         out_path = Path(tmp) / "outputs.npz"
         if feeds is not None:
             feeds_path = Path(tmp) / "feeds.npz"
             np.savez(feeds_path, **{k: np.asarray(v) for k, v in feeds.items()})
             arguments += [str(feeds_path), str(out_path)]
+            if config:
+                arguments.append(dict(config))
         answer = _WORKER.request(arguments, timeout)
         seconds = time.perf_counter() - start
         if isinstance(answer, str):
@@ -154,13 +159,15 @@ def _last_json(text: str) -> dict | None:
     return None
 
 
-def _child(argv: list[str]) -> dict:
+def _child(argv: list) -> dict:
     from mixprec.errors import MixprecError  # noqa: PLC0415
     from mixprec.runtime import sessions  # noqa: PLC0415
 
     status: dict = {"loaded": False, "ran": False, "error": None}
+    config = argv[3] if len(argv) > 3 else None
     try:
-        session = sessions.make_session(argv[0], graph_optimization="all")  # onnxruntime's default
+        # onnxruntime's default options
+        session = sessions.make_session(argv[0], graph_optimization="all", config_entries=config)
     except MixprecError as e:
         status["error"] = str(e)
         return status

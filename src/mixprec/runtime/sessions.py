@@ -44,6 +44,7 @@ def make_session(
     providers: Sequence[str] = ("CPUExecutionProvider",),
     graph_optimization: str = "basic",
     intra_op_threads: int | None = None,
+    config_entries: Mapping[str, str] | None = None,
 ) -> ort.InferenceSession:
     """Create an inference session from a model file.
 
@@ -56,6 +57,7 @@ def make_session(
             this onnxruntime build (ORT would otherwise fall back to CPU silently).
         graph_optimization: ``"disable"``, ``"basic"``, ``"extended"`` or ``"all"``.
         intra_op_threads: Threads per op; ``None`` lets onnxruntime decide.
+        config_entries: Session config entries (``session.disable_quant_qdq``: ``1``).
 
     Returns:
         The session.
@@ -91,6 +93,8 @@ def make_session(
     options.log_severity_level = 2 if logger.isEnabledFor(logging.DEBUG) else 3
     if intra_op_threads is not None:
         options.intra_op_num_threads = intra_op_threads
+    for key, value in (config_entries or {}).items():
+        options.add_session_config_entry(key, value)
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=list(providers))
     except Exception as exc:  # onnxruntime raises several pybind exception types
