@@ -56,9 +56,9 @@ def test_reference_that_cannot_run_is_unchecked_with_bounded_inputs(
     err = capsys.readouterr().err
     assert "numerics not checked: the FP32 model fails on generated inputs" in err
     assert "scale must be 1D" in err and "/onnxruntime_src/" not in err
-    # The failure does not depend on the input size: the retry stops after it repeats, the
-    # batch dimension never grows, and no try allocates more than the cap.
-    assert len(generated) == 2, generated
+    # The failure does not depend on the input size: the retry stops after it repeats at three
+    # sizes, the batch dimension never grows, and no try allocates more than the cap.
+    assert len(generated) == 3, generated
     assert all(shapes["x"][0] == 2 for shapes in generated)
     assert all(math.prod(shapes["x"]) <= 1 << 23 for shapes in generated)
 
@@ -75,3 +75,33 @@ def test_generated_shapes_grow_features_not_the_batch() -> None:
     assert data_mod.generated_shapes(specs, dim_value=16) == {
         "ids": (16, 16), "mask": (16, 16), "audio": (16,), "image": (16, 3, 16, 16)
     }
+
+
+def _pyramid(path: Path) -> None:
+    """x[1, 1, H, W] -> its 64x and 32x max-pooled maps (ceil mode), the coarser one resized x2 and
+    concatenated with the other: a detector's feature pyramid, which runs only where H and W halve
+    often enough (both maps are 1x1 at H = 2 and at 16, and the Concat fails alike; 128 runs)."""
+    scales = numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")
+    graph = helper.make_graph(
+        [
+            helper.make_node("MaxPool", ["x"], ["p64"], kernel_shape=[64, 64], strides=[64, 64], ceil_mode=1),
+            helper.make_node("MaxPool", ["x"], ["p32"], kernel_shape=[32, 32], strides=[32, 32], ceil_mode=1),
+            helper.make_node("Resize", ["p64", "", "scales"], ["up"], mode="nearest"),
+            helper.make_node("Concat", ["up", "p32"], ["cat"], axis=1),
+            helper.make_node("Relu", ["cat"], ["y"]),
+        ],
+        "pyramid", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, "H", "W"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, None, None])], [scales],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+def test_generated_sizes_grow_past_a_failure_small_inputs_share(tmp_path: Path) -> None:
+    import mixprec  # noqa: PLC0415
+
+    source = tmp_path / "pyramid.onnx"
+    _pyramid(source)
+    result = mixprec.convert(source, tmp_path / "out.onnx", target_dtype="fp16", validate="run")
+    v = result.report.validation
+    assert v.runtime != "reference-fails" and v.outputs, v.notes
+    assert any("generated inputs use 128 for symbolic dimensions" in note for note in v.notes)

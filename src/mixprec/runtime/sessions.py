@@ -90,7 +90,9 @@ def make_session(
 
     options = ort.SessionOptions()
     options.graph_optimization_level = _OPT_LEVELS[graph_optimization]
-    options.log_severity_level = 2 if logger.isEnabledFor(logging.DEBUG) else 3
+    # onnxruntime's errors come back as exceptions (with the message); its log would print them
+    # twice, and for the sizes the generated-input ladder expects to fail.
+    options.log_severity_level = 2 if logger.isEnabledFor(logging.DEBUG) else 4
     if intra_op_threads is not None:
         options.intra_op_num_threads = intra_op_threads
     for key, value in (config_entries or {}).items():

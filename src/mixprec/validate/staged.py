@@ -41,6 +41,9 @@ Batch = Mapping[str, np.ndarray]
 _DIM_LADDER = (2, 16, 128, 1024, 4096)
 # A generated input larger than this is not tried.
 _MAX_GENERATED_ELEMENTS = 1 << 23  # all generated inputs of one try together
+# The ladder stops when this many sizes in a row fail the same way: two do not suffice, since a
+# detector whose feature maps must halve five times fails alike at 2 and 16 and runs at 128.
+_SAME_FAILURES = 3
 # Leading (batch) dimensions of generated inputs stay this small while the others grow.
 _GENERATED_BATCH = 2
 _PASS_DATA = "pass --data"
@@ -198,7 +201,7 @@ def _run_check(
     if tolerance is not None:
         _raise_beyond_tolerance(result, tolerance, origin)
     else:
-        _note_large_errors(result, target, generated=data is None)
+        _note_large_errors(result, target, generated=data is None, quantized=_quantized(model))
 
 
 # Session config of the CPU provider's run with its QDQ rewriting (integer kernels, bias
@@ -222,9 +225,7 @@ def _judge_without_qdq_rewriting(
         return worst if worst is not None and worst > limit else None
 
     default = beyond(result.real_outputs)
-    if default is None or model is None or not quantized_groups(runtime).float_dequantize:
-        return
-    if not any(role(node) is not None for graph in model.graphs() for node in graph):
+    if default is None or not quantized_groups(runtime).float_dequantize or not _quantized(model):
         return
     outcome = run_isolated(path, batch[0], config=_QDQ_REWRITING_OFF)
     if not outcome.ran or outcome.outputs is None:
@@ -251,16 +252,27 @@ def _judge_without_qdq_rewriting(
 _NOTABLE_ERROR_EPS = 10
 
 
-def _note_large_errors(result: Validation, target: LowPrecision, *, generated: bool) -> None:
+def _quantized(model: ir.Model | None) -> bool:
+    """Whether the model quantizes or dequantizes anywhere (False when it is not in memory)."""
+    return model is not None and any(role(node) is not None for graph in model.graphs() for node in graph)
+
+
+def _note_large_errors(result: Validation, target: LowPrecision, *, generated: bool, quantized: bool = False) -> None:
     """Say where an output differs from the FP32 model by more than rounding explains (no
     tolerance was given, so nothing failed), and what to do about it."""
     limit = _NOTABLE_ERROR_EPS * target.limits.eps
     for out in (*result.outputs, *result.real_outputs):
         if out.scaled_error is not None and out.scaled_error > limit:
             inputs = "generated random inputs" if generated else "the data given"
+            why = (
+                f"more than {target.value} rounding alone explains; in a quantized model one "
+                f"{target.value} rounding can move a value to the next quantization step, and "
+                "steps add up over layers: judge by the task's output"
+                if quantized else f"more than {target.value} rounding explains"
+            )
             result.notes.append(
                 f"output {out.name!r} differs from the FP32 model by up to {out.scaled_error:.1%} of its "
-                f"largest value on {inputs} (more than {target.value} rounding explains)"
+                f"largest value on {inputs} ({why})"
                 + ("; --data measures ranges and checks on real inputs" if generated else "")
                 + "; `mixprec tune --data ... --tolerance ...` finds the fewest ops to keep FP32"
             )
@@ -471,7 +483,7 @@ def _data_batches(
 
 def _generated_batch(reference: Path, session: object, result: Validation) -> Iterator[tuple[Batch, dict[str, np.ndarray]]]:
     """One generated batch and its FP32 outputs: symbolic dimensions grow along the ladder until
-    the FP32 model runs (memory bounded; stops when two sizes fail the same way)."""
+    the FP32 model runs (memory bounded; stops when three sizes in a row fail the same way)."""
     proto = onnx.load(str(reference), load_external_data=False)
     specs = with_index_limits(data_mod.input_specs(proto), proto)
     del proto
@@ -490,8 +502,8 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
             expected = sessions.run_session(session, feeds)  # type: ignore[arg-type]
         except (RunError, InputError) as e:
             errors.append(f"{size}: {e}")
-            if len(errors) >= 2 and errors[-1].split(": ", 1)[1] == errors[-2].split(": ", 1)[1]:
-                break  # the same failure at two sizes: larger inputs will not help
+            if len(errors) >= _SAME_FAILURES and len({error.split(": ", 1)[1] for error in errors[-_SAME_FAILURES:]}) == 1:
+                break  # the same failure at that many sizes: larger inputs will not help
             continue
         if size != _DIM_LADDER[0]:
             result.notes.append(
