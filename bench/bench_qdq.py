@@ -7,6 +7,9 @@ Conv1d + GRU speech encoder (skipped without torch or with `--no-torch`); more l
 real detectors from the corpus (`--corpus ddddocr_det nudenet_320n`: bench/corpus.py's cache,
 every op type the quantizer knows, calibration on the corpus's own inputs, test inputs of the same
 kind). Each is converted for several targets and runtime profiles, then run on several batches.
+With `--quantizer nncf` the same FP32 models are quantized by NNCF instead (`nncf.quantize`, ONNX
+backend, default preset, same calibration inputs; run from bench/out/nncf-venv: bench/README.md):
+Q/DQ on the inputs of Conv/MatMul/Add, float biases, Concat unquantized.
 
 The reference is the quantized FP32 model run **unfused** (onnxruntime with graph optimizations
 off: DequantizeLinear, the op and QuantizeLinear as written, the form a 16-bit runtime runs) and
@@ -21,7 +24,9 @@ k of n inputs with the same boxes (corpus metric: same class, IoU >= 0.9, same c
 smallest IoU of a reference box with its same-class match, m reference boxes lost, e boxes added.
 
 Columns: groups (ops between DequantizeLinear and QuantizeLinear with a 16-bit float side; `+Ni`:
-N more groups of data movement written on integers, which have no float side left), folded
+N more groups of data movement written on integers, which have no float side left), outside (the
+float ops outside quantized groups in 16 bits: where a quantizer wraps no op in Q/DQ on both sides,
+NNCF's way, this is the figure), folded
 (constant DequantizeLinear folded into float constants), casts (runtime Casts; `adjacent`: none
 beside a Q/DQ node), ints (integer tensors byte-identical, folded ones aside), ort-cpu (float16:
 runs on onnxruntime's CPU provider with default options, and its agreement with the unfused model).
@@ -39,6 +44,7 @@ DequantizeLinear or feeding a QuantizeLinear.
     python bench/bench_qdq.py                        # squeezenet, transformer, speech
     python bench/bench_qdq.py --corpus ddddocr_det --modelopt --batches 8 --out /tmp/qdq
     python bench/bench_qdq.py --cnn --corpus ddddocr_det --no-torch   # the detector alone
+    python bench/bench_qdq.py --corpus nudenet_320n --quantizer nncf --batches 4
 """
 
 from __future__ import annotations
@@ -268,12 +274,13 @@ def _row(case: Case, target: str, runtime: str, folder: Path, references: dict[s
     groups = f"{q.quantized_low}/{total} {q.quantized_low / total:.0%}" if total else "-"
     if q.on_integers:
         groups += f" +{len(q.on_integers)}i"
+    outside = f"{q.float_low_share:.0%}" if q.float_low_share is not None else "-"
     cpu = "-"
     if target == "fp16":
         real = _session(out, fused=True)
         cpu = _agree(case, [real(feeds) for feeds in case.batches], references["unfused"])
     return (
-        f"{case.name:<12} {target + ' ' + runtime:<14} {groups:>16} {len(q.folded):>6} {report.casts_runtime:>5} "
+        f"{case.name:<12} {target + ' ' + runtime:<14} {groups:>16} {outside:>7} {len(q.folded):>6} {report.casts_runtime:>5} "
         f"{pairs:<8} {'same' if _integers_kept(source, converted) else 'CHANGED':<7} {report.validation.checker:<7} "
         f"{_agree(case, got, references['unfused']):>16} {_agree(case, got, references['fused']):>16} "
         f"{cpu:>16}"
@@ -331,7 +338,7 @@ def _foreign_row(
     pairs = "adjacent" if beside == 0 else f"{beside} beside"
     ints = "-" if source is None else "same" if _integers_kept(source, converted) else "CHANGED"
     return (
-        f"{case.name:<12} {label:<14} {groups:>16} {'-':>6} {casts:>5} {pairs:<8} {ints:<7} {checker:<7} "
+        f"{case.name:<12} {label:<14} {groups:>16} {'-':>7} {'-':>6} {casts:>5} {pairs:<8} {ints:<7} {checker:<7} "
         f"{cols[0][:16]:>16} {cols[1][:16]:>16} {cols[2][:16]:>16}"
     )
 
@@ -347,6 +354,27 @@ def _converter_common(case: Case, folder: Path) -> Path:
 
 
 MODELOPT = ROOT / "bench" / "out" / "modelopt-venv" / "bin" / "python"
+NNCF = ROOT / "bench" / "out" / "nncf-venv" / "bin" / "python"
+
+
+def _requantized_with_nncf(case: Case, folder: Path) -> Case:
+    """The case with its FP32 model quantized by NNCF instead (`nncf.quantize`, ONNX backend,
+    its default MinMax preset on the same calibration inputs), run in NNCF's venv."""
+    import dataclasses  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    if case.fp32 is None:
+        raise SystemExit(f"--quantizer nncf: {case.name} has no FP32 model")
+    calibration = case.calibration or case.batches[:4]
+    data = folder / f"{case.name}_nncf_calibration.npz"
+    np.savez(data, **{f"{i}/{name}": array for i, batch in enumerate(calibration) for name, array in batch.items()})
+    out = folder / f"{case.name}_nncf.onnx"
+    command = [str(NNCF), str(ROOT / "bench" / "quantize_nncf.py"), str(case.fp32), str(data), str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    if done.returncode or not out.exists():
+        lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+        raise SystemExit(f"--quantizer nncf: {case.name}: exit {done.returncode}: {lines[-1] if lines else ''}")
+    return dataclasses.replace(case, path=out)
 
 
 def _modelopt(case: Case, folder: Path, precision: str) -> Path:
@@ -403,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modelopt", action="store_true", help="ModelOpt rows (its venv: bench/README.md)")
     parser.add_argument("--no-torch", action="store_true", help="skip the transformer and speech models")
     parser.add_argument("--batches", type=int, default=8)
+    parser.add_argument("--quantizer", choices=["onnxruntime", "nncf"], default="onnxruntime",
+                        help="who quantizes the FP32 models (nncf: its venv, bench/README.md)")
     parser.add_argument("--out", type=Path, help="keep the quantized models here")
     options = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT / "tests"))
@@ -422,8 +452,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if not options.no_torch:
                 cases += [_transformer(folder, options.batches), _speech(folder, options.batches)]
+        if options.quantizer == "nncf":
+            if not NNCF.exists():
+                raise SystemExit(f"--quantizer nncf: no {NNCF} (bench/README.md)")
+            cases = [_requantized_with_nncf(case, folder) for case in cases]
+        print(f"quantized with {options.quantizer}")
         print(
-            f"{'model':<12} {'target':<14} {'groups 16-bit':>16} {'folded':>6} {'casts':>5} {'pairs':<8} {'ints':<7} "
+            f"{'model':<12} {'target':<14} {'groups 16-bit':>16} {'outside':>7} {'folded':>6} {'casts':>5} {'pairs':<8} {'ints':<7} "
             f"{'checker':<7} {'vs unfused':>16} {'vs fused':>16} {'ort-cpu fp16':>16}   (top-1, min cosine over "
             f"{options.batches} batches)"
         )
@@ -434,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
                 "fused": [fused(feeds) for feeds in case.batches],
             }
             noise = _agree(case, references["fused"], references["unfused"])
-            print(f"{case.name:<12} {'INT8+FP32 fused':<14} {'':>12} {'':>6} {'':>5} {'':<8} {'':<7} {'':<7} {noise:>16} {'-':>16}")
+            print(f"{case.name:<12} {'INT8+FP32 fused':<14} {'':>16} {'':>7} {'':>6} {'':>5} {'':<8} {'':<7} {'':<7} {noise:>16} {'-':>16}")
             if case.judge:  # how sensitive the task output is: the unfused model on inputs with imperceptible noise
                 rng = np.random.default_rng(7)
                 noisy = [
@@ -442,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                     for feeds in case.batches
                 ]
                 jitter = _agree(case, [unfused(feeds) for feeds in noisy], references["unfused"])
-                print(f"{case.name:<12} {'INT8+FP32 noisy':<14} {'':>12} {'':>6} {'':>5} {'':<8} {'':<7} {'':<7} {jitter:>16} {'-':>16}")
+                print(f"{case.name:<12} {'INT8+FP32 noisy':<14} {'':>16} {'':>7} {'':>6} {'':>5} {'':<8} {'':<7} {'':<7} {jitter:>16} {'-':>16}")
             for target, runtime in TARGETS:
                 try:
                     print(_row(case, target, runtime, folder, references), flush=True)
