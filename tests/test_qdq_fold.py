@@ -337,6 +337,51 @@ def test_concat_group_stays_fp32_where_the_runtime_moves_no_integers() -> None:
     assert not any("onnxruntime fails" in n for n in result.report.notes)
 
 
+def _attention_probabilities() -> onnx.ModelProto:
+    """Scores dequantized from uint8, a Softmax quantized back to uint8 (ONNX Runtime's quantizer
+    writes attention so), beside a Softmax on plain floats."""
+    graph = oh.make_graph(
+        [
+            oh.make_node("QuantizeLinear", ["scores", "s", "z"], ["q"], name="q_scores"),
+            oh.make_node("DequantizeLinear", ["q", "s", "z"], ["dq"], name="dq_scores"),
+            oh.make_node("Softmax", ["dq"], ["p"], name="softmax", axis=-1),
+            oh.make_node("QuantizeLinear", ["p", "p_s", "p_z"], ["p_q"], name="q_p"),
+            oh.make_node("DequantizeLinear", ["p_q", "p_s", "p_z"], ["p_dq"], name="dq_p"),
+            oh.make_node("MatMul", ["p_dq", "v"], ["y"], name="matmul"),
+            oh.make_node("Softmax", ["y"], ["plain"], name="plain_softmax", axis=-1),
+        ],
+        "attention", [oh.make_tensor_value_info("scores", FLOAT, [2, 6, 6])],
+        [oh.make_tensor_value_info("p_q", TensorProto.UINT8, [2, 6, 6]), oh.make_tensor_value_info("plain", FLOAT, [2, 6, 4])],
+        [nh.from_array(np.array(0.05, np.float32), "s"), nh.from_array(np.array(128, np.uint8), "z"),
+         nh.from_array(np.array(1 / 255, np.float32), "p_s"), nh.from_array(np.array(0, np.uint8), "p_z"),
+         nh.from_array(np.random.default_rng(0).normal(0, 1, (6, 4)).astype(np.float32), "v")],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+def test_softmax_between_8bit_quantizers_converts_in_float16(target: str) -> None:
+    # The policy keeps Softmax FP32; between a DequantizeLinear of uint8 and a QuantizeLinear to
+    # uint8 (steps of 1/255) float16's rounding does not reach the result, so it converts there;
+    # bfloat16's does, and a Softmax on plain floats stays FP32 with the policy's reason.
+    source = _attention_probabilities()
+    result, out = convert(source, target_dtype=target, runtime="tensorrt", validate="run")
+    kept = _decisions(result)
+    assert kept["plain_softmax"] == ("policy", "Softmax: softmax-like normalisation: exp and a sum over the axis")
+    if target == "fp16":
+        assert "softmax" not in kept and "matmul" not in kept
+        softmax = next(n for n in out.graph.node if n.name == "softmax")
+        assert softmax.input[0] == "dq" and result.report.quantization.quantized_low == 1
+        feeds = {"scores": np.random.default_rng(1).normal(0, 2, (2, 6, 6)).astype(np.float32)}
+        got, expected = run_unfused(emulate_low_precision(out), feeds)[0], run_unfused(source, feeds)[0]
+        assert np.abs(got.astype(int) - expected.astype(int)).max() <= 1  # at most one output step
+    else:
+        assert kept["softmax"][0] in ("policy", "quantized pair")
+    assert_pairs_adjacent(source, out, result.report.quantization.folded)
+
+
 @pytest.mark.parametrize("runtime", ["ort-cuda", "tensorrt"])
 def test_dequantization_shared_with_a_concat_group_converts_for_its_other_readers(runtime: str) -> None:
     # YOLO's CSP blocks: one DequantizeLinear feeds a Concat group and a MatMul. Where the Concat

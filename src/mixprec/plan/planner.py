@@ -290,7 +290,7 @@ class Planner:
         """The node's policy class (see `readings.classify`), evaluated once per node (once per
         op for a policy rule without a condition)."""
         rule = facts.rule
-        if rule is not None and rule.op_class is not OpClass.CONDITIONAL:
+        if rule is not None and rule.condition is None:
             key = (node.domain, node.op_type, id(rule))
             found = self._static_classes.get(key)
             if found is None:

@@ -67,13 +67,18 @@ class Inputs(NamedTuple):
 
 
 def classify(node: ir.Node, facts: NodeFacts) -> PolicyClass:
-    """The node's op class from the policy; a conditional op's condition decides FOLLOW or FP32."""
+    """The node's op class from the policy; a conditional op's condition decides FOLLOW or FP32,
+    and an FP32 op's condition, where it holds, makes it FOLLOW."""
     rule = facts.rule
     assert rule is not None  # noqa: S101 (unknown_op decided nodes without one)
     op_name = format_op_name(node.domain, node.op_type)
-    if rule.op_class is not OpClass.CONDITIONAL:
+    if rule.condition is None:
         return PolicyClass(rule.op_class, Category.POLICY, f"{op_name}: {rule.reason}")
-    result = CONDITIONS[rule.condition or ""](node, small_constant_array, rule.params)
+    result = CONDITIONS[rule.condition](node, small_constant_array, rule.params)
+    if rule.op_class is OpClass.FP32:
+        if result.ok:
+            return PolicyClass(OpClass.FOLLOW, Category.CONDITION, f"{op_name}: {result.evidence}")
+        return PolicyClass(OpClass.FP32, Category.POLICY, f"{op_name}: {rule.reason}")
     return PolicyClass(OpClass.FOLLOW, Category.CONDITION, f"{op_name}: {result.evidence}", held=result.ok)
 
 

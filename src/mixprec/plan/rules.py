@@ -49,7 +49,7 @@ from mixprec.plan.model import Category, Decision, NodeFacts, NodeMatcher, Preci
 from mixprec.plan.readings import Inputs, PolicyClass
 from mixprec.policy.opfacts import OpFacts, op_facts
 from mixprec.policy.profiles import RuntimeProfile
-from mixprec.policy.table import OpClass, format_op_name
+from mixprec.policy.table import OpClass, OpRule, format_op_name
 
 __all__ = ["RULES", "Action", "PlanContext", "Rule", "Ruling", "decide", "rules_for"]
 
@@ -316,12 +316,18 @@ def fixed_type(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Ruling 
     return _keep(Category.SCHEMA, f"{op_name}: its {fixed_by} attribute fixes its output type")
 
 
+def _always_fp32(rule: OpRule) -> bool:
+    """Whether the policy keeps every node of the rule's op FP32 (an fp32 rule without a
+    condition that lets some follow their inputs)."""
+    return rule.op_class is OpClass.FP32 and rule.condition is None
+
+
 def runtime_blocked(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Ruling | None:
     """The runtime has no 16-bit kernel for the node's FP32 values (and the policy would not
     keep it FP32 anyway)."""
     if facts.lowerable or not facts.runtime_blocked & facts.float_vars:
         return None
-    if facts.rule is None or facts.rule.op_class is OpClass.FP32:
+    if facts.rule is None or _always_fp32(facts.rule):
         return None
     return _keep(Category.RUNTIME, facts.runtime_reason or "no 16-bit kernel")
 
@@ -495,7 +501,7 @@ _MAY_DECIDE: dict[Rule, Callable[[ir.Node, NodeFacts, PlanContext], bool]] = {
     dtype_source: lambda node, facts, context: facts.rule is not None and facts.rule.dtype_attribute is not None,
     fixed_type: lambda node, facts, context: op_facts(node.domain, node.op_type).dtype_attribute is not None,
     runtime_blocked: lambda node, facts, context: (
-        bool(facts.runtime_blocked) and facts.rule is not None and facts.rule.op_class is not OpClass.FP32
+        bool(facts.runtime_blocked) and facts.rule is not None and not _always_fp32(facts.rule)
     ),
     policy_class: lambda node, facts, context: (
         facts.rule is not None and facts.rule.op_class in (OpClass.FP32, OpClass.CONDITIONAL)

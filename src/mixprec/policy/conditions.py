@@ -87,8 +87,38 @@ def attribute_in(
     return ConditionResult(False, f"{name}={value!r} (converts only with {name} in {allowed})")
 
 
+def between_quantizers(
+    node: ir.Node, constant: ConstantLookup, params: Mapping[str, Any]
+) -> ConditionResult:
+    """Every non-constant input is dequantized from integers of at most `max_bits` bits and
+    every output is read only by quantizers to such integers: the op's inputs and result hold
+    no more than those bits (a quantized group: DequantizeLinear -> op -> QuantizeLinear)."""
+    from mixprec.policy.opfacts import op_facts  # noqa: PLC0415 - the table reads this module
+
+    bits = int(params.get("max_bits", 8))
+
+    def narrow(value: ir.Value | None) -> bool:
+        dtype = value.dtype if value is not None else None
+        return dtype is not None and dtype.is_integer() and dtype.bitwidth <= bits
+
+    def role(other: ir.Node) -> str | None:
+        return op_facts(other.domain, other.op_type).quantization
+
+    producers = [v.producer() for v in node.inputs if v is not None and v.const_value is None]
+    floats = [p for p in producers if p is None or p.op_type != "Constant"]  # None: a graph input
+    if not floats or not all(p is not None and role(p) == "dequantize" and narrow(p.inputs[0]) for p in floats):
+        return ConditionResult(False, f"not every input is dequantized from {bits}-bit integers")
+    for out in node.outputs:
+        uses = list(out.uses())
+        quantized = all(role(u.node) == "quantize" and narrow(u.node.outputs[0]) for u in uses)
+        if out.is_graph_output() or not uses or not quantized:
+            return ConditionResult(False, f"not every output is quantized to {bits}-bit integers")
+    return ConditionResult(True, f"between {bits}-bit DequantizeLinear and QuantizeLinear: its result keeps {bits} bits")
+
+
 CONDITIONS: dict[str, Condition] = {
     "attribute_in": attribute_in,
+    "between_quantizers": between_quantizers,
     "constant_exponent_at_most": constant_exponent_at_most,
     "reduced_size_at_most": reduced_size_at_most,
 }
