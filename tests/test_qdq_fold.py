@@ -427,6 +427,42 @@ def test_dequantization_shared_with_a_concat_group_converts_for_its_other_reader
         np.testing.assert_allclose(got, expected, atol=0.02 + 1e-6)  # at most one output step
 
 
+def test_dequantization_shared_with_float_ops_outside_groups_gets_a_twin() -> None:
+    # A transformer's LayerNorm output, dequantized once, feeds the next layer's quantized MatMul
+    # and a float pooling (Mul -> ReduceSum, which the policy keeps FP32). The pooling reads a
+    # twin DequantizeLinear in FP32; the MatMul group converts with the original.
+    rng = np.random.default_rng(0)
+    graph = oh.make_graph(
+        [
+            oh.make_node("QuantizeLinear", ["a", "s", "z"], ["a_q"], name="q_a"),
+            oh.make_node("DequantizeLinear", ["a_q", "s", "z"], ["a_dq"], name="dq_a"),
+            oh.make_node("DequantizeLinear", ["w_q", "w_s", "w_z"], ["w_dq"], name="dq_w"),
+            oh.make_node("MatMul", ["a_dq", "w_dq"], ["m"], name="matmul"),
+            oh.make_node("QuantizeLinear", ["m", "s", "z"], ["m_q"], name="q_m"),
+            oh.make_node("DequantizeLinear", ["m_q", "s", "z"], ["m_dq"], name="dq_m"),
+            oh.make_node("Mul", ["a_dq", "a_dq"], ["sq"], name="mul"),
+            oh.make_node("ReduceSum", ["sq"], ["pooled"], name="pool", keepdims=1),
+        ],
+        "shared", [oh.make_tensor_value_info("a", FLOAT, [2, 4])],
+        [oh.make_tensor_value_info("m_dq", FLOAT, [2, 3]), oh.make_tensor_value_info("pooled", FLOAT, [1, 1])],
+        [nh.from_array(np.array(0.02, np.float32), "s"), nh.from_array(np.array(0, np.int8), "z"),
+         nh.from_array(rng.integers(-127, 127, (4, 3)).astype(np.int8), "w_q"),
+         nh.from_array(np.array(0.01, np.float32), "w_s"), nh.from_array(np.array(0, np.int8), "w_z")],
+    )
+    source = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    source.ir_version = 10
+    result, out = convert(source, target_dtype="fp16", runtime="tensorrt", validate="run")
+    kept = _decisions(result)
+    nodes = {n.name: n for n in out.graph.node}
+    assert "matmul" not in kept and "dq_a" not in kept and {"pool", "mul", "dq_a_unshared"} <= set(kept)
+    assert nodes["matmul"].input[0] == "a_dq" and nodes["mul"].input[0] == nodes["dq_a_unshared"].output[0]
+    assert_pairs_adjacent(source, out, result.report.quantization.folded)
+    assert result.report.validation.runtime.startswith("ran")
+    feeds = {"a": np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)}
+    for got, expected in zip(run_unfused(emulate_low_precision(out), feeds), run_unfused(source, feeds)):
+        np.testing.assert_allclose(got, expected, atol=0.02 + 1e-6)  # at most one output step
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "onnxruntime's WeightBiasQuantization (level 1, every provider) rewrites a float bias "
     "of DQ -> Conv(DQ weight) -> Q into an int32 DequantizeLinear whose scale is input scale x weight scale "

@@ -1,22 +1,26 @@
-"""A dequantized activation read both by an op group the runtime keeps FP32 and by other ops gets
-one DequantizeLinear per side.
+"""A dequantized activation read by ops whose precision is decided apart gets one
+DequantizeLinear per kind of reader.
 
 A quantizer writes one DequantizeLinear per quantized tensor, whatever reads it: in YOLO-style
-CSP blocks a Split output feeds a Concat and the next Conv. Where the runtime keeps the Concat
-group FP32 (`fp32_groups` in `policy/tables/quantized_groups.toml`: onnxruntime's CPU provider
-fuses DQ -> Concat -> Q into a QLinearConcat that takes FP32 scales), the shared
-DequantizeLinear has to stay FP32 (no Cast may follow it), and with it every op it feeds: whole
-Conv groups stay FP32 for a Concat that only moves data.
+CSP blocks a Split output feeds a Concat and the next Conv; in a transformer a LayerNorm output
+feeds the quantized MatMul of the next layer and a float pooling (Mul -> ReduceSum). No Cast may
+follow a DequantizeLinear, so a shared one takes the precision of its widest reader, and with it
+every reader: where the runtime keeps the Concat group FP32 (`fp32_groups` in
+`policy/tables/quantized_groups.toml`: onnxruntime's CPU provider fuses DQ -> Concat -> Q into a
+QLinearConcat that takes FP32 scales), or where the float ops after it stay FP32, whole Conv and
+MatMul groups stayed FP32 for a reader that only moves data or pools.
 
-Here such a DequantizeLinear gets a twin with the same inputs and attributes that the other
-readers read; the original keeps the readers the runtime runs in FP32. Both read the same
-integer tensor, scale and zero point, so the model computes the same values, its integer tensors
-are untouched, and no Cast comes near a Q/DQ node. (onnxruntime itself gives every reader its own
-DequantizeLinear before fusing: EnsureUniqueDQForNodeUnit.)
+Here the readers are told apart by kind: ops of a group the runtime keeps FP32, other quantized
+groups (every output goes to a QuantizeLinear), and the rest (float ops outside groups). Where a
+DequantizeLinear has readers of more than one kind, the first kind keeps it and each other kind
+reads a twin with the same inputs and attributes. All read the same integer tensor, scale and
+zero point, so the model computes the same values, its integer tensors are untouched, and no
+Cast comes near a Q/DQ node. (onnxruntime itself gives every reader its own DequantizeLinear
+before fusing: EnsureUniqueDQForNodeUnit.)
 
 Rules: the node dequantizes a value that is no constant (constants are folded or kept as they
-are), the runtime runs one-op groups in the target type (`group_scales`), and among its readers
-some are ops in `fp32_groups` and some are not. The twin is named `<node>` + :data:`SUFFIX`.
+are), and the runtime runs one-op groups in the target type (`group_scales`). Twins are named
+`<node>` + :data:`SUFFIX` (then `_1`, `_2`, ...).
 """
 
 from __future__ import annotations
@@ -50,9 +54,10 @@ class SplitDequantizations:
         """One line for the report."""
         first = ", ".join(self.nodes[:5]) + (" ..." if len(self.nodes) > 5 else "")
         return (
-            f"gave {len(self.nodes)} DequantizeLinear(s) read by a group {runtime} keeps FP32 and by "
-            f"other ops a twin for the other ops (same integer input, scale and zero point; named "
-            f"'{SUFFIX}'), so those can convert: {first}"
+            f"gave {len(self.nodes)} DequantizeLinear(s) read by more than one kind of op (a group "
+            f"{runtime} keeps FP32, other quantized groups, float ops outside groups) a twin per "
+            f"further kind (same integer input, scale and zero point; named '{SUFFIX}'), so each "
+            f"kind takes its own precision: {first}"
         )
 
 
@@ -60,15 +65,16 @@ def split_shared_dequantizations(model: ir.Model, profile: RuntimeProfile, targe
     """Split the shared dequantizations (in place; see the module docstring for the rules)."""
     facts = quantized_groups(profile.name)
     done = SplitDequantizations()
-    if not facts.fp32_groups or target.ir_dtype not in facts.group_scales:
+    if target.ir_dtype not in facts.group_scales:
         return done
     fresh = _ModelNames(model)
     for graph in all_graphs(model):
         for node in list(graph):
-            others = _other_readers(node, facts.fp32_groups)
-            if others is None:
+            kinds = _readers_by_kind(node, facts.fp32_groups)
+            if len(kinds) < 2:
                 continue
-            _add_twin(graph, node, others, fresh)
+            for others in kinds[1:]:
+                _add_twin(graph, node, others, fresh)
             done.nodes.append(node.name or node.outputs[0].name or "DequantizeLinear")
     return done
 
@@ -87,18 +93,32 @@ class _ModelNames:
         return self._names
 
 
-def _other_readers(node: ir.Node, fp32_groups: Collection[tuple[str, str]]) -> list[Any] | None:
-    """The readers of a shared dequantization that are not in an FP32 group, or None when `node`
-    is not one to split (not a dequantization of a non-constant value read by both kinds)."""
+def _readers_by_kind(node: ir.Node, fp32_groups: Collection[tuple[str, str]]) -> list[list[Any]]:
+    """The uses of a dequantization of a non-constant value, by kind of reader (ops of a group the
+    runtime keeps FP32, other quantized groups, the rest; kinds without readers left out); none
+    for any other node."""
     if role(node) != "dequantize" or not node.inputs or not node.outputs or node.inputs[0] is None:
-        return None
+        return []
     if is_constant(node.inputs[0]) or node.outputs[0].is_graph_output():
-        return None
-    uses = list(node.outputs[0].uses())
-    others = [u for u in uses if (normalize_domain(u.node.domain), u.node.op_type) not in fp32_groups]
-    if not others or len(others) == len(uses):
-        return None
-    return others
+        return []
+    kinds: list[list[Any]] = [[], [], []]
+    for use in node.outputs[0].uses():
+        reader = use.node
+        if (normalize_domain(reader.domain), reader.op_type) in fp32_groups:
+            kinds[0].append(use)
+        elif _quantized_group(reader):
+            kinds[1].append(use)
+        else:
+            kinds[2].append(use)
+    return [uses for uses in kinds if uses]
+
+
+def _quantized_group(node: ir.Node) -> bool:
+    """Whether every used output of the node goes only to quantizers (none is a graph output)."""
+    used = [out for out in node.outputs if out.uses() or out.is_graph_output()]
+    return bool(used) and all(
+        not out.is_graph_output() and all(role(use.node) == "quantize" for use in out.uses()) for out in used
+    )
 
 
 def _add_twin(graph: ir.Graph, node: ir.Node, others: list[Any], fresh: _ModelNames) -> None:
