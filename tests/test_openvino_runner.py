@@ -168,3 +168,29 @@ def test_openvino_profile_keeps_batchnorm_types_uniform(models: dict[str, Path],
     assert "block1/BatchNormalization" not in {k.name for k in mixed.report.kept_fp32}
     with pytest.raises(mixprec.ValidationError, match="element types do not match"):
         OpenVinoSession(tmp_path / "mixed.onnx", precision="model")
+
+
+def test_a_model_only_the_accuracy_mode_cannot_compile_is_checked_with_default_options(
+    models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # OpenVINO 2026.4 fails to compile some float16 QDQ models in its own element types
+    # (EXECUTION_MODE_HINT=ACCURACY: its FakeQuantize decomposition mixes f32 and f16 constants,
+    # seen on pipecat's INT8 Smart Turn) and compiles them with its default options, as users
+    # do. That compilation failure stands in here for the one of that model.
+    from mixprec.errors import RunError
+    from mixprec.runtime import openvino as runner
+
+    real = runner.OpenVinoSession.__init__
+
+    def accuracy_mode_fails(self, model_path, *, precision="model", num_threads=None):  # type: ignore[no-untyped-def]
+        if precision == "model":  # only the converted model is compiled so; the FP32 one at f32
+            raise RunError(f"OpenVINO cannot compile {model_path}: Arguments do not have the same element type.")
+        real(self, model_path, precision=precision, num_threads=num_threads)
+
+    monkeypatch.setattr(runner.OpenVinoSession, "__init__", accuracy_mode_fails)
+    result = mixprec.convert(models["fp32"], tmp_path / "converted.onnx", target_dtype="bf16", runtime="openvino")
+    v = result.report.validation
+    assert v.real_runtime == "OpenVINO CPU (default options)"
+    assert [o.name for o in v.real_outputs] == ["logits", "probs"] and v.real_outputs[0].max_abs_error < 0.1
+    note = next(n for n in v.notes if "EXECUTION_MODE_HINT=ACCURACY" in n)
+    assert "compiles the converted model with its default options" in note and "same element type)" in note

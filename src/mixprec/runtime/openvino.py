@@ -7,7 +7,8 @@ second opinion on what a converted model does on hardware. ``openvino`` is an
 optional dependency: importing this module does not import it;
 :func:`openvino_available` and :class:`OpenVinoSession` do.
 
-Precision modes (:class:`OpenVinoSession` ``precision=``):
+Precision modes (:class:`OpenVinoSession` ``precision=``; ``"default"``: no hint, what a user's
+``compile_model(model, "CPU")`` gets):
 
 ``"f32"``
     ``INFERENCE_PRECISION_HINT=f32``. On a processor with bfloat16 support the CPU
@@ -97,6 +98,7 @@ PRECISIONS: dict[str, dict[str, str]] = {
     "f32": {"INFERENCE_PRECISION_HINT": "f32"},
     "bf16": {"INFERENCE_PRECISION_HINT": "bf16"},
     "model": {"EXECUTION_MODE_HINT": "ACCURACY"},
+    "default": {},
 }
 
 # One stream, latency mode: a single synchronous request uses all cores for one
