@@ -237,6 +237,22 @@ def test_activation_scale_below_the_normal_range_keeps_only_its_pair_fp32() -> N
     np.testing.assert_allclose(run(emulate_low_precision(out), feeds)[0], run_unfused(source, feeds)[0], atol=2 * Y_SCALE)
 
 
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+def test_qdq_nodes_stay_fp32_where_the_runtime_compiles_no_16bit_scales(target: str) -> None:
+    # OpenVINO's low-precision transformations fail on bfloat16 Q/DQ scales (`qdq_scales`): every
+    # Q/DQ node stays FP32 for it, and the ops between them with it; float16 scales compile.
+    result, out = convert(qdq_conv(), target_dtype=target, runtime="openvino")
+    kept = _decisions(result)
+    qdq = [n.name for n in out.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    if target == "bf16":
+        assert all("openvino compiles QuantizeLinear/DequantizeLinear with FP32 scales only" in kept[name][1] for name in qdq)
+        assert result.report.quantization.quantized_low == 0
+        assert all(t != BFLOAT16 for t in initializer_types(out).values())
+    else:
+        assert "conv2" not in kept and "dq_p" not in kept and result.report.quantization.quantized_low > 0
+    check_full(out)
+
+
 # -- one-op groups --------------------------------------------------------------------------------
 
 
@@ -590,7 +606,7 @@ def test_quantized_groups_table_agrees_with_the_runtime_profiles() -> None:
     assert quantized_groups("onnx") is quantized_groups("no-such-runtime")  # the default
 
 
-_ENTRY = {"float_dequantize": [], "group_scales": ["float"], "fp32_groups": [], "integer_groups": [], "fp32_readers": [], "source": "x"}
+_ENTRY = {"float_dequantize": [], "group_scales": ["float"], "fp32_groups": [], "integer_groups": [], "qdq_scales": ["float"], "fp32_readers": [], "source": "x"}
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from mixprec.plan.model import Category, Decision, PrecisionPlan
 from mixprec.policy.opfacts import op_facts
 from mixprec.policy.quantized_groups import quantized_groups
 
-__all__ = ["broken_pairs", "fp32_readers", "keep_pairs", "small_scales"]
+__all__ = ["broken_pairs", "fp32_quantizers", "fp32_readers", "keep_pairs", "small_scales"]
 
 Forced = dict[ir.Node, tuple[Category, str]]
 
@@ -119,6 +119,16 @@ def fp32_readers(nodes: list[ir.Node], runtime: str | None) -> Forced:
     return found
 
 
+def fp32_quantizers(nodes: list[ir.Node], runtime: str | None, target: LowPrecision) -> Forced:
+    """Every Q/DQ node where the runtime compiles no `target` scales (`qdq_scales` in
+    `policy/tables/quantized_groups.toml`)."""
+    facts = quantized_groups(runtime)
+    if facts.compiles_scales_in(target):
+        return {}
+    reason = f"{runtime} compiles QuantizeLinear/DequantizeLinear with FP32 scales only ({facts.runtime} in quantized_groups.toml)"
+    return {node: (Category.RUNTIME, reason) for node in nodes if role(node) is not None}
+
+
 def keep_pairs(
     plan: Callable[[Mapping[ir.Node, tuple[Category, str]]], PrecisionPlan],
     nodes: list[ir.Node],
@@ -134,7 +144,9 @@ def keep_pairs(
     extra: Forced = dict(forced or {})
     if not has_qdq(nodes):
         return plan(extra)
-    for node, finding in (*small_scales(nodes, target).items(), *fp32_readers(nodes, runtime).items()):
+    found = (*fp32_quantizers(nodes, runtime, target).items(), *small_scales(nodes, target).items(),
+             *fp32_readers(nodes, runtime).items())
+    for node, finding in found:
         extra.setdefault(node, finding)
     while True:
         result = plan(extra)

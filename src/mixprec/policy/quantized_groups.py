@@ -18,7 +18,7 @@ from mixprec.policy.toml_tables import runtime_sections, shipped_table
 __all__ = ["QuantizedGroups", "parse_quantized_groups", "quantized_groups"]
 
 _SOURCE = "quantized_groups.toml"
-_KEYS = ("float_dequantize", "group_scales", "fp32_groups", "integer_groups", "fp32_readers", "source")
+_KEYS = ("float_dequantize", "group_scales", "fp32_groups", "integer_groups", "qdq_scales", "fp32_readers", "source")
 _FLOAT_NAMES = {"float": "FLOAT", "float16": "FLOAT16", "bfloat16": "BFLOAT16"}
 
 
@@ -34,6 +34,7 @@ class QuantizedGroups:
         fp32_groups: (domain, op) of the one-op groups that stay FP32 all the same.
         integer_groups: (domain, op) of the data-movement ones among those the converter
             writes on integers where the runtime runs the op on the integer type.
+        qdq_scales: Float types the runtime compiles Q/DQ scales in.
         fp32_readers: (domain, op) of the ops the runtime runs only with an FP32
             DequantizeLinear input.
         source: Where the facts come from.
@@ -44,6 +45,7 @@ class QuantizedGroups:
     group_scales: frozenset[ir.DataType]
     fp32_groups: frozenset[tuple[str, str]]
     integer_groups: frozenset[tuple[str, str]]
+    qdq_scales: frozenset[ir.DataType]
     fp32_readers: frozenset[tuple[str, str]]
     source: str
 
@@ -54,6 +56,10 @@ class QuantizedGroups:
     def runs_group_in(self, target: LowPrecision, domain: str, op_type: str) -> bool:
         """Whether a one-op group (DQ -> op -> Q) of this op runs in `target` on this runtime."""
         return target.ir_dtype in self.group_scales and (normalize_domain(domain), op_type) not in self.fp32_groups
+
+    def compiles_scales_in(self, target: LowPrecision) -> bool:
+        """Whether the runtime compiles Q/DQ nodes with `target` scales."""
+        return target.ir_dtype in self.qdq_scales
 
     def reads_dequantized_in_fp32(self, domain: str, op_type: str) -> bool:
         """Whether the op runs on this runtime only with an FP32 DequantizeLinear input."""
@@ -81,12 +87,15 @@ def parse_quantized_groups(document: Mapping[str, Any], source: str) -> dict[str
         if any(t.is_floating_point() for t in integers):
             raise PolicyError(f"{where}: 'float_dequantize' lists integer types only")
         scales = _types(entry["group_scales"], f"{where}: 'group_scales'", _FLOAT_NAMES)
+        qdq_scales = _types(entry["qdq_scales"], f"{where}: 'qdq_scales'", _FLOAT_NAMES)
         groups, on_integers, readers = (
             _ops(entry[key], f"{where}: {key!r}") for key in ("fp32_groups", "integer_groups", "fp32_readers")
         )
         if not on_integers <= groups:
             raise PolicyError(f"{where}: 'integer_groups' lists ops of 'fp32_groups' only")
-        table[runtime] = QuantizedGroups(runtime, integers, scales, groups, on_integers, readers, entry["source"])
+        table[runtime] = QuantizedGroups(
+            runtime, integers, scales, groups, on_integers, qdq_scales, readers, entry["source"]
+        )
     return table
 
 
