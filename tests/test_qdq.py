@@ -46,7 +46,7 @@ def assert_pairs_adjacent(
     """Every Q/DQ node of `source` is still there but the `folded` ones (DequantizeLinear nodes
     of constants, folded into float constants) and those of groups written on integers
     (`on_integers`: op -> the Q/DQ nodes it replaced; `mixprec.passes.integer_groups`, whose
-    requantizations are named after the op), besides twins of shared DequantizeLinear nodes
+    requantizations are named `<op>_<DequantizeLinear>_requantized`), besides twins of shared DequantizeLinear nodes
     (`mixprec.passes.split_dequantize`), and no Cast reads a DequantizeLinear's output
     or feeds a QuantizeLinear (in any graph)."""
     def nodes(graph: onnx.GraphProto):  # noqa: ANN202
@@ -68,7 +68,10 @@ def assert_pairs_adjacent(
     after = list(nodes(converted.graph))
     twins = [n.name for n in after if n.op_type == "DequantizeLinear" and SUFFIX in n.name]  # split_dequantize
     assert all(name.split(SUFFIX)[0] in before for name in twins), twins
-    added = [n.name for n in after if n.op_type == "QuantizeLinear" and any(n.name.startswith(f"{op}_input") for op in rewritten)]
+    added = [  # the FP32 requantizations of their inputs
+        n.name for n in after if n.op_type in qdq and n.name.endswith(("_requantized", "_dequantized"))
+        and any(n.name.startswith(f"{op}_") for op in rewritten)
+    ]
     assert sorted(n.name for n in after if n.op_type in qdq and n.name not in twins and n.name not in added) == before
     cast_inputs = {n.input[0]: n.name for n in after if n.op_type == "Cast"}
     cast_outputs = {n.output[0]: n.name for n in after if n.op_type == "Cast"}

@@ -303,21 +303,24 @@ def _concat_feeds() -> dict[str, np.ndarray]:
 def test_concat_group_is_written_on_integers_where_its_16bit_form_cannot_load(a_scale: float) -> None:
     # onnxruntime's CPU provider fuses DQ -> Concat -> Q into QLinearConcat whatever the scale
     # type, and QLinearConcat takes FP32 scales only. ONNX Runtime CUDA concatenates int8: the
-    # group becomes Concat(QuantizeLinear(DequantizeLinear(x_i), s, z)), the same values, with
+    # group becomes Concat(QuantizeLinear(DequantizeLinear(x_i), s, z)), the same integers, with
     # no QuantizeLinear where input and output share scale and zero point. Nothing stays FP32 but
-    # the quantizers of the FP32 graph inputs.
+    # the quantizers of the FP32 graph inputs and the requantization (FP32: exact).
     source = _concat_model(a_scale=a_scale)
     result, out = convert(source, target_dtype="fp16", runtime="ort-cuda", validate="run")
-    assert set(_decisions(result)) == {"q_a", "q_b"}
     nodes = {n.name: n for n in out.graph.node}
     concat = nodes["concat"]
     assert "q_c" not in nodes and concat.output[0] == "c_q"
     if a_scale == 0.02:  # the same scale and zero point: the integers themselves
+        assert set(_decisions(result)) == {"q_a", "q_b"}
         assert list(concat.input) == ["a_q", "b_q"] and "dq_a" not in nodes and "dq_b" not in nodes
-    else:  # a is requantized to the output's scale (in float16), b moves as it is
-        requantize = next(n for n in out.graph.node if n.output[0] == concat.input[0])
-        assert requantize.op_type == "QuantizeLinear" and requantize.input[0] == "a_dq" and concat.input[1] == "b_q"
-        assert initializer_types(out)[requantize.input[1]] == FLOAT16
+    else:  # a is requantized to the output's scale in FP32, b moves as it is
+        kept = _decisions(result)
+        assert set(kept) == {"q_a", "q_b", "dq_a", "concat_dq_a_requantized"}
+        assert "in FP32 the integers stay exact" in kept["concat_dq_a_requantized"][1]
+        requantize = nodes["concat_dq_a_requantized"]
+        assert concat.input[0] == requantize.output[0] and requantize.input[0] == "a_dq" and concat.input[1] == "b_q"
+        assert initializer_types(out)[requantize.input[1]] == FLOAT
     assert result.report.quantization.on_integers == {"concat": ("q_c", *(("dq_a", "dq_b") if a_scale == 0.02 else ("dq_b",)))}
     assert_pairs_adjacent(source, out, (), result.report.quantization.on_integers)
     assert "1 data-movement group(s) written on integers" in result.report.format_text()
@@ -340,6 +343,79 @@ def _with_output(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
     copy.CopyFrom(model)
     copy.graph.output.append(oh.make_tensor_value_info(name, TensorProto.INT8, [2, 8]))
     return copy
+
+
+def _concat_variant(nodes: list[onnx.NodeProto], inputs: list[str], outputs: dict[str, tuple[int, list[int]]]) -> onnx.ModelProto:
+    """A graph of `nodes` over float inputs `inputs` [2, 4] (scales s = 0.02 and s_a = 0.013, zero
+    point z) with `outputs` of the given element types and shapes."""
+    graph = oh.make_graph(
+        nodes, "variant", [oh.make_tensor_value_info(n, FLOAT, [2, 4]) for n in inputs],
+        [oh.make_tensor_value_info(name, dtype, shape) for name, (dtype, shape) in outputs.items()],
+        [nh.from_array(np.array(0.02, np.float32), "s"), nh.from_array(np.array(0.013, np.float32), "s_a"),
+         nh.from_array(np.array(0, np.int8), "z")],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
+def test_concat_group_on_integers_handles_repeated_inputs_and_default_zero_points() -> None:
+    # One DequantizeLinear read twice gets one requantization; a QuantizeLinear without a zero
+    # point yields uint8 (the schema's default) and its group is rewritten all the same.
+    repeated = _concat_variant([
+        oh.make_node("QuantizeLinear", ["a", "s_a", "z"], ["a_q"], name="q_a"),
+        oh.make_node("DequantizeLinear", ["a_q", "s_a", "z"], ["a_dq"], name="dq_a"),
+        oh.make_node("Concat", ["a_dq", "a_dq"], ["c"], name="concat", axis=1),
+        oh.make_node("QuantizeLinear", ["c", "s", "z"], ["c_q"], name="q_c"),
+        oh.make_node("DequantizeLinear", ["c_q", "s", "z"], ["y"], name="dq_c"),
+    ], ["a"], {"y": (FLOAT, [2, 8])})
+    result, out = convert(repeated, target_dtype="fp16", runtime="ort-cuda", validate="run")
+    concat = next(n for n in out.graph.node if n.name == "concat")
+    assert concat.input[0] == concat.input[1] and result.report.quantization.on_integers == {"concat": ("q_c",)}
+    assert sum(n.op_type == "QuantizeLinear" for n in out.graph.node) == 2  # q_a and one requantization
+    feeds = {"a": np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)}
+    np.testing.assert_array_equal(run(out, feeds)[0], run_unfused(repeated, feeds)[0])
+
+    unsigned = _concat_variant([
+        oh.make_node("QuantizeLinear", ["a", "s"], ["a_q"], name="q_a"),
+        oh.make_node("DequantizeLinear", ["a_q", "s"], ["a_dq"], name="dq_a"),
+        oh.make_node("QuantizeLinear", ["b", "s_a"], ["b_q"], name="q_b"),
+        oh.make_node("DequantizeLinear", ["b_q", "s_a"], ["b_dq"], name="dq_b"),
+        oh.make_node("Concat", ["a_dq", "b_dq"], ["c"], name="concat", axis=1),
+        oh.make_node("QuantizeLinear", ["c", "s"], ["y"], name="q_c"),
+    ], ["a", "b"], {"y": (TensorProto.UINT8, [2, 8])})
+    result, out = convert(unsigned, target_dtype="fp16", runtime="ort-cuda", validate="run")
+    assert result.report.quantization.on_integers == {"concat": ("q_c", "dq_a")}
+    feeds = {"a": np.linspace(0, 1, 8, dtype=np.float32).reshape(2, 4), "b": np.full((2, 4), 0.7, np.float32)}
+    np.testing.assert_array_equal(run(out, feeds)[0], run_unfused(unsigned, feeds)[0])
+
+
+def test_concat_group_reading_an_outer_dequantization_is_left_alone() -> None:
+    # The DequantizeLinear lives in the main graph, the Concat group in an If branch: the group
+    # stays as it is (FP32), and the conversion neither fails nor leaves a dangling value.
+    branch = oh.make_graph(
+        [oh.make_node("Concat", ["a_dq", "a_dq"], ["c"], name="concat", axis=1),
+         oh.make_node("QuantizeLinear", ["c", "s", "z"], ["c_q"], name="q_c"),
+         oh.make_node("DequantizeLinear", ["c_q", "s", "z"], ["c_dq"], name="dq_c")],
+        "then", [], [oh.make_tensor_value_info("c_dq", FLOAT, [2, 8])],
+    )
+    other = oh.make_graph(
+        [oh.make_node("Concat", ["a", "a"], ["d"], name="plain", axis=1)], "else", [],
+        [oh.make_tensor_value_info("d", FLOAT, [2, 8])],
+    )
+    model = _concat_variant([
+        oh.make_node("QuantizeLinear", ["a", "s", "z"], ["a_q"], name="q_a"),
+        oh.make_node("DequantizeLinear", ["a_q", "s", "z"], ["a_dq"], name="dq_a"),
+        oh.make_node("ReduceMax", ["a"], ["m"], keepdims=0),
+        oh.make_node("Greater", ["m", "zero"], ["cond"]),
+        oh.make_node("If", ["cond"], ["y"], name="if", then_branch=branch, else_branch=other),
+    ], ["a"], {"y": (FLOAT, [2, 8])})
+    model.graph.initializer.append(nh.from_array(np.array(0, np.float32), "zero"))
+    result, out = convert(model, target_dtype="fp16", runtime="ort-cuda", validate="run")
+    check_full(out)
+    assert not result.report.quantization.on_integers
+    feeds = {"a": np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)}
+    np.testing.assert_allclose(run(out, feeds)[0], run_unfused(model, feeds)[0], atol=1e-6)
 
 
 def test_concat_group_stays_fp32_where_the_runtime_moves_no_integers() -> None:
@@ -394,7 +470,7 @@ def test_softmax_between_8bit_quantizers_converts_in_float16(target: str) -> Non
         got, expected = run_unfused(emulate_low_precision(out), feeds)[0], run_unfused(source, feeds)[0]
         assert np.abs(got.astype(int) - expected.astype(int)).max() <= 1  # at most one output step
     else:
-        assert kept["softmax"][0] in ("policy", "quantized pair")
+        assert kept["softmax"] == ("policy", "Softmax: softmax-like normalisation: exp and a sum over the axis")
     assert_pairs_adjacent(source, out, result.report.quantization.folded)
 
 
@@ -613,6 +689,7 @@ _ENTRY = {"float_dequantize": [], "group_scales": ["float"], "fp32_groups": [], 
     ("entry", "message"),
     [
         ({**_ENTRY, "fp32_readers": None}, "missing key 'fp32_readers'"),
+        ({**_ENTRY, "qdq_scales": None}, "missing key 'qdq_scales'"),
         ({**_ENTRY, "float_dequantize": ["float"]}, "integer types only"),
         ({**_ENTRY, "group_scales": ["int8"]}, "unknown type 'int8'"),
         ({**_ENTRY, "extra": 1}, "unknown key 'extra'"),

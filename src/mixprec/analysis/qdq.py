@@ -20,13 +20,19 @@ from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.policy.opfacts import op_facts
 from mixprec.policy.quantized_groups import quantized_groups
 
-__all__ = ["FOLDED", "ON_INTEGERS", "folded_from", "has_qdq", "on_integers", "quantizes_float_chain", "role"]
+__all__ = [
+    "FOLDED", "ON_INTEGERS", "REQUANTIZES", "folded_from", "has_qdq", "on_integers", "quantizes_float_chain",
+    "requantizes", "role",
+]
 
 # Value meta key of a constant folded from a DequantizeLinear: that node's name.
 FOLDED = "mixprec.folded_dequantize"
 # Node meta key of an op whose quantized group was written on integers: the QuantizeLinear it
 # replaced and the DequantizeLinear(s) it no longer needs, by name.
 ON_INTEGERS = "mixprec.on_integers"
+# Node meta key of a DequantizeLinear / QuantizeLinear that requantizes an input of such an op to
+# its output's scale, in FP32: the op's name.
+REQUANTIZES = "mixprec.requantizes"
 
 
 def _metadata(item: ir.Value | ir.Node) -> Mapping[str, Any] | None:
@@ -42,6 +48,12 @@ def folded_from(value: ir.Value) -> str | None:
     """The DequantizeLinear `value` was folded from (its name; None: not folded)."""
     store = _metadata(value)
     return None if store is None else store.get(FOLDED)
+
+
+def requantizes(node: ir.Node) -> str | None:
+    """The op whose input the node requantizes in FP32 (None: not such a node)."""
+    store = _metadata(node)
+    return None if store is None else store.get(REQUANTIZES)
 
 
 def on_integers(node: ir.Node) -> tuple[str, ...] | None:

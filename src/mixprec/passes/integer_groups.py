@@ -2,7 +2,7 @@
 
 A Concat group (DequantizeLinear(s) -> Concat -> QuantizeLinear) only moves values and
 requantizes them to the output's scale. In 16 bits it fails to load on onnxruntime's CPU
-provider, where every converted model is checked and GPU sessions fall back: its QDQ rules fuse
+provider, where every converted model is checked and GPU providers fall back: its QDQ rules fuse
 the group into a QLinearConcat that takes FP32 scales only (`fp32_groups` in
 `policy/tables/quantized_groups.toml`), so the group would stay FP32. Quantization is
 elementwise and Concat moves elements, so
@@ -10,17 +10,18 @@ elementwise and Concat moves elements, so
     QuantizeLinear(Concat(DequantizeLinear(x_i, s_i, z_i)), s, z)
         == Concat(QuantizeLinear(DequantizeLinear(x_i, s_i, z_i), s, z))
 
-exactly: each input is requantized to the output's scale (a DequantizeLinear -> QuantizeLinear
-pair, which converts like any other; none where the input's scale and zero point already are
-the output's, since the pair is then the identity) and the op moves integers. The runtime must
-run the op on the integer type (its profile says so: ONNX Runtime's CUDA Concat does, TensorRT's
-does not, and there the group stays FP32, which TensorRT fuses into an integer Concat anyway).
+element for element: each input is requantized to the output's scale by a DequantizeLinear ->
+QuantizeLinear pair of its own, which stays FP32 (the planner reads :data:`REQUANTIZES`), so the
+integers are bit for bit those of the FP32 group; an input whose scale and zero point already
+are the output's needs none (the pair is the identity). The op then moves integers. The
+runtime must run the op on the integer type (its profile says so: ONNX Runtime's CUDA Concat
+does, TensorRT's does not).
 
 Rules (`integer_groups` in the same table):
   1. The op is listed for the runtime, the runtime keeps its group FP32 in the target type,
      and its profile runs the op on the group's integer type.
-  2. Every input is a DequantizeLinear output of the integer type the single QuantizeLinear
-     reader of the op's only output yields; that output is no graph output.
+  2. Every input is a DequantizeLinear output (of the op's graph) of the integer type that the
+     single QuantizeLinear reader of the op's only output yields; that output is no graph output.
   3. The QuantizeLinear's scale and zero point are constant and per tensor (one value each).
 """
 
@@ -32,7 +33,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_tensor, read_array
-from mixprec.analysis.qdq import ON_INTEGERS, role
+from mixprec.analysis.qdq import ON_INTEGERS, REQUANTIZES, role
 from mixprec.dtypes import LowPrecision
 from mixprec.graphs import FreshNames, all_graphs, model_names, normalize_domain
 from mixprec.passes.fold_dequantize import drop_if_unused
@@ -58,12 +59,12 @@ class IntegerGroups:
     def note(self, runtime: str, target: LowPrecision) -> str:
         """One line for the report."""
         first = ", ".join(self.nodes[:5]) + (" ..." if len(self.nodes) > 5 else "")
-        inputs = f"{self.requantized} input(s) requantized to their group's output scale"
+        inputs = f"{self.requantized} input(s) requantized in FP32 to their group's output scale"
         return (
             f"wrote {len(self.nodes)} quantized data-movement group(s) on integers ({inputs}, the "
-            f"others already on it): their {target.value} form does not load on onnxruntime's CPU "
-            f"provider (QLinearConcat takes FP32 scales) and {runtime} runs them on integers; "
-            f"the values are the same: {first}"
+            f"others already on it): onnxruntime's CPU provider fuses their {target.value} form into "
+            f"an integer kernel that takes FP32 scales only, and {runtime} runs them on integers; "
+            f"the integers are those of the FP32 groups: {first}"
         )
 
 
@@ -115,7 +116,9 @@ def _group(node: ir.Node, facts: QuantizedGroups, profile: RuntimeProfile, targe
     dequantizers = []
     for value in node.inputs:
         producer = value.producer() if value is not None else None
-        if producer is None or role(producer) != "dequantize" or _dequantized_type(producer) != dtype:
+        if producer is None or producer.graph is not node.graph or role(producer) != "dequantize":
+            return None
+        if _dequantized_type(producer) != dtype:
             return None
         dequantizers.append(producer)
     return _Group(node, tuple(dequantizers), quantizer, dtype)
@@ -128,8 +131,13 @@ def _quantized_type(node: ir.Node) -> ir.DataType | None:
     if dtype is None:
         attr = node.attributes.get("output_dtype")
         zero_point = node.inputs[2] if len(node.inputs) > 2 else None
-        tensor = constant_tensor(zero_point) if zero_point is not None else None
-        dtype = tensor.dtype if tensor is not None else ir.DataType(attr.as_int()) if attr is not None else None
+        if zero_point is not None:
+            tensor = constant_tensor(zero_point)
+            dtype = tensor.dtype if tensor is not None else None
+        elif attr is not None and attr.as_int():
+            dtype = ir.DataType(attr.as_int())
+        else:
+            dtype = ir.DataType.UINT8  # the schema's default
     return dtype if dtype is not None and dtype.is_integer() else None
 
 
@@ -180,24 +188,21 @@ def _rewrite(graph: ir.Graph, group: _Group, names: tuple[FreshNames, FreshNames
     """Rewrite one group; how many inputs got a QuantizeLinear."""
     values, node_names = names
     op, quantizer = group.op, group.quantizer
+    base = op.name or op.op_type
+    requantized: dict[ir.Node, ir.Value] = {}  # one requantization per DequantizeLinear
     integers: list[ir.Value] = []
-    added = 0
-    for index, dequantizer in enumerate(group.dequantizers):
+    for dequantizer in group.dequantizers:
         if _same_quantization(dequantizer, quantizer):
             integers.append(dequantizer.inputs[0])
-            continue
-        base = f"{op.name or op.op_type}_input{index}_requantized"
-        out = ir.Value(name=values(base), type=ir.TensorType(group.dtype))
-        requantize = ir.Node(
-            quantizer.domain, quantizer.op_type, [dequantizer.outputs[0], *quantizer.inputs[1:]],
-            list(quantizer.attributes.values()), outputs=[out], name=node_names(base), version=quantizer.version,
-        )
-        graph.insert_before(op, requantize)
-        integers.append(out)
-        added += 1
+        elif dequantizer in requantized:
+            integers.append(requantized[dequantizer])
+        else:
+            requantized[dequantizer] = _requantize(graph, op, dequantizer, quantizer, group.dtype, (values, node_names), base)
+            integers.append(requantized[dequantizer])
     result = ir.Value(name=None, type=ir.TensorType(group.dtype), shape=quantizer.outputs[0].shape)
     moved = ir.Node(
-        op.domain, op.op_type, integers, list(op.attributes.values()), outputs=[result], name=op.name, version=op.version,
+        op.domain, op.op_type, integers, list(op.attributes.values()), outputs=[result], name=op.name,
+        version=op.version, doc_string=op.doc_string, metadata_props=dict(op.metadata_props),
     )
     graph.insert_before(op, moved)
     removed = [quantizer] + [d for d in dict.fromkeys(group.dequantizers) if _unused_but_by(d, op)]
@@ -210,4 +215,35 @@ def _rewrite(graph: ir.Graph, group: _Group, names: tuple[FreshNames, FreshNames
     for value in (v for node in removed for v in node.inputs[1:]):
         if value is not None:
             drop_if_unused(graph, value)
-    return added
+    return len(requantized)
+
+
+def _requantize(
+    graph: ir.Graph, op: ir.Node, dequantizer: ir.Node, quantizer: ir.Node, dtype: ir.DataType,
+    names: tuple[FreshNames, FreshNames], base: str,
+) -> ir.Value:
+    """A QuantizeLinear of `dequantizer`'s values to `quantizer`'s scale, through a
+    DequantizeLinear of its own (a copy of `dequantizer` where `op` is not its only reader),
+    both marked to stay FP32; the integers it yields."""
+    values, node_names = names
+    source = dequantizer
+    if not _unused_but_by(dequantizer, op):
+        copy_name = node_names(f"{base}_{dequantizer.name or 'input'}_dequantized")
+        copy_out = ir.Value(name=values(copy_name), type=dequantizer.outputs[0].type, shape=dequantizer.outputs[0].shape)
+        source = ir.Node(
+            dequantizer.domain, dequantizer.op_type, list(dequantizer.inputs), list(dequantizer.attributes.values()),
+            outputs=[copy_out], name=copy_name, version=dequantizer.version,
+        )
+        graph.insert_before(op, source)
+        source.meta[REQUANTIZES] = op.name or op.op_type
+    name = node_names(f"{base}_{dequantizer.name or 'input'}_requantized")
+    out = ir.Value(name=values(name), type=ir.TensorType(dtype))
+    requantize = ir.Node(
+        quantizer.domain, quantizer.op_type, [source.outputs[0], *quantizer.inputs[1:]],
+        list(quantizer.attributes.values()), outputs=[out], name=name, version=quantizer.version,
+    )
+    requantize.meta[REQUANTIZES] = op.name or op.op_type
+    graph.insert_before(op, requantize)
+    if source is dequantizer:
+        dequantizer.meta[REQUANTIZES] = op.name or op.op_type
+    return out

@@ -67,30 +67,17 @@ def split_shared_dequantizations(model: ir.Model, profile: RuntimeProfile, targe
     done = SplitDequantizations()
     if target.ir_dtype not in facts.group_scales:
         return done
-    fresh = _ModelNames(model)
+    names: tuple[FreshNames, FreshNames] | None = None  # read when first needed
     for graph in all_graphs(model):
         for node in list(graph):
             kinds = _readers_by_kind(node, facts.fp32_groups)
             if len(kinds) < 2:
                 continue
+            names = names or model_names(model)
             for others in kinds[1:]:
-                _add_twin(graph, node, others, fresh)
+                _add_twin(graph, node, others, names)
             done.nodes.append(node.name or node.outputs[0].name or "DequantizeLinear")
     return done
-
-
-class _ModelNames:
-    """The value and node names of the whole model, read once when first needed."""
-
-    def __init__(self, model: ir.Model) -> None:
-        self._model = model
-        self._names: tuple[FreshNames, FreshNames] | None = None
-
-    def get(self) -> tuple[FreshNames, FreshNames]:
-        """The fresh value names and node names."""
-        if self._names is None:
-            self._names = model_names(self._model)
-        return self._names
 
 
 def _readers_by_kind(node: ir.Node, fp32_groups: Collection[tuple[str, str]]) -> list[list[Any]]:
@@ -114,16 +101,19 @@ def _readers_by_kind(node: ir.Node, fp32_groups: Collection[tuple[str, str]]) ->
 
 
 def _quantized_group(node: ir.Node) -> bool:
-    """Whether every used output of the node goes only to quantizers (none is a graph output)."""
+    """Whether the node quantizes (a DequantizeLinear -> QuantizeLinear requantization) or every
+    used output of it goes only to quantizers (none is a graph output)."""
+    if role(node) == "quantize":
+        return True
     used = [out for out in node.outputs if out.uses() or out.is_graph_output()]
     return bool(used) and all(
         not out.is_graph_output() and all(role(use.node) == "quantize" for use in out.uses()) for out in used
     )
 
 
-def _add_twin(graph: ir.Graph, node: ir.Node, others: list[Any], fresh: _ModelNames) -> None:
+def _add_twin(graph: ir.Graph, node: ir.Node, others: list[Any], fresh: tuple[FreshNames, FreshNames]) -> None:
     """Insert a twin of `node` after it and let `others` read the twin's output."""
-    values, names = fresh.get()
+    values, names = fresh
     name = names((node.name or node.outputs[0].name or "DequantizeLinear") + SUFFIX)
     out = node.outputs[0]
     twin_out = ir.Value(name=values((out.name or name) + SUFFIX), type=out.type, shape=out.shape)

@@ -28,11 +28,11 @@ from mixprec.errors import InputError, ModelLoadError, RunError
 from mixprec.graphs import main_values, node_keys, walk_nodes
 from mixprec.io import StagedModel, load_model, typed_values, uses_external_data, wants_external_data, weight_bytes
 from mixprec.passes.fold_dequantize import fold_constant_dequantizations
+from mixprec.passes.integer_groups import write_groups_on_integers
 from mixprec.passes.norm_blocks import fuse_norm_blocks, opset_for_fusion
 from mixprec.passes.norm_scales import FoldedScales, fold_norm_scales
 from mixprec.passes.opset import upgrade_for_target, upgrade_opset
 from mixprec.passes.rewrite import RewriteStats, apply_plan
-from mixprec.passes.integer_groups import write_groups_on_integers
 from mixprec.passes.split_dequantize import split_shared_dequantizations
 from mixprec.plan.model import Category, PrecisionPlan
 from mixprec.policy.profiles import RuntimeProfile, load_runtime
@@ -142,9 +142,9 @@ def upgrade(loaded: Loaded, config: Config) -> Edited:
 
 
 def fold(model: ir.Model, profile: RuntimeProfile, config: Config) -> Edited:
-    """Fold the constant dequantizations the runtime computes in float, write the data-movement
-    groups whose 16-bit form cannot load on integers, and give a DequantizeLinear shared by a
-    group the runtime keeps FP32 and other ops a twin for the others (QDQ models)."""
+    """Quantized (QDQ) models: fold the constant dequantizations the runtime computes in float,
+    write on integers the data-movement groups that cannot load in 16 bits, and give a
+    DequantizeLinear read by more than one kind of op a twin per further kind."""
     if config.ops.weights_only:
         return Edited(model, False)
     target = config.ops.target

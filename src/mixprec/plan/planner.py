@@ -55,7 +55,7 @@ from mixprec.plan.rules import Action, Rule, Ruling, decide, rules_for
 from mixprec.plan.templates import OpTemplate, node_facts, op_template
 from mixprec.policy.opfacts import op_facts
 from mixprec.policy.profiles import RuntimeProfile, load_runtime
-from mixprec.policy.table import OpClass, Policy, format_op_name, normalize_domain
+from mixprec.policy.table import Policy, format_op_name, normalize_domain
 
 __all__ = ["plan_precision"]
 

@@ -19,13 +19,13 @@ import numpy as np
 import onnx_ir as ir
 
 from mixprec.analysis.constants import read_array
-from mixprec.analysis.qdq import folded_from, has_qdq, role
+from mixprec.analysis.qdq import folded_from, has_qdq, requantizes, role
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.plan.model import Category, Decision, PrecisionPlan
 from mixprec.policy.opfacts import op_facts
 from mixprec.policy.quantized_groups import quantized_groups
 
-__all__ = ["broken_pairs", "fp32_quantizers", "fp32_readers", "keep_pairs", "small_scales"]
+__all__ = ["broken_pairs", "fp32_quantizers", "fp32_readers", "fp32_requantizations", "keep_pairs", "small_scales"]
 
 Forced = dict[ir.Node, tuple[Category, str]]
 
@@ -129,6 +129,16 @@ def fp32_quantizers(nodes: list[ir.Node], runtime: str | None, target: LowPrecis
     return {node: (Category.RUNTIME, reason) for node in nodes if role(node) is not None}
 
 
+def fp32_requantizations(nodes: list[ir.Node]) -> Forced:
+    """The DequantizeLinear -> QuantizeLinear pairs that requantize an input of a group written
+    on integers (:mod:`mixprec.passes.integer_groups`): in FP32 its integers stay those of the
+    FP32 model."""
+    return {
+        node: (Category.QDQ, f"requantizes an input of {op!r} to its output's scale: in FP32 the integers stay exact")
+        for node in nodes if (op := requantizes(node)) is not None
+    }
+
+
 def keep_pairs(
     plan: Callable[[Mapping[ir.Node, tuple[Category, str]]], PrecisionPlan],
     nodes: list[ir.Node],
@@ -145,7 +155,7 @@ def keep_pairs(
     if not has_qdq(nodes):
         return plan(extra)
     found = (*fp32_quantizers(nodes, runtime, target).items(), *small_scales(nodes, target).items(),
-             *fp32_readers(nodes, runtime).items())
+             *fp32_readers(nodes, runtime).items(), *fp32_requantizations(nodes).items())
     for node, finding in found:
         extra.setdefault(node, finding)
     while True:

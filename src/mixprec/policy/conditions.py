@@ -93,7 +93,7 @@ def between_quantizers(
     """Every non-constant input is dequantized from integers of at most `max_bits` bits and
     every output is read only by quantizers to such integers: the op's inputs and result hold
     no more than those bits (a quantized group: DequantizeLinear -> op -> QuantizeLinear)."""
-    from mixprec.policy.opfacts import op_facts  # noqa: PLC0415 - the table reads this module
+    from mixprec.policy.opfacts import op_facts  # noqa: PLC0415 - the policy table reads this module
 
     bits = int(params.get("max_bits", 8))
 
@@ -104,13 +104,16 @@ def between_quantizers(
     def role(other: ir.Node) -> str | None:
         return op_facts(other.domain, other.op_type).quantization
 
-    producers = [v.producer() for v in node.inputs if v is not None and v.const_value is None]
-    floats = [p for p in producers if p is None or p.op_type != "Constant"]  # None: a graph input
-    if not floats or not all(p is not None and role(p) == "dequantize" and narrow(p.inputs[0]) for p in floats):
+    def constant(value: ir.Value) -> bool:
+        producer = value.producer()
+        return value.const_value is not None or (producer is not None and producer.op_type == "Constant")
+
+    producers = [v.producer() for v in node.inputs if v is not None and not constant(v)]  # None: a graph input
+    if not producers or not all(p is not None and role(p) == "dequantize" and narrow(p.inputs[0]) for p in producers):
         return ConditionResult(False, f"not every input is dequantized from {bits}-bit integers")
     for out in node.outputs:
         uses = list(out.uses())
-        quantized = all(role(u.node) == "quantize" and narrow(u.node.outputs[0]) for u in uses)
+        quantized = all(role(u.node) == "quantize" and u.idx == 0 and narrow(u.node.outputs[0]) for u in uses)
         if out.is_graph_output() or not uses or not quantized:
             return ConditionResult(False, f"not every output is quantized to {bits}-bit integers")
     return ConditionResult(True, f"between {bits}-bit DequantizeLinear and QuantizeLinear: its result keeps {bits} bits")

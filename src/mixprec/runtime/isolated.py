@@ -6,8 +6,9 @@ created in a child Python process with onnxruntime's default options; a crash co
 outcome naming the signal instead of killing the converter.
 
 The child (`python -m mixprec.runtime.isolated`) lives on between checks and answers one JSON
-request per line: `[MODEL]` or `[MODEL, FEEDS.npz, OUT.npz]`, optionally followed by session
-config entries (`{"session.disable_quant_qdq": "1"}`) for a diagnosis beside the default run.
+request per line: `[MODEL]` or `[MODEL, FEEDS.npz, OUT.npz]` (`""` for both: load only),
+optionally followed by session config entries (`{"session.disable_quant_qdq": "1"}`) for a
+diagnosis beside the default run.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class _Worker:
             self.process.wait()
         self.process = None
 
-    def request(self, arguments: list, timeout: float) -> dict | str:
+    def request(self, arguments: list[str | dict[str, str]], timeout: float) -> dict | str:
         """The child's JSON answer, or how it died."""
         process = self._start()
         assert process.stdin is not None and process.stdout is not None
@@ -122,19 +123,20 @@ def run_isolated(
     timeout: float = _TIMEOUT_S,
     config: Mapping[str, str] | None = None,
 ) -> RuntimeOutcome:
-    """Create an onnxruntime CPU session with default options (and the session `config`
-    entries, where given, with `feeds`) for `model_path` in a child process and, with `feeds`,
-    run it once."""
+    """Create an onnxruntime CPU session for `model_path` in a child process, with default
+    options plus the session `config` entries, and with `feeds` run it once."""
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="mixprec-child-") as tmp:
-        arguments: list = [str(Path(model_path).resolve())]
+        arguments: list[str | dict[str, str]] = [str(Path(model_path).resolve())]
         out_path = Path(tmp) / "outputs.npz"
         if feeds is not None:
             feeds_path = Path(tmp) / "feeds.npz"
             np.savez(feeds_path, **{k: np.asarray(v) for k, v in feeds.items()})
             arguments += [str(feeds_path), str(out_path)]
-            if config:
-                arguments.append(dict(config))
+        else:
+            arguments += ["", ""]
+        if config:
+            arguments.append(dict(config))
         answer = _WORKER.request(arguments, timeout)
         seconds = time.perf_counter() - start
         if isinstance(answer, str):
@@ -159,29 +161,30 @@ def _last_json(text: str) -> dict | None:
     return None
 
 
-def _child(argv: list) -> dict:
+def _child(argv: list[str | dict[str, str]]) -> dict:
     from mixprec.errors import MixprecError  # noqa: PLC0415
     from mixprec.runtime import sessions  # noqa: PLC0415
 
     status: dict = {"loaded": False, "ran": False, "error": None}
-    config = argv[3] if len(argv) > 3 else None
+    paths = [a for a in argv if isinstance(a, str)]
+    config = next((a for a in argv if isinstance(a, dict)), None)
     try:
         # onnxruntime's default options
-        session = sessions.make_session(argv[0], graph_optimization="all", config_entries=config)
+        session = sessions.make_session(paths[0], graph_optimization="all", config_entries=config)
     except MixprecError as e:
         status["error"] = str(e)
         return status
     status["loaded"] = True
-    if len(argv) < 3:
+    if len(paths) < 3 or not paths[1]:
         return status
-    with np.load(argv[1]) as archive:
+    with np.load(paths[1]) as archive:
         feeds = {name: archive[name] for name in archive.files}
     try:
         outputs = sessions.run_session(session, feeds)
     except MixprecError as e:
         status["error"] = str(e)
         return status
-    np.savez(argv[2], **{k: _savable(v) for k, v in outputs.items()})
+    np.savez(paths[2], **{k: _savable(v) for k, v in outputs.items()})
     status["ran"] = True
     return status
 

@@ -139,7 +139,7 @@ class OpenVinoSession:
 
     Args:
         model_path: Path of the ``.onnx`` file (external data is found next to it).
-        precision: ``"f32"``, ``"bf16"`` or ``"model"``; see the module docstring.
+        precision: ``"f32"``, ``"bf16"``, ``"model"`` or ``"default"``; see the module docstring.
         num_threads: Inference threads; ``None`` lets OpenVINO use all cores.
 
     Raises:

@@ -24,7 +24,7 @@ import onnx
 import onnx_ir as ir
 
 from mixprec.analysis.input_indices import with_index_limits
-from mixprec.analysis.qdq import role
+from mixprec.analysis.qdq import has_qdq
 from mixprec.dtypes import LowPrecision
 from mixprec.errors import InputError, MixprecError, RunError, ValidationFailure
 from mixprec.host import host_cpu
@@ -176,7 +176,9 @@ def _run_check(
     outcome = _runtime_check(path, reference, target, result, feeds=batches[0][0])
     not_on_openvino = None
     if runtime == "openvino":
-        not_on_openvino = _openvino_check(path, reference, batches, tolerance, result, target, generated=data is None)
+        not_on_openvino = _openvino_check(
+            path, reference, batches, tolerance, result, target, generated=data is None, quantized=_quantized(model)
+        )
     elif outcome.ran and outcome.outputs is not None:
         result.real_runtime = "onnxruntime CPU (batch 1)"
         result.real_outputs = output_errors(compare.compare_outputs(batches[0][1], outcome.outputs), tolerance)
@@ -219,29 +221,23 @@ def _judge_without_qdq_rewriting(
     in `policy/tables/quantized_groups.toml`: not the CPU provider's integer kernels), run it once
     more with the provider's QDQ rewriting off. When that run is within rounding, it is the real
     figure for `runtime`, and a note says why the default one differs."""
-    limit = _NOTABLE_ERROR_EPS * target.limits.eps
-
-    def beyond(outputs: list[OutputError]) -> float | None:
-        worst = max((o.scaled_error for o in outputs if o.scaled_error is not None), default=None)
-        return worst if worst is not None and worst > limit else None
-
-    default = beyond(result.real_outputs)
+    default = _beyond_rounding(result.real_outputs, target)
     if default is None or not quantized_groups(runtime).float_dequantize or not _quantized(model):
         return
     outcome = run_isolated(path, batch[0], config=_QDQ_REWRITING_OFF)
     if not outcome.ran or outcome.outputs is None:
         return
     as_written = output_errors(compare.compare_outputs(batch[1], outcome.outputs), tolerance)
-    if not as_written or beyond(as_written) is not None:
+    if not as_written or _beyond_rounding(as_written, target) is not None:
         return
     best = max(o.scaled_error or 0.0 for o in as_written)
     result.notes.append(
         f"onnxruntime's CPU provider with default options differs from the FP32 model by up to "
-        f"{default:.1%}: it rewrites quantized groups for its own integer kernels (one rewrite "
-        f"quantizes a float bias beside an integer weight again, with the product of the two "
-        f"{target.short_name} scales); with that rewriting off (session.disable_quant_qdq) it "
-        f"differs by up to {best:.2%}; {runtime} dequantizes such constants in float instead, so those "
-        "are its real figures"
+        f"{default:.2%}, with its QDQ rewriting off (session.disable_quant_qdq) by up to {best:.2%}: "
+        f"the difference is that rewriting, which fits quantized groups to its own integer kernels "
+        f"(it quantizes a float bias beside an integer weight again, with the product of the two "
+        f"{target.short_name} scales); {runtime} dequantizes constants in float instead, so the "
+        "second figures are its real ones"
     )
     result.real_runtime = "onnxruntime CPU (batch 1, QDQ rewriting off)"
     result.real_outputs = as_written
@@ -253,17 +249,23 @@ def _judge_without_qdq_rewriting(
 _NOTABLE_ERROR_EPS = 10
 
 
+def _beyond_rounding(outputs: Iterable[OutputError], target: LowPrecision) -> float | None:
+    """The largest scaled error among `outputs` where it is more than the target's rounding
+    explains (:data:`_NOTABLE_ERROR_EPS` epsilons), else None."""
+    worst = max((o.scaled_error for o in outputs if o.scaled_error is not None), default=None)
+    return worst if worst is not None and worst > _NOTABLE_ERROR_EPS * target.limits.eps else None
+
+
 def _quantized(model: ir.Model | None) -> bool:
     """Whether the model quantizes or dequantizes anywhere (False when it is not in memory)."""
-    return model is not None and any(role(node) is not None for graph in model.graphs() for node in graph)
+    return model is not None and any(has_qdq(list(graph)) for graph in model.graphs())
 
 
 def _note_large_errors(result: Validation, target: LowPrecision, *, generated: bool, quantized: bool = False) -> None:
     """Say where an output differs from the FP32 model by more than rounding explains (no
     tolerance was given, so nothing failed), and what to do about it."""
-    limit = _NOTABLE_ERROR_EPS * target.limits.eps
     for out in (*result.outputs, *result.real_outputs):
-        if out.scaled_error is not None and out.scaled_error > limit:
+        if _beyond_rounding([out], target) is not None:
             inputs = "generated random inputs" if generated else "the data given"
             why = (
                 f"more than {target.value} rounding alone explains; in a quantized model one "
@@ -391,6 +393,7 @@ def _openvino_check(
     result: Validation,
     target: LowPrecision,
     generated: bool,
+    quantized: bool = False,
 ) -> str | None:
     """Run the converted model on OpenVINO's CPU plugin in its own element types, beside the
     FP32 model at f32, and record the real errors, what precision OpenVINO executed and the
@@ -408,7 +411,7 @@ def _openvino_check(
         where = "on generated inputs " if generated else ""
         return f"OpenVINO cannot run the FP32 model {where}({e})"
     try:
-        converted = _openvino_session(openvino_runner, path, result)
+        converted = _openvino_session(openvino_runner, path, result, quantized=quantized)
         merged = None
         for (feeds, _), fp32_outputs in zip(batches, expected):
             comparison = compare.compare_outputs(fp32_outputs, converted.run(feeds))
@@ -438,13 +441,16 @@ def _openvino_check(
     return None
 
 
-def _openvino_session(openvino_runner: Any, path: Path, result: Validation) -> Any:
-    """The converted model on OpenVINO in its own element types; where only that compilation
-    fails (OpenVINO's low-precision transformations under EXECUTION_MODE_HINT=ACCURACY), with
-    OpenVINO's default options, as users compile it, and a note saying so."""
+def _openvino_session(openvino_runner: Any, path: Path, result: Validation, *, quantized: bool) -> Any:
+    """The converted model on OpenVINO in its own element types; for a quantized model that only
+    this compilation fails for (OpenVINO's low-precision transformations under
+    EXECUTION_MODE_HINT=ACCURACY), with OpenVINO's default options, as users compile it, and a
+    note saying so."""
     try:
         return openvino_runner.OpenVinoSession(path, precision="model")
     except RunError as strict:
+        if not quantized:
+            raise
         session = openvino_runner.OpenVinoSession(path, precision="default")  # raises when it fails too
         result.notes.append(
             "OpenVINO compiles the converted model with its default options but not in its own element types "
