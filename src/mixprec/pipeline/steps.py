@@ -22,10 +22,11 @@ import onnx_ir as ir
 
 from mixprec.analysis.calibrate import RangeTable, measured_values
 from mixprec.analysis.integer_semantics import integer_semantics
+from mixprec.analysis.qdq import has_qdq
 from mixprec.analysis.typeinfo import TypeInfo, assume_float_outputs, infer_types, retype_after_upgrade, untyped_values
 from mixprec.config import Config
 from mixprec.errors import InputError, ModelLoadError, RunError
-from mixprec.graphs import main_values, node_keys, walk_nodes
+from mixprec.graphs import all_graphs, main_values, node_keys, walk_nodes
 from mixprec.io import StagedModel, load_model, typed_values, uses_external_data, wants_external_data, weight_bytes
 from mixprec.passes.fold_dequantize import fold_constant_dequantizations
 from mixprec.passes.integer_groups import write_groups_on_integers
@@ -145,8 +146,8 @@ def fold(model: ir.Model, profile: RuntimeProfile, config: Config) -> Edited:
     """Quantized (QDQ) models: fold the constant dequantizations the runtime computes in float,
     write on integers the data-movement groups that cannot load in 16 bits, and give a
     DequantizeLinear read by more than one kind of op a twin per further kind."""
-    if config.ops.weights_only:
-        return Edited(model, False)
+    if config.ops.weights_only or not any(has_qdq(list(graph)) for graph in all_graphs(model)):
+        return Edited(model, False)  # one walk instead of one per pass
     target = config.ops.target
     notes = []
     folded = fold_constant_dequantizations(model, profile, target)
