@@ -474,6 +474,31 @@ def test_softmax_between_8bit_quantizers_converts_in_float16(target: str) -> Non
     assert_pairs_adjacent(source, out, result.report.quantization.folded)
 
 
+def _with_matmul_group(nodes: list[onnx.NodeProto], inputs: list[str], outputs: dict[str, list[int]]) -> onnx.ModelProto:
+    """`nodes` (over float inputs `inputs` [2, 4], scale s and zero point z, dequantizing a as
+    a_dq) beside a quantized MatMul group on a_dq (int8 weight w_q) whose output m_dq is a graph
+    output, as are `outputs`."""
+    rng = np.random.default_rng(0)
+    graph = oh.make_graph(
+        [
+            *nodes,
+            oh.make_node("DequantizeLinear", ["w_q", "w_s", "w_z"], ["w_dq"], name="dq_w"),
+            oh.make_node("MatMul", ["a_dq", "w_dq"], ["m"], name="matmul"),
+            oh.make_node("QuantizeLinear", ["m", "s", "z"], ["m_q"], name="q_m"),
+            oh.make_node("DequantizeLinear", ["m_q", "s", "z"], ["m_dq"], name="dq_m"),
+        ],
+        "shared", [oh.make_tensor_value_info(n, FLOAT, [2, 4]) for n in inputs],
+        [*(oh.make_tensor_value_info(n, FLOAT, shape) for n, shape in outputs.items()),
+         oh.make_tensor_value_info("m_dq", FLOAT, [2, 3])],
+        [nh.from_array(np.array(0.02, np.float32), "s"), nh.from_array(np.array(0, np.int8), "z"),
+         nh.from_array(rng.integers(-127, 127, (4, 3)).astype(np.int8), "w_q"),
+         nh.from_array(np.array(0.01, np.float32), "w_s"), nh.from_array(np.array(0, np.int8), "w_z")],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
 @pytest.mark.parametrize("runtime", ["ort-cuda", "tensorrt"])
 def test_dequantization_shared_with_a_concat_group_converts_for_its_other_readers(runtime: str) -> None:
     # YOLO's CSP blocks: one DequantizeLinear feeds a Concat group and a MatMul. Where the Concat
@@ -481,23 +506,7 @@ def test_dequantization_shared_with_a_concat_group_converts_for_its_other_reader
     # scale, zero point) in float16 and the Concat keeps the original in FP32; where it is
     # written on integers (ort-cuda), the Concat reads the integers and the MatMul the original
     # in float16. No Cast beside a Q/DQ node either way.
-    rng = np.random.default_rng(0)
-    graph = oh.make_graph(
-        [
-            *_concat_group(),
-            oh.make_node("DequantizeLinear", ["w_q", "w_s", "w_z"], ["w_dq"], name="dq_w"),
-            oh.make_node("MatMul", ["a_dq", "w_dq"], ["m"], name="matmul"),
-            oh.make_node("QuantizeLinear", ["m", "s", "z"], ["m_q"], name="q_m"),
-            oh.make_node("DequantizeLinear", ["m_q", "s", "z"], ["m_dq"], name="dq_m"),
-        ],
-        "shared", [oh.make_tensor_value_info(n, FLOAT, [2, 4]) for n in ("a", "b")],
-        [oh.make_tensor_value_info("c_dq", FLOAT, [2, 8]), oh.make_tensor_value_info("m_dq", FLOAT, [2, 3])],
-        [nh.from_array(np.array(0.02, np.float32), "s"), nh.from_array(np.array(0, np.int8), "z"),
-         nh.from_array(rng.integers(-127, 127, (4, 3)).astype(np.int8), "w_q"),
-         nh.from_array(np.array(0.01, np.float32), "w_s"), nh.from_array(np.array(0, np.int8), "w_z")],
-    )
-    source = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
-    source.ir_version = 10
+    source = _with_matmul_group(_concat_group(), ["a", "b"], {"c_dq": [2, 8]})
     result, out = convert(source, target_dtype="fp16", runtime=runtime, validate="run")
     kept = _decisions(result)
     nodes = {n.name: n for n in out.graph.node}
@@ -523,26 +532,12 @@ def test_dequantization_shared_with_float_ops_outside_groups_gets_a_twin() -> No
     # A transformer's LayerNorm output, dequantized once, feeds the next layer's quantized MatMul
     # and a float pooling (Mul -> ReduceSum, which the policy keeps FP32). The pooling reads a
     # twin DequantizeLinear in FP32; the MatMul group converts with the original.
-    rng = np.random.default_rng(0)
-    graph = oh.make_graph(
-        [
-            oh.make_node("QuantizeLinear", ["a", "s", "z"], ["a_q"], name="q_a"),
-            oh.make_node("DequantizeLinear", ["a_q", "s", "z"], ["a_dq"], name="dq_a"),
-            oh.make_node("DequantizeLinear", ["w_q", "w_s", "w_z"], ["w_dq"], name="dq_w"),
-            oh.make_node("MatMul", ["a_dq", "w_dq"], ["m"], name="matmul"),
-            oh.make_node("QuantizeLinear", ["m", "s", "z"], ["m_q"], name="q_m"),
-            oh.make_node("DequantizeLinear", ["m_q", "s", "z"], ["m_dq"], name="dq_m"),
-            oh.make_node("Mul", ["a_dq", "a_dq"], ["sq"], name="mul"),
-            oh.make_node("ReduceSum", ["sq"], ["pooled"], name="pool", keepdims=1),
-        ],
-        "shared", [oh.make_tensor_value_info("a", FLOAT, [2, 4])],
-        [oh.make_tensor_value_info("m_dq", FLOAT, [2, 3]), oh.make_tensor_value_info("pooled", FLOAT, [1, 1])],
-        [nh.from_array(np.array(0.02, np.float32), "s"), nh.from_array(np.array(0, np.int8), "z"),
-         nh.from_array(rng.integers(-127, 127, (4, 3)).astype(np.int8), "w_q"),
-         nh.from_array(np.array(0.01, np.float32), "w_s"), nh.from_array(np.array(0, np.int8), "w_z")],
-    )
-    source = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
-    source.ir_version = 10
+    source = _with_matmul_group([
+        oh.make_node("QuantizeLinear", ["a", "s", "z"], ["a_q"], name="q_a"),
+        oh.make_node("DequantizeLinear", ["a_q", "s", "z"], ["a_dq"], name="dq_a"),
+        oh.make_node("Mul", ["a_dq", "a_dq"], ["sq"], name="mul"),
+        oh.make_node("ReduceSum", ["sq"], ["pooled"], name="pool", keepdims=1),
+    ], ["a"], {"pooled": [1, 1]})
     result, out = convert(source, target_dtype="fp16", runtime="tensorrt", validate="run")
     kept = _decisions(result)
     nodes = {n.name: n for n in out.graph.node}
