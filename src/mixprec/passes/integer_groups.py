@@ -163,7 +163,9 @@ def _per_tensor(node: ir.Node) -> tuple[np.ndarray, np.ndarray | None] | None:
     zero_point = node.inputs[2] if len(node.inputs) > 2 else None
     scale_tensor = constant_tensor(scale) if scale is not None else None
     zp_tensor = constant_tensor(zero_point) if zero_point is not None else None
-    if scale_tensor is None or scale_tensor.size != 1 or (zero_point is not None and (zp_tensor is None or zp_tensor.size != 1)):
+    if scale_tensor is None or scale_tensor.size != 1:
+        return None
+    if zero_point is not None and (zp_tensor is None or zp_tensor.size != 1):
         return None
     return read_array(scale_tensor).reshape(()), None if zp_tensor is None else read_array(zp_tensor).reshape(())
 
@@ -186,7 +188,6 @@ def _unused_but_by(node: ir.Node, reader: ir.Node) -> bool:
 
 def _rewrite(graph: ir.Graph, group: _Group, names: tuple[FreshNames, FreshNames]) -> int:
     """Rewrite one group; how many inputs got a QuantizeLinear."""
-    values, node_names = names
     op, quantizer = group.op, group.quantizer
     base = op.name or op.op_type
     requantized: dict[ir.Node, ir.Value] = {}  # one requantization per DequantizeLinear
@@ -197,7 +198,7 @@ def _rewrite(graph: ir.Graph, group: _Group, names: tuple[FreshNames, FreshNames
         elif dequantizer in requantized:
             integers.append(requantized[dequantizer])
         else:
-            requantized[dequantizer] = _requantize(graph, op, dequantizer, quantizer, group.dtype, (values, node_names), base)
+            requantized[dequantizer] = _requantize(graph, op, dequantizer, quantizer, group.dtype, names, base)
             integers.append(requantized[dequantizer])
     result = ir.Value(name=None, type=ir.TensorType(group.dtype), shape=quantizer.outputs[0].shape)
     moved = ir.Node(

@@ -125,7 +125,10 @@ def fp32_quantizers(nodes: list[ir.Node], runtime: str | None, target: LowPrecis
     facts = quantized_groups(runtime)
     if facts.compiles_scales_in(target):
         return {}
-    reason = f"{runtime} compiles QuantizeLinear/DequantizeLinear with FP32 scales only ({facts.runtime} in quantized_groups.toml)"
+    reason = (
+        f"{runtime} compiles QuantizeLinear/DequantizeLinear with FP32 scales only "
+        f"({facts.runtime} in quantized_groups.toml)"
+    )
     return {node: (Category.RUNTIME, reason) for node in nodes if role(node) is not None}
 
 

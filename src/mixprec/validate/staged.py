@@ -172,17 +172,19 @@ def _run_check(
     batches = _reference_batches_or_check(path, reference, target, data, max_batches, result)
     if not batches or reference is None:  # no batches without a reference model
         return
+    quantized = _quantized(model)
     # The converted model as users run it: default optimizations, first batch, own process.
     outcome = _runtime_check(path, reference, target, result, feeds=batches[0][0])
     not_on_openvino = None
     if runtime == "openvino":
         not_on_openvino = _openvino_check(
-            path, reference, batches, tolerance, result, target, generated=data is None, quantized=_quantized(model)
+            path, reference, batches, tolerance, result, target, generated=data is None, quantized=quantized
         )
     elif outcome.ran and outcome.outputs is not None:
         result.real_runtime = "onnxruntime CPU (batch 1)"
         result.real_outputs = output_errors(compare.compare_outputs(batches[0][1], outcome.outputs), tolerance)
-        _judge_without_qdq_rewriting(path, runtime, target, model, batches[0], tolerance, result)
+        if quantized:
+            _judge_without_qdq_rewriting(path, runtime, target, batches[0], tolerance, result)
     candidate = _emulated_session(path, target, model, result)
     merged, nonfinite_feeds = _compare_emulated(candidate, batches, result)
     result.runtime = "ran and emulated" if outcome.ran or result.real_outputs else "emulated"
@@ -204,7 +206,7 @@ def _run_check(
     if tolerance is not None:
         _raise_beyond_tolerance(result, tolerance, origin)
     else:
-        _note_large_errors(result, target, generated=data is None, quantized=_quantized(model))
+        _note_large_errors(result, target, generated=data is None, quantized=quantized)
 
 
 # Session config of the CPU provider's run with its QDQ rewriting (integer kernels, bias
@@ -213,7 +215,7 @@ _QDQ_REWRITING_OFF = {"session.disable_quant_qdq": "1"}
 
 
 def _judge_without_qdq_rewriting(
-    path: Path, runtime: str, target: LowPrecision, model: ir.Model | None, batch: tuple[Batch, dict[str, np.ndarray]],
+    path: Path, runtime: str, target: LowPrecision, batch: tuple[Batch, dict[str, np.ndarray]],
     tolerance: tuple[float, float] | None, result: Validation,
 ) -> None:
     """Where the CPU provider's default run of a quantized model is further from the FP32 model
@@ -222,7 +224,7 @@ def _judge_without_qdq_rewriting(
     more with the provider's QDQ rewriting off. When that run is within rounding, it is the real
     figure for `runtime`, and a note says why the default one differs."""
     default = _beyond_rounding(result.real_outputs, target)
-    if default is None or not quantized_groups(runtime).float_dequantize or not _quantized(model):
+    if default is None or not quantized_groups(runtime).float_dequantize:
         return
     outcome = run_isolated(path, batch[0], config=_QDQ_REWRITING_OFF)
     if not outcome.ran or outcome.outputs is None:
@@ -424,7 +426,8 @@ def _openvino_check(
         raise ValidationFailure(f"OpenVINO cannot run the converted model: {e}") from e
     counts = converted.executed_precisions()
     executed = _executed_compute(counts)
-    result.real_runtime = "OpenVINO CPU (model types)" if converted.precision == "model" else "OpenVINO CPU (default options)"
+    mode = "model types" if converted.precision == "model" else "default options"
+    result.real_runtime = f"OpenVINO CPU ({mode})"
     result.real_executed = executed or "no matrix or convolution layers"
     result.real_outputs = output_errors(merged or [], tolerance)
     result.speed_ratio = ratio
@@ -452,9 +455,10 @@ def _openvino_session(openvino_runner: Any, path: Path, result: Validation, *, q
         if not quantized:
             raise
         session = openvino_runner.OpenVinoSession(path, precision="default")  # raises when it fails too
+        why = without_staging(str(strict)).split(": ", 1)[-1].rstrip(".")
         result.notes.append(
             "OpenVINO compiles the converted model with its default options but not in its own element types "
-            f"(EXECUTION_MODE_HINT=ACCURACY: {without_staging(str(strict)).split(': ', 1)[-1].rstrip('.')}); its real run "
+            f"(EXECUTION_MODE_HINT=ACCURACY: {why}); its real run "
             f"used the default options (inference precision {session.inference_precision})"
         )
         return session
@@ -525,7 +529,8 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
             expected = sessions.run_session(session, feeds)  # type: ignore[arg-type]
         except (RunError, InputError) as e:
             errors.append(f"{size}: {e}")
-            if len(errors) >= _SAME_FAILURES and len({error.split(": ", 1)[1] for error in errors[-_SAME_FAILURES:]}) == 1:
+            recent = {error.split(": ", 1)[1] for error in errors[-_SAME_FAILURES:]}
+            if len(errors) >= _SAME_FAILURES and len(recent) == 1:
                 break  # the same failure at that many sizes: larger inputs will not help
             continue
         if size != _DIM_LADDER[0]:
