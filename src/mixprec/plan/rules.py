@@ -316,10 +316,10 @@ def fixed_type(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Ruling 
     return _keep(Category.SCHEMA, f"{op_name}: its {fixed_by} attribute fixes its output type")
 
 
-def _may_be_fp32_class(rule: OpRule) -> bool:
-    """Whether the policy may put nodes of the rule's op in the FP32 class (an fp32 rule, with
-    or without a condition that lets some follow their inputs)."""
-    return rule.op_class is OpClass.FP32
+def _always_fp32(rule: OpRule) -> bool:
+    """Whether the policy keeps every node of the rule's op FP32 (an fp32 rule without a
+    condition under which some follow their inputs)."""
+    return rule.op_class is OpClass.FP32 and rule.condition is None
 
 
 def runtime_blocked(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Ruling | None:
@@ -327,9 +327,7 @@ def runtime_blocked(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Ru
     keep it FP32 anyway)."""
     if facts.lowerable or not facts.runtime_blocked & facts.float_vars:
         return None
-    if facts.rule is None:
-        return None
-    if _may_be_fp32_class(facts.rule) and context.classify(node, facts).op_class is OpClass.FP32:
+    if facts.rule is None or context.classify(node, facts).op_class is OpClass.FP32:
         return None
     return _keep(Category.RUNTIME, facts.runtime_reason or "no 16-bit kernel")
 
@@ -503,8 +501,7 @@ _MAY_DECIDE: dict[Rule, Callable[[ir.Node, NodeFacts, PlanContext], bool]] = {
     dtype_source: lambda node, facts, context: facts.rule is not None and facts.rule.dtype_attribute is not None,
     fixed_type: lambda node, facts, context: op_facts(node.domain, node.op_type).dtype_attribute is not None,
     runtime_blocked: lambda node, facts, context: (
-        bool(facts.runtime_blocked) and facts.rule is not None
-        and (not _may_be_fp32_class(facts.rule) or facts.rule.condition is not None)
+        bool(facts.runtime_blocked) and facts.rule is not None and not _always_fp32(facts.rule)
     ),
     policy_class: lambda node, facts, context: (
         facts.rule is not None and facts.rule.op_class in (OpClass.FP32, OpClass.CONDITIONAL)
