@@ -20,6 +20,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import onnx
 import onnx_ir as ir
@@ -48,14 +49,17 @@ def _value_info_of(model: ir.Model, declared: set[str] | None) -> Iterator[None]
     """Leave out of the saved file the types and shapes of intermediate values and initializers
     that the input did not declare (`declared`, by name; None: keep all): ONNX inference filled
     them in, a runtime infers them again, and writing them costs as much as writing the nodes.
-    Outputs of ops outside the ONNX domain keep theirs (no ONNX inference can recover them)."""
+    Outputs of ops outside the ONNX domain keep theirs (no ONNX inference can recover them).
+    The main graph's node outputs are left to the writer (:func:`mixprec.io.streaming.save`)."""
     if declared is None:
         yield
         return
     stashed: list[tuple[ir.Value, ir.TypeProtocol | None, ir.Shape | None]] = []
     for graph in all_graphs(model):
         boundary = {*graph.inputs, *graph.outputs}
-        values = [*graph.initializers.values(), *(v for node in graph for v in node.outputs)]
+        values = [*graph.initializers.values()]
+        if graph is not model.graph:  # the main graph's node outputs: streaming.save's
+            values.extend(v for node in graph for v in node.outputs)
         for value in values:
             if value.name in declared or value in boundary or (value.type is None and value.shape is None):
                 continue
@@ -106,23 +110,25 @@ def _write(
     model: ir.Model, path: Path, data_name: str | None, progress: bool | None, declared: set[str] | None = None
 ) -> None:
     with _value_info_of(model, declared), _no_metadata_left_behind(model), shared_reads():
-        _write_all(model, path, data_name, progress)
+        _write_all(model, path, data_name, progress, declared)
 
 
-def _write_all(model: ir.Model, path: Path, data_name: str | None, progress: bool | None) -> None:
+def _write_all(model: ir.Model, path: Path, data_name: str | None, progress: bool | None, declared: set[str] | None) -> None:
     try:
         if data_name is not None:
-            _write_with_external_data(model, path, data_name, progress)
+            _write_with_external_data(model, path, data_name, progress, declared)
         else:
             _inline_external(model)
-            streaming.save(model, path)
+            streaming.save(model, path, declared)
     except streaming.ProtobufTooLarge as e:
         what = "its graph alone (weights aside)" if data_name is not None else "the converted model"
         advice = "no .onnx file can hold it" if data_name is not None else "save with external data (--external-data yes)"
         raise InputError(f"{path.name}: {what} is larger than protobuf's 2 GB limit for one .onnx file; {advice}") from e
 
 
-def _write_with_external_data(model: ir.Model, path: Path, data_name: str, progress: bool | None) -> None:
+def _write_with_external_data(
+    model: ir.Model, path: Path, data_name: str, progress: bool | None, declared: set[str] | None
+) -> None:
     """Tensors of at least 1 kB go to `data_name` beside `path`; the model keeps its own."""
     initialized = [value for graph in all_graphs(model) for value in graph.initializers.values()]
     tensors = [value.const_value for value in initialized]
@@ -136,18 +142,32 @@ def _write_with_external_data(model: ir.Model, path: Path, data_name: str, progr
 
     try:
         ir.external_data.unload_from_model(
-            model,
+            _KnownGraphs(model),  # type: ignore[arg-type] - what unload_from_model reads of a model
             path.parent,
             data_name,
             size_threshold_bytes=_EXTERNAL_TENSOR_MIN_BYTES,
             max_in_flight_bytes=256 << 20,
             callback=callback,
         )
-        streaming.save(model, path)
+        streaming.save(model, path, declared)
     finally:  # the model keeps its own tensors, not the file's
         for value, tensor in zip(initialized, tensors, strict=True):
             value.const_value = tensor
     bar.close()
+
+
+class _KnownGraphs:
+    """`model` with its graphs listed by :func:`mixprec.graphs.all_graphs`, which finds the
+    subgraphs from the nodes that own any (`ir.Model.graphs` visits every node of every graph)."""
+
+    def __init__(self, model: ir.Model) -> None:
+        self._model = model
+
+    def graphs(self) -> list[ir.Graph]:
+        return all_graphs(self._model)
+
+    def __getattr__(self, name: str) -> Any:  # noqa: ANN401 - whatever the model has
+        return getattr(self._model, name)
 
 
 def _inline_external(model: ir.Model) -> None:

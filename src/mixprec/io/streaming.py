@@ -2,24 +2,28 @@
 
 `onnx_ir`'s `save` builds the whole `ModelProto` before writing it: on a graph of 100k nodes
 that copy costs as much memory as the IR itself. Here the main graph's nodes are serialized
-in batches (each through onnx_ir's own serializer, on a `GraphView` of the batch), and the
-file is assembled from the pieces: the bytes are the ones `ir.save` writes, field for field,
-in the same order (the tests compare them).
+in batches (:mod:`mixprec.io.graph_bytes`), and the file is assembled from the pieces: the
+bytes are the ones `ir.save` writes, field for field, in the same order (the tests compare
+them).
 
-The pieces rely on one property of protobuf's encoders: a message's fields are written in
-ascending field number, so the bytes of one field of a serialized message are a slice of it
-(`_field_slices` finds the slice boundaries with `ByteSize` and checks each slice's tag).
+The other pieces come from onnx_ir's serializer and rely on one property of protobuf's
+encoders: a message's fields are written in ascending field number, so the bytes of one field
+of a serialized message are a slice of it (`_field_slices` finds the slice boundaries with
+`ByteSize` and checks each slice's tag).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Sequence, Set
 from typing import Any
 
 import onnx
 import onnx_ir as ir
 from onnx import serialization
+
+from mixprec.io.graph_bytes import GraphFieldWriter
 
 __all__ = ["ProtobufTooLarge", "save"]
 
@@ -31,7 +35,7 @@ _PROTOBUF_LIMIT = (2 << 30) - 1
 
 # Field numbers (onnx.proto).
 _MODEL_GRAPH = 7
-_GRAPH_NODE, _GRAPH_OUTPUT, _GRAPH_VALUE_INFO, _GRAPH_ANNOTATION, _GRAPH_METADATA = 1, 12, 13, 14, 16
+_GRAPH_DOC_STRING, _GRAPH_OUTPUT, _GRAPH_VALUE_INFO, _GRAPH_ANNOTATION, _GRAPH_METADATA = 10, 12, 13, 14, 16
 # ModelProto's fields numbered below `graph`: written before it.
 _MODEL_HEAD = ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string")
 _LENGTH_DELIMITED = 2
@@ -41,38 +45,44 @@ class ProtobufTooLarge(ValueError):
     """The model does not fit in one protobuf message (2 GB)."""
 
 
-def save(model: ir.Model, path: str | os.PathLike) -> None:
+def save(model: ir.Model, path: str | os.PathLike, declared: Set[str] | None = None) -> None:
     """Write `model` to `path`: the same bytes as `ir.save(model, path)` without external data
-    (tensors that are external stay external).
+    (tensors that are external stay external), with the types and shapes of the main graph's
+    intermediate values where :class:`GraphFieldWriter` keeps them (`declared`).
 
     Raises:
         ProtobufTooLarge: The model does not fit in one protobuf message.
     """
     if not _streamable(model, path):
-        ir.save(model, path)
+        with _main_types_of(model, declared):
+            ir.save(model, path)
         return
     graph = model.graph
-    # Everything but the main graph's nodes and outputs, through onnx_ir's serializer.
+    writer = GraphFieldWriter(model.ir_version, declared)
+    initializers = writer.initializers(graph)
+    # Everything but the main graph's nodes, outputs and (where written above) initializers,
+    # through onnx_ir's serializer.
     shell = onnx.ModelProto()
-    ir.serde.serialize_model_into(shell, _WithGraph(model, _view(graph, nodes=(), outputs=())))
+    ir.serde.serialize_model_into(shell, _WithGraph(model, _view(graph, initialized=initializers is None)))
     outputs = onnx.GraphProto()
     ir.serde.serialize_graph_into(outputs, ir.GraphView((), graph.outputs, nodes=()))
     graph_proto = shell.graph
-    shell_parts = _field_slices(graph_proto, (_GRAPH_VALUE_INFO, _GRAPH_ANNOTATION, _GRAPH_METADATA))
+    shell_parts = _field_slices(graph_proto, (_GRAPH_DOC_STRING, _GRAPH_VALUE_INFO, _GRAPH_ANNOTATION, _GRAPH_METADATA))
     output_parts = _field_slices(outputs, (_GRAPH_OUTPUT, _GRAPH_ANNOTATION))
-    nodes: list[memoryview] = []
-    value_info: list[memoryview] = [shell_parts[_GRAPH_VALUE_INFO]]
-    annotations: list[memoryview] = [shell_parts[_GRAPH_ANNOTATION]]
+    nodes: list[bytes | memoryview] = []
+    value_info: list[bytes | memoryview] = [shell_parts[_GRAPH_VALUE_INFO]]
+    annotations: list[bytes | memoryview] = [shell_parts[_GRAPH_ANNOTATION]]
+    if initializers is not None:
+        value_info += initializers.value_info
     for batch in _batches(graph):
-        proto = onnx.GraphProto()
-        ir.serde.serialize_graph_into(proto, ir.GraphView((), (), nodes=batch), model_ir_version=model.ir_version)
-        parts = _field_slices(proto, (_GRAPH_NODE, _GRAPH_VALUE_INFO, _GRAPH_ANNOTATION))
-        nodes.append(parts[_GRAPH_NODE])
-        value_info.append(parts[_GRAPH_VALUE_INFO])
-        annotations.append(parts[_GRAPH_ANNOTATION])
+        pieces = writer.write(batch)
+        nodes.append(b"".join(pieces.nodes))
+        value_info.append(b"".join(pieces.value_info))
+        annotations.append(b"".join(pieces.annotations))
     annotations.append(output_parts[_GRAPH_ANNOTATION])
     graph_pieces = [
-        *nodes, shell_parts[0], output_parts[_GRAPH_OUTPUT], *value_info, *annotations,
+        *nodes, shell_parts[0], *(initializers.tensors if initializers is not None else ()),
+        shell_parts[_GRAPH_DOC_STRING], output_parts[_GRAPH_OUTPUT], *value_info, *annotations,
         shell_parts[_GRAPH_METADATA],
     ]
     graph_size = sum(len(piece) for piece in graph_pieces)
@@ -94,6 +104,24 @@ def save(model: ir.Model, path: str | os.PathLike) -> None:
         f.write(tail_bytes)
 
 
+@contextlib.contextmanager
+def _main_types_of(model: ir.Model, declared: Set[str] | None) -> Iterator[None]:
+    """Leave out the types and shapes of the main graph's node outputs that the writer would
+    leave out (see :class:`GraphFieldWriter`), for onnx_ir's own serializer."""
+    writer = GraphFieldWriter(model.ir_version, declared)
+    dropped = [
+        (value, value.type, value.shape) for node in model.graph for value in node.outputs
+        if value.name and not value.is_graph_output() and not writer.keeps_type(node, value.name)
+    ]
+    for value, _, _ in dropped:
+        value.type, value.shape = None, None
+    try:
+        yield
+    finally:
+        for value, kind, shape in dropped:
+            value.type, value.shape = kind, shape
+
+
 def _streamable(model: ir.Model, path: str | os.PathLike) -> bool:
     """Whether the pieces make the file `ir.save` writes: binary protobuf (onnx infers the
     format from the extension; unknown extensions are protobuf), and no function value types
@@ -113,11 +141,11 @@ class _WithGraph:
         return getattr(self._model, name)
 
 
-def _view(graph: ir.Graph, *, nodes: Sequence[ir.Node], outputs: Sequence[ir.Value]) -> ir.GraphView:
-    """`graph`'s name, documentation, inputs, initializers and metadata, with these nodes and
-    outputs."""
+def _view(graph: ir.Graph, *, initialized: bool) -> ir.GraphView:
+    """`graph`'s name, documentation, inputs, metadata and (`initialized`) initializers, without
+    nodes and outputs."""
     return ir.GraphView(
-        graph.inputs, outputs, nodes=nodes, initializers=tuple(graph.initializers.values()),
+        graph.inputs, (), nodes=(), initializers=tuple(graph.initializers.values()) if initialized else (),
         doc_string=graph.doc_string, opset_imports=graph.opset_imports, name=graph.name,
         metadata_props=graph.metadata_props,
     )
@@ -139,19 +167,33 @@ def _field_slices(message: Any, fields: Sequence[int]) -> dict[int, memoryview]:
     field numbers): slice 0 holds the fields numbered below `fields[0]`, slice `f` the fields
     from `f` up to the next one listed. Clears `message` as it goes."""
     whole = memoryview(message.SerializeToString())
+    numbers = sorted(field.number for field in message.DESCRIPTOR.fields)
     by_number = {field.number: field.name for field in message.DESCRIPTOR.fields}
     slices: dict[int, memoryview] = {}
-    end = len(whole)
+    end, upper = len(whole), max(numbers) + 1
     for number in sorted(fields, reverse=True):
-        message.ClearField(by_number[number])
+        for cleared in numbers:
+            if number <= cleared < upper:
+                message.ClearField(by_number[cleared])
         start = message.ByteSize()
         piece = whole[start:end]
-        if piece and bytes(piece[: len(tag := _tag(number))]) != tag:
+        if piece and not number <= _first_field(piece) < upper:
             raise AssertionError(f"serialized fields out of order at field {number}")
         slices[number] = piece
-        end = start
+        end, upper = start, number
     slices[0] = whole[:end]
     return slices
+
+
+def _first_field(piece: memoryview) -> int:
+    """The field number of the first tag in `piece`."""
+    tag, shift = 0, 0
+    for byte in piece:
+        tag |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            break
+        shift += 7
+    return tag >> 3
 
 
 def _tag(field: int) -> bytes:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from mixprec.analysis.constants import constant_tensor, is_constant, iter_chunks
+from mixprec.analysis.constants import constant_tensor, is_constant, iter_chunks, read_array
 from mixprec.analysis.cost_model import estimated_elements, guessed_elements, tensor_elements
 from mixprec.plan.model import Precision, PrecisionPlan, Storage
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 FLOAT = ir.DataType.FLOAT
 # Shared constants up to this many bytes are duplicated in 16 bits instead of cast at run time.
 _DUPLICATE_MAX_BYTES = 64 * 1024
+# Weights of at most this many elements are cast whole (larger ones in bounded chunks).
+_WHOLE_ELEMENTS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,11 @@ class _CastLoad:
 
     def __call__(self) -> ir.TensorProtocol:
         limit = self.target.limits.max
+        if math.prod(self.shape) <= _WHOLE_ELEMENTS:  # the common small weight: one read, one cast
+            whole = read_array(self.tensor)
+            if self.saturate:
+                whole = np.clip(whole, -limit, limit)
+            return ir.Tensor(whole.astype(self.target.numpy_dtype).reshape(self.shape), name=self.name)
         out = np.empty(math.prod(self.shape), dtype=self.target.numpy_dtype)
         offset = 0
         for chunk in iter_chunks(self.tensor):
