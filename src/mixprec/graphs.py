@@ -50,7 +50,7 @@ def has_subgraphs(node: ir.Node) -> bool:
 _OWNERS_KEY = "mixprec.subgraph_owners"
 
 
-def _owners(graph: ir.Graph | ir.Function) -> frozenset[ir.Node]:
+def subgraph_owners(graph: ir.Graph | ir.Function) -> frozenset[ir.Node]:
     """The nodes of `graph` (not of its subgraphs) that own subgraphs."""
     size = len(graph)
     meta = graph.meta
@@ -95,7 +95,7 @@ def walk_nodes(graph: ir.Graph | ir.Function) -> list[ir.Node]:
 
 
 def _collect(graph: ir.Graph | ir.Function, nodes: list[ir.Node]) -> None:
-    owners = _owners(graph)
+    owners = subgraph_owners(graph)
     if not owners:
         nodes.extend(graph)
         return
@@ -112,7 +112,7 @@ def all_graphs(model: ir.Model) -> list[ir.Graph]:
     index = 0
     while index < len(graphs):
         graph = graphs[index]
-        owners = _owners(graph)
+        owners = subgraph_owners(graph)
         if owners:
             graphs.extend(sub for node in graph if node in owners for sub in subgraphs_of(node))
         index += 1

@@ -19,7 +19,7 @@ import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_node_tensor
 from mixprec.errors import MixprecError
-from mixprec.graphs import all_graphs, all_nodes, has_subgraphs, shapes_contradict, static_shape, walk_nodes
+from mixprec.graphs import all_graphs, all_nodes, shapes_contradict, static_shape, subgraph_owners, walk_nodes
 from mixprec.io import graph_only_proto, weight_free_proto
 from mixprec.policy.profiles import binding_signature
 from mixprec.policy.schemas import Signature, signature
@@ -105,13 +105,14 @@ def _graph_pairs(
     yield graph, proto
     if len(proto.node) != len(graph):
         return
-    last = _last_owner(graph)
-    if last < 0:
+    owners = subgraph_owners(graph)
+    if not owners:
         return  # no graph attributes: nothing to read from the protobuf nodes
+    last = max(i for i, node in enumerate(graph) if node in owners)
     for node, node_proto in zip(graph, proto.node[: last + 1]):
         if node.op_type != node_proto.op_type:
             return
-        if not (node.attributes and has_subgraphs(node)):
+        if node not in owners:
             continue  # no graph attributes: nothing to read from the protobuf node
         graph_attrs = {a.name: a for a in node_proto.attribute if a.type in (5, 10)}
         for attr in node.attributes.values():
@@ -123,15 +124,6 @@ def _graph_pairs(
             elif attr.type == ir.AttributeType.GRAPHS:
                 for sub, sub_proto in zip(attr.as_graphs(), attr_proto.graphs):
                     yield from _graph_pairs(sub, sub_proto)
-
-
-def _last_owner(graph: ir.Graph) -> int:
-    """The index of the last node of `graph` with graph attributes (-1 when none)."""
-    last = -1
-    for i, node in enumerate(graph):
-        if node.attributes and has_subgraphs(node):
-            last = i
-    return last
 
 
 def _inferred_types(proto: onnx.GraphProto, names: set[str | None]) -> dict[str, onnx.TypeProto]:
