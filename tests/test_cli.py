@@ -134,6 +134,15 @@ def test_policy_show_lists_classes(capsys: pytest.CaptureFixture[str]) -> None:
     assert "MatMul" in text and "Softmax" in text and "conditional" in text
 
 
+def test_policy_show_says_where_an_fp32_ops_condition_lets_it_follow(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["policy", "--to", "fp16", "--runtime", "ort-cuda"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    softmax = next(line for line in lines if line.strip().startswith("Softmax "))
+    assert "[follows its inputs where between_quantizers" in softmax
+    reduce_mean = next(line for line in lines if line.strip().startswith("ReduceMean "))
+    assert "[reduced_size_at_most" in reduce_mean  # a conditional op converts where it holds
+
+
 def test_report_rewrite_keeps_the_file_mode(tmp_path: Path) -> None:
     """Writing a report again replaces it atomically without widening its permissions."""
     from mixprec.io import write_text_atomic  # noqa: PLC0415

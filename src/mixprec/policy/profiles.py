@@ -24,7 +24,7 @@ from types import MappingProxyType
 
 from mixprec.errors import InputError
 from mixprec.policy.schemas import Signature
-from mixprec.policy.table import OpClass, Policy, format_op_name, normalize_domain
+from mixprec.policy.table import OpClass, Policy, OpRule, format_op_name, normalize_domain
 
 DEFAULT_RUNTIME = "ort-cuda"
 RUNTIMES = tuple(sorted(
@@ -236,6 +236,12 @@ def binding_signature(domain: str, op_type: str, version: int, n_inputs: int, n_
     return None
 
 
+def _condition_words(rule: OpRule) -> str:
+    """What a rule's condition decides, as the listing says it (a conditional rule converts
+    where it holds; an FP32 rule's op follows its inputs there)."""
+    return "follows its inputs where " if rule.op_class is OpClass.FP32 else ""
+
+
 def effective_classes(policy: Policy, runtime: RuntimeProfile) -> dict[str, list[tuple[str, str]]]:
     """The policy's classes as they act on `runtime`: ops the policy would convert but whose
     newest kernel has no 16-bit type move to `fp32 (no kernel)`. Class -> (op, reason) rows."""
@@ -245,7 +251,7 @@ def effective_classes(policy: Policy, runtime: RuntimeProfile) -> dict[str, list
     no_kernel: list[tuple[str, str]] = []
     for (domain, op_type), rule in sorted(policy.rules.items(), key=lambda item: format_op_name(*item[0])):
         name = format_op_name(domain, op_type)
-        reason = rule.reason + (f"  [{rule.condition} {dict(rule.params)}]" if rule.condition else "")
+        reason = rule.reason + (f"  [{_condition_words(rule)}{rule.condition} {dict(rule.params)}]" if rule.condition else "")
         if rule.op_class is not OpClass.FP32 and not runtime.runs_in(domain, op_type, type_str):
             no_kernel.append((name, f"no {type_name} kernel on {runtime.provider}"))
         else:
