@@ -14,6 +14,8 @@ from onnx import TensorProto, helper, numpy_helper
 import mixprec
 from helpers import iter_graphs, run, run_low
 
+from mixprec.validate.emulate import emulate_low_precision
+
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
@@ -199,3 +201,66 @@ def test_repair_trials_are_written_as_the_output_is(tmp_path, monkeypatch: pytes
     kept = [k.name for k in result.report.kept_fp32 if k.category == "runtime fails on it"]
     assert kept == [_CULPRIT]
     assert len(declared_types) > 3 and not any(declared_types)  # every run: no inferred shapes
+
+
+def _flax_encoder_layer(width: int = 64) -> onnx.ModelProto:
+    """What jax2onnx writes for a Flax LayerNorm below opset 20 (the variance as mean(x*x) -
+    mean(x)**2 clamped at 0), then a Dense layer whose output is divided by its root mean
+    square, the square written x*x (tf2onnx's Square, jax2onnx's x**2; no epsilon: no RMSNorm
+    block)."""
+    rng = np.random.default_rng(7)
+    tensors = [
+        numpy_helper.from_array(np.array([-1], np.int64), "axes"),
+        numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+        numpy_helper.from_array(np.array(1e-6, np.float32), "eps"),
+        numpy_helper.from_array(rng.uniform(0.5, 1.5, width).astype(np.float32), "gamma"),
+        numpy_helper.from_array(rng.uniform(-0.1, 0.1, width).astype(np.float32), "beta"),
+        numpy_helper.from_array((rng.standard_normal((width, width)) * 100).astype(np.float32), "w"),
+    ]
+    nodes = [
+        helper.make_node("ReduceMean", ["x", "axes"], ["mean"], name="ln_mean"),
+        helper.make_node("Sub", ["x", "mean"], ["centered"], name="ln_centered"),
+        helper.make_node("Mul", ["x", "x"], ["squared"], name="ln_squared"),
+        helper.make_node("ReduceMean", ["squared", "axes"], ["moment"], name="ln_second_moment"),
+        helper.make_node("Mul", ["mean", "mean"], ["mean_squared"], name="ln_mean_squared"),
+        helper.make_node("Sub", ["moment", "mean_squared"], ["variance"], name="ln_variance"),
+        helper.make_node("Max", ["variance", "zero"], ["clamped"], name="ln_nonnegative_variance"),
+        helper.make_node("Add", ["clamped", "eps"], ["variance_eps"], name="ln_variance_eps"),
+        helper.make_node("Sqrt", ["variance_eps"], ["std"], name="ln_stddev"),
+        helper.make_node("Div", ["centered", "std"], ["normalized"], name="ln_normalized"),
+        helper.make_node("Mul", ["normalized", "gamma"], ["scaled"], name="ln_scaled"),
+        helper.make_node("Add", ["scaled", "beta"], ["normed"], name="ln_shifted"),
+        helper.make_node("MatMul", ["normed", "w"], ["h"], name="dense"),
+        helper.make_node("Mul", ["h", "h"], ["h2"], name="rms_square"),
+        helper.make_node("ReduceMean", ["h2", "axes"], ["mean_square"], name="rms_mean"),
+        helper.make_node("Sqrt", ["mean_square"], ["rms"], name="rms_root"),
+        helper.make_node("Div", ["h", "rms"], ["y"], name="rms_divide"),
+    ]
+    graph = helper.make_graph(
+        nodes, "flax_block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8, width])], tensors,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_a_flax_layer_norm_fuses_and_squares_stay_fp32_on_large_activations(tmp_path) -> None:
+    """jax2onnx's LayerNorm (variance as a second moment) fuses into LayerNormalization; a square
+    written x*x stays FP32 in float16 as Pow does. On activations of a few thousand (a residual
+    stream) the variance's x*x would overflow float16 (> 65504) and zero the block; the Dense
+    output's square overflows too, and dividing by its root mean square (inf) would zero the
+    output: the converted model keeps the FP32 numbers."""
+    model = _flax_encoder_layer()
+    out = tmp_path / "block.fp16.onnx"
+    result = mixprec.convert(model, str(out), target_dtype="float16")
+    converted = onnx.load(out)
+    ops = Counter(n.op_type for n in converted.graph.node)
+    assert ops["LayerNormalization"] == 1 and ops["ReduceMean"] == 1  # the root mean square's
+    kept = {k.name: k.reason for k in result.report.kept_fp32}
+    assert "square" in kept["rms_square"] and "dense" not in kept
+    feeds = {"x": (np.random.default_rng(0).standard_normal((2, 8, 64)) * 3000).astype(np.float32)}
+    expected = run(model, feeds)[0]
+    # onnxruntime's CPU kernels widen some float16 ops; the emulation rounds every 16-bit result,
+    # as a GPU computes it.
+    for actual in (run(converted, feeds)[0], run(emulate_low_precision(converted), feeds)[0]):
+        assert np.isfinite(actual).all()
+        np.testing.assert_allclose(actual, expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())

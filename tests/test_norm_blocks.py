@@ -122,6 +122,35 @@ def rms_norm(
     return _model(nodes, inits, ["y"], opset, tail)
 
 
+def second_moment_layer_norm(opset: int = 17, *, clamp: bool = True, mean_read_elsewhere: bool = False) -> onnx.ModelProto:
+    """Flax's LayerNorm as jax2onnx writes it: the variance is mean(x*x) - mean(x)**2, clamped
+    at 0 (`clamp`), and x - mean(x) is divided by sqrt(variance + eps), then gamma and beta.
+    With `mean_read_elsewhere` the mean is also a graph output."""
+    rng = np.random.default_rng(3)
+    mean, mean_init = _mean("ln", "x", "mean", (-1,), opset)
+    second, second_init = _mean("ln", "sq", "m2", (-1,), opset)
+    nodes = [
+        mean,
+        oh.make_node("Sub", ["x", "mean"], ["d"], name="ln/center"),
+        oh.make_node("Mul", ["x", "x"], ["sq"], name="ln/square"),
+        second,
+        oh.make_node("Mul", ["mean", "mean"], ["mean_sq"], name="ln/mean_square"),
+        oh.make_node("Sub", ["m2", "mean_sq"], ["var_raw" if clamp else "var"], name="ln/variance"),
+        *([oh.make_node("Max", ["var_raw", "zero"], ["var"], name="ln/clamp")] if clamp else []),
+        oh.make_node("Add", ["var", "eps"], ["ve"], name="ln/add_eps"),
+        oh.make_node("Sqrt", ["ve"], ["std"], name="ln/sqrt"),
+        oh.make_node("Div", ["d", "std"], ["n"], name="ln/div"),
+        oh.make_node("Mul", ["n", "gamma"], ["s"], name="ln/mul"),
+        oh.make_node("Add", ["s", "beta"], ["y"], name="ln/add_beta"),
+    ]
+    inits = [
+        _const("zero", 0.0), _const("eps", EPS),
+        _const("gamma", rng.uniform(0.5, 1.5, SHAPE[-1])), _const("beta", rng.uniform(-0.5, 0.5, SHAPE[-1])),
+        *mean_init, *second_init,
+    ]
+    return _model(nodes, inits, ["y", "mean"] if mean_read_elsewhere else ["y"], opset)
+
+
 def _typed(model: onnx.ModelProto) -> ir.Model:
     onnx.checker.check_model(model, full_check=True)
     typed = ir.from_proto(model)
@@ -244,6 +273,28 @@ def test_layer_norm_fuses_at_opset_17_and_computes_the_same(tail: bool) -> None:
     fused = ir.to_proto(model)
     onnx.checker.check_model(fused, full_check=True)
     np.testing.assert_allclose(run(fused, _feeds())[0], run(proto, _feeds())[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("clamp", [True, False], ids=["clamped", "unclamped"])
+def test_a_layer_norm_of_the_second_moment_fuses_and_computes_the_same(clamp: bool) -> None:
+    """mean(x*x) - mean(x)**2 as the variance (jax2onnx's Flax LayerNorm): the whole block is one
+    LayerNormalization, and onnxruntime gives the same values."""
+    proto = second_moment_layer_norm(17, clamp=clamp)
+    model = _typed(proto)
+    [block] = find_norm_blocks(model.graph)
+    assert block.kind == "layer" and block.input.name == "x" and block.output.name == "y"
+    assert len(block.nodes) == len(proto.graph.node)
+    result = fuse_norm_blocks(model)
+    assert result.fused == ["ln/LayerNormalization"]
+    assert _ops(model) == ["LayerNormalization"]
+    fused = ir.to_proto(model)
+    onnx.checker.check_model(fused, full_check=True)
+    np.testing.assert_allclose(run(fused, _feeds())[0], run(proto, _feeds())[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_second_moment_whose_mean_is_read_elsewhere_is_no_block() -> None:
+    model = _typed(second_moment_layer_norm(17, mean_read_elsewhere=True))
+    assert find_norm_blocks(model.graph) == []
 
 
 def test_rms_norm_waits_for_opset_23() -> None:

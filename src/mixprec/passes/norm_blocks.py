@@ -2,7 +2,8 @@
 
 PyTorch's TorchScript exporter (below opset 17), TensorFlow and Paddle write LayerNorm as
 ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div(/Mul/Add) and RMSNorm as Pow/ReduceMean/Add/Sqrt/
-Div(/Mul). Converted node by node, such a block ends up part 16-bit, part FP32 behind Casts, and
+Div(/Mul); jax2onnx writes Flax's LayerNorm with the variance as the mean of squares less the
+squared mean, clamped at 0 (ReduceMean/Sub, Mul/ReduceMean, Mul/Sub/Max/Add/Sqrt/Div/Mul/Add). Converted node by node, such a block ends up part 16-bit, part FP32 behind Casts, and
 runtimes' own fusions (onnxruntime's LayerNormFusion) then build a normalization op with mixed
 input types that fails to load. Here each block is found and either
 
@@ -177,7 +178,9 @@ def _match(variance: ir.Node, outputs: set[ir.Value]) -> NormBlock | None:
     chain = _variance_chain(variance, outputs)
     if chain is None:
         return None
-    square, base, add, epsilon, std = chain
+    square, base, moment, add, epsilon, std = chain
+    if moment is not None:
+        return _match_second_moment(square, variance, base, moment, add, epsilon, std, outputs)
     found = _normalized(std, base, outputs)
     if found is None:
         return None
@@ -199,11 +202,42 @@ def _match(variance: ir.Node, outputs: set[ir.Value]) -> NormBlock | None:
     return NormBlock(kind, nodes, source, result, axes, epsilon, scale, bias)
 
 
+def _match_second_moment(
+    square: ir.Node, variance: ir.Node, base: ir.Value, moment: tuple[ir.Node, list[ir.Node]], add: ir.Node,
+    epsilon: float, std: ir.Node, outputs: set[ir.Value],
+) -> NormBlock | None:
+    """A LayerNorm whose variance is the mean of squares less the squared mean (Flax's
+    LayerNorm as jax2onnx writes it): (x - mean(x)) / sqrt(max(mean(x*x) - mean(x)**2, 0) + eps)."""
+    mean, correction = moment
+    center = next((
+        use.node for use in mean.outputs[0].uses()
+        if use.node.op_type == "Sub" and use.node.inputs[0] is base and use.node.inputs[1] is mean.outputs[0]
+    ), None)
+    if center is None or center.outputs[0] in outputs:
+        return None
+    found = _normalized(std, center.outputs[0], outputs)
+    if found is None:
+        return None
+    divide, result = found
+    if {use.node for use in center.outputs[0].uses()} != {divide[-1]}:
+        return None
+    if {use.node for use in mean.outputs[0].uses()} != {center, correction[0]} or mean.outputs[0] in outputs:
+        return None
+    axes = _axes(variance, _rank(base))
+    if axes is None or _axes(mean, _rank(base)) != axes:
+        return None
+    nodes = [mean, center, square, variance, *correction, add, std, *divide]
+    affine_nodes, scale, bias, result = _affine_tail(result, "layer", outputs)
+    nodes.extend(affine_nodes)
+    return NormBlock("layer", nodes, base, result, axes, epsilon, scale, bias)
+
+
 def _variance_chain(
     variance: ir.Node, outputs: set[ir.Value]
-) -> tuple[ir.Node, ir.Value, ir.Node, float, ir.Node] | None:
-    """Square, its base x, Add of epsilon, epsilon and Sqrt around the ReduceMean `variance` of
-    x**2 + epsilon, each the sole consumer of the one before (x in FP32)."""
+) -> tuple[ir.Node, ir.Value, tuple[ir.Node, list[ir.Node]] | None, ir.Node, float, ir.Node] | None:
+    """Square, its base x, the second-moment correction (see :func:`_second_moment`), Add of
+    epsilon, epsilon and Sqrt around the ReduceMean `variance` of x**2 + epsilon, each the sole
+    consumer of the one before (x in FP32)."""
     square = variance.inputs[0].producer() if variance.inputs and variance.inputs[0] is not None else None
     if square is None or _sole_consumer(square.outputs[0], outputs) is not variance:
         return None
@@ -211,13 +245,38 @@ def _variance_chain(
     if base is None or not is_fp32_tensor(base):
         return None
     add = _sole_consumer(variance.outputs[0], outputs)
+    moment = _second_moment(variance, add, base, outputs) if add is not None and add.op_type == "Sub" else None
+    if moment is not None:
+        add = _sole_consumer(moment[1][-1].outputs[0], outputs)
     if add is None or add.op_type != "Add":
         return None
-    epsilon = _scalar(_other_input(add, variance.outputs[0]))
+    last = moment[1][-1] if moment is not None else variance
+    epsilon = _scalar(_other_input(add, last.outputs[0]))
     std = _sole_consumer(add.outputs[0], outputs)
     if epsilon is None or std is None or std.op_type != "Sqrt":
         return None
-    return square, base, add, epsilon, std
+    return square, base, moment, add, epsilon, std
+
+
+def _second_moment(
+    variance: ir.Node, sub: ir.Node, base: ir.Value, outputs: set[ir.Value]
+) -> tuple[ir.Node, list[ir.Node]] | None:
+    """Where the mean of squares `variance` of x has mean(x)**2 taken off (Sub, then a Max
+    with 0 or none): the ReduceMean of x, and the Mul, Sub (and Max) that do it."""
+    if sub.inputs[0] is not variance.outputs[0] or len(sub.inputs) != 2 or sub.inputs[1] is None:
+        return None
+    squared_mean = sub.inputs[1].producer()
+    if squared_mean is None or squared_mean.op_type != "Mul" or _sole_consumer(squared_mean.outputs[0], outputs) is not sub:
+        return None
+    mean_value = _squared(squared_mean)
+    mean = mean_value.producer() if mean_value is not None else None
+    if mean is None or mean.op_type != "ReduceMean" or mean.inputs[0] is not base:
+        return None
+    correction = [squared_mean, sub]
+    clamp = _sole_consumer(sub.outputs[0], outputs)
+    if clamp is not None and clamp.op_type == "Max" and _scalar(_other_input(clamp, sub.outputs[0])) == 0.0:
+        correction.append(clamp)
+    return mean, correction
 
 
 def _centering(

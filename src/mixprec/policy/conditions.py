@@ -119,9 +119,18 @@ def between_quantizers(
     return ConditionResult(True, f"between {bits}-bit DequantizeLinear and QuantizeLinear: its result keeps {bits} bits")
 
 
+def distinct_inputs(node: ir.Node, constant: ConstantLookup, params: Mapping[str, Any]) -> ConditionResult:
+    """No value is read twice: the op is no square (Mul(x, x))."""
+    inputs = [value for value in node.inputs if value is not None]
+    if len(set(inputs)) == len(inputs):
+        return ConditionResult(True, "distinct inputs")
+    return ConditionResult(False, "multiplies a value by itself (a square)")
+
+
 CONDITIONS: dict[str, Condition] = {
     "attribute_in": attribute_in,
     "between_quantizers": between_quantizers,
+    "distinct_inputs": distinct_inputs,
     "constant_exponent_at_most": constant_exponent_at_most,
     "reduced_size_at_most": reduced_size_at_most,
 }
