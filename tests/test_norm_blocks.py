@@ -292,6 +292,27 @@ def test_a_layer_norm_of_the_second_moment_fuses_and_computes_the_same(clamp: bo
     np.testing.assert_allclose(run(fused, _feeds())[0], run(proto, _feeds())[0], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("cast", ["CastLike", "Cast"])
+def test_an_epsilon_cast_like_the_input_belongs_to_the_block(cast: str) -> None:
+    """jax2onnx casts epsilon like the input (CastLike(eps, x)) before adding it: the cast is
+    part of the RMSNorm, which fuses at opset 23 and computes the same."""
+    proto = rms_norm(23)
+    add = next(n for n in proto.graph.node if n.op_type == "Add")
+    add.input[1] = "eps_cast"
+    inputs = ["eps", "x"] if cast == "CastLike" else ["eps"]
+    attributes = {} if cast == "CastLike" else {"to": TensorProto.FLOAT}
+    proto.graph.node.insert(0, oh.make_node(cast, inputs, ["eps_cast"], name="rms/eps_cast", **attributes))
+    model = _typed(proto)
+    [block] = find_norm_blocks(model.graph)
+    assert block.kind == "rms" and block.epsilon == pytest.approx(EPS)
+    assert "rms/eps_cast" in [n.name for n in block.nodes]
+    if _rms_normalization_missing() is None:
+        fuse_norm_blocks(model)
+        assert _ops(model) == ["RMSNormalization"]
+        fused = ir.to_proto(model)
+        np.testing.assert_allclose(run(fused, _feeds())[0], run(proto, _feeds())[0], rtol=1e-4, atol=1e-4)
+
+
 def test_a_second_moment_whose_mean_is_read_elsewhere_is_no_block() -> None:
     model = _typed(second_moment_layer_norm(17, mean_read_elsewhere=True))
     assert find_norm_blocks(model.graph) == []

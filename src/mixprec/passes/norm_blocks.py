@@ -185,7 +185,7 @@ def _match(variance: ir.Node, outputs: set[ir.Value]) -> NormBlock | None:
     if found is None:
         return None
     divide, result = found
-    nodes = [square, variance, add, std, *divide]
+    nodes = [square, variance, *add, std, *divide]
     kind, source = "rms", base
     centered = _centering(base, square, divide[-1], outputs)
     if centered is not None:
@@ -203,7 +203,7 @@ def _match(variance: ir.Node, outputs: set[ir.Value]) -> NormBlock | None:
 
 
 def _match_second_moment(
-    square: ir.Node, variance: ir.Node, base: ir.Value, moment: tuple[ir.Node, list[ir.Node]], add: ir.Node,
+    square: ir.Node, variance: ir.Node, base: ir.Value, moment: tuple[ir.Node, list[ir.Node]], add: list[ir.Node],
     epsilon: float, std: ir.Node, outputs: set[ir.Value],
 ) -> NormBlock | None:
     """A LayerNorm whose variance is the mean of squares less the squared mean (Flax's
@@ -226,7 +226,7 @@ def _match_second_moment(
     axes = _axes(variance, _rank(base))
     if axes is None or _axes(mean, _rank(base)) != axes:
         return None
-    nodes = [mean, center, square, variance, *correction, add, std, *divide]
+    nodes = [mean, center, square, variance, *correction, *add, std, *divide]
     affine_nodes, scale, bias, result = _affine_tail(result, "layer", outputs)
     nodes.extend(affine_nodes)
     return NormBlock("layer", nodes, base, result, axes, epsilon, scale, bias)
@@ -234,10 +234,11 @@ def _match_second_moment(
 
 def _variance_chain(
     variance: ir.Node, outputs: set[ir.Value]
-) -> tuple[ir.Node, ir.Value, tuple[ir.Node, list[ir.Node]] | None, ir.Node, float, ir.Node] | None:
+) -> tuple[ir.Node, ir.Value, tuple[ir.Node, list[ir.Node]] | None, list[ir.Node], float, ir.Node] | None:
     """Square, its base x, the second-moment correction (see :func:`_second_moment`), Add of
-    epsilon, epsilon and Sqrt around the ReduceMean `variance` of x**2 + epsilon, each the sole
-    consumer of the one before (x in FP32)."""
+    epsilon (after the cast of epsilon, if any: :func:`_epsilon`), epsilon and Sqrt around the
+    ReduceMean `variance` of x**2 + epsilon, each the sole consumer of the one before (x in
+    FP32)."""
     square = variance.inputs[0].producer() if variance.inputs and variance.inputs[0] is not None else None
     if square is None or _sole_consumer(square.outputs[0], outputs) is not variance:
         return None
@@ -251,11 +252,27 @@ def _variance_chain(
     if add is None or add.op_type != "Add":
         return None
     last = moment[1][-1] if moment is not None else variance
-    epsilon = _scalar(_other_input(add, last.outputs[0]))
+    found = _epsilon(_other_input(add, last.outputs[0]), add, outputs)
     std = _sole_consumer(add.outputs[0], outputs)
-    if epsilon is None or std is None or std.op_type != "Sqrt":
+    if found is None or std is None or std.op_type != "Sqrt":
         return None
-    return square, base, moment, add, epsilon, std
+    epsilon, cast = found
+    return square, base, moment, [*cast, add], epsilon, std
+
+
+def _epsilon(value: ir.Value | None, add: ir.Node, outputs: set[ir.Value]) -> tuple[float, list[ir.Node]] | None:
+    """The constant epsilon `add` adds, and the Cast / CastLike to FP32 of it that only `add`
+    reads (jax2onnx casts epsilon like the input), which belongs to the block."""
+    epsilon = _scalar(value)
+    if epsilon is not None or value is None:
+        return None if epsilon is None else (epsilon, [])
+    cast = value.producer()
+    if cast is None or cast.op_type not in ("Cast", "CastLike") or not is_fp32_tensor(value):
+        return None
+    if _sole_consumer(value, outputs) is not add or cast.inputs[0] is None:
+        return None
+    epsilon = _scalar(cast.inputs[0])
+    return None if epsilon is None else (epsilon, [cast])
 
 
 def _second_moment(
