@@ -18,6 +18,7 @@ from onnx import TensorProto, numpy_helper
 from mixprec.analysis.typeinfo import infer_types
 from mixprec.dtypes import LowPrecision
 from mixprec.passes.norm_blocks import (
+    FusedKernels,
     NormBlocks,
     find_norm_blocks,
     fuse_norm_blocks,
@@ -311,6 +312,21 @@ def test_an_epsilon_cast_like_the_input_belongs_to_the_block(cast: str) -> None:
         assert _ops(model) == ["RMSNormalization"]
         fused = ir.to_proto(model)
         np.testing.assert_allclose(run(fused, _feeds())[0], run(proto, _feeds())[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_block_whose_fused_op_the_runtime_lacks_stays_as_it_is() -> None:
+    """TensorRT's table has no RMSNormalization: at opset 23 the RMSNorm stays decomposed, kept
+    FP32 as one block with that reason, and the LayerNorm, which it runs, fuses."""
+    tensorrt = FusedKernels(load_runtime("tensorrt"), LowPrecision.FLOAT16)
+    model = _typed(rms_norm(23))
+    result = fuse_norm_blocks(model, runtime=tensorrt)
+    assert result.fused == [] and result.needs_opset == {}
+    assert set(result.kept) == set(model.graph)
+    assert all("tensorrt has no float16 kernel of RMSNormalization" in r for r in result.kept.values())
+    layer = _typed(layer_norm(23))
+    assert fuse_norm_blocks(layer, runtime=tensorrt).fused == ["ln/LayerNormalization"]
+    cuda = FusedKernels(load_runtime("ort-cuda"), LowPrecision.FLOAT16)
+    assert fuse_norm_blocks(_typed(rms_norm(23)), runtime=cuda).fused == ["rms/RMSNormalization"]
 
 
 def test_a_second_moment_whose_mean_is_read_elsewhere_is_no_block() -> None:

@@ -470,14 +470,32 @@ def opset_for_fusion(blocks: NormBlocks, profile: RuntimeProfile, target: LowPre
     return version
 
 
-def fuse_norm_blocks(model: ir.Model, found: dict[ir.Graph, list[NormBlock]] | None = None) -> NormBlocks:
-    """Fuse decomposed normalizations where the opset allows (typed model: shapes are needed);
-    the others are returned to be kept FP32 as one block.
+@dataclass(frozen=True)
+class FusedKernels:
+    """What a runtime profile runs of the fused ops, in the conversion's target type."""
+
+    profile: RuntimeProfile
+    target: LowPrecision
+
+    def missing(self, op_type: str) -> str | None:
+        """Why the runtime cannot run `op_type` (a default-domain op) in the target type, or
+        None when it can."""
+        if self.profile.runs_in("", op_type, self.target.type_str):
+            return None
+        return f"{self.profile.name} has no {self.target.value} kernel of {op_type}"
+
+
+def fuse_norm_blocks(
+    model: ir.Model, found: dict[ir.Graph, list[NormBlock]] | None = None, runtime: FusedKernels | None = None
+) -> NormBlocks:
+    """Fuse decomposed normalizations where the opset and the runtime allow (typed model:
+    shapes are needed); the others are returned to be kept FP32 as one block.
 
     `found`: the blocks an earlier call found (its `NormBlocks.found`), taken instead of
     searching again; only where that call fused none and the model has not changed since, its
     types included (an upgrade that only declared a newer opset): the search would find the
-    same blocks.
+    same blocks. `runtime`: where it has no kernel of a fused op in the target type, its blocks
+    stay as they are (None: every fused op runs).
     """
     opset = default_opset(model) or 0
     result = NormBlocks(fused=[], kept={})
@@ -490,7 +508,10 @@ def fuse_norm_blocks(model: ir.Model, found: dict[ir.Graph, list[NormBlock]] | N
         for block in blocks:
             op_type, since = _FUSED_OP[block.kind]
             what = "LayerNorm" if block.kind == "layer" else "RMSNorm"
-            if opset >= since:
+            missing = runtime.missing(op_type) if runtime is not None else None
+            if missing is not None:
+                reason = f"decomposed {what} kept FP32 as one block: {missing}"
+            elif opset >= since:
                 names = names or model_names(model)
                 count += 1
                 fused = _fuse(graph, block, count, names, read)

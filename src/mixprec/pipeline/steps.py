@@ -30,7 +30,7 @@ from mixprec.graphs import all_graphs, main_values, node_keys, walk_nodes
 from mixprec.io import StagedModel, load_model, typed_values, uses_external_data, wants_external_data, weight_bytes
 from mixprec.passes.fold_dequantize import fold_constant_dequantizations
 from mixprec.passes.integer_groups import write_groups_on_integers
-from mixprec.passes.norm_blocks import fuse_norm_blocks, opset_for_fusion
+from mixprec.passes.norm_blocks import FusedKernels, fuse_norm_blocks, opset_for_fusion
 from mixprec.passes.norm_scales import FoldedScales, fold_norm_scales
 from mixprec.passes.opset import upgrade_for_target, upgrade_opset
 from mixprec.passes.rewrite import RewriteStats, apply_plan
@@ -264,7 +264,8 @@ def normalize(typed: Typed, profile: RuntimeProfile, policy: Policy, config: Con
     """Fuse decomposed normalizations; where they fuse only at a newer opset, upgrade and type
     again rather than keep each block FP32 with casts."""
     model, typeinfo, notes = typed.model, typed.typeinfo, []
-    blocks = fuse_norm_blocks(model)
+    kernels = FusedKernels(profile, config.ops.target)
+    blocks = fuse_norm_blocks(model, runtime=kernels)
     changed = bool(blocks.fused)
     version = opset_for_fusion(blocks, profile, config.ops.target) if config.io.opset is None else None
     if version is not None:
@@ -287,7 +288,7 @@ def normalize(typed: Typed, profile: RuntimeProfile, policy: Policy, config: Con
             model, changed = upgraded, True
             typeinfo = retype_after_upgrade(model, untyped, typeinfo)
             assume_float_outputs(model, policy.user_custom_ops())
-            blocks = fuse_norm_blocks(model, blocks.found if same else None)
+            blocks = fuse_norm_blocks(model, blocks.found if same else None, kernels)
     keys = node_keys(model)
     if blocks.fused:
         notes.append(
