@@ -8,15 +8,18 @@ references to external data; here their bytes are written directly in protobuf's
 in the order protobuf's encoder writes fields (ascending field number), with the bytes of each
 distinct attribute made once by onnx_ir's own serializer and reused. Anything else (metadata,
 doc strings, reference attributes, device configurations, quantization annotations, unnamed
-values, types other than a tensor's, tensors held in memory) goes through onnx_ir. Either way
-the bytes are the ones onnx_ir writes (the tests compare them on onnx's backend corpus).
+values, types other than a tensor's, string tensors, tensors read from the protobuf) goes
+through onnx_ir. Either way the bytes are the ones onnx_ir writes (the tests compare them on
+onnx's backend corpus).
 """
 
 from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterable, Set
+from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
 from typing import Any
 
 import onnx
@@ -66,7 +69,7 @@ def _field_bytes(data: bytes) -> bytes:
     return (_SHORT_LENGTHS[size] if size < 128 else _varint(size)) + data
 
 
-def _field(tag: bytes, data: bytes) -> bytes:
+def _tagged(tag: bytes, data: bytes) -> bytes:
     """A length-delimited field: tag, length, bytes."""
     return tag + _field_bytes(data)
 
@@ -88,22 +91,22 @@ def _quantization_annotated(value: ir.Value) -> bool:
     return _stored(value, "_metadata") and bool(value.meta.get(_QUANTIZATION_META))
 
 
+@dataclass
 class GraphPieces:
     """The serialized `node`, `value_info` and `quantization_annotation` fields of a run of
     nodes (each a list of whole tagged fields, in order)."""
 
-    def __init__(self) -> None:
-        self.nodes: list[bytes] = []
-        self.value_info: list[bytes] = []
-        self.annotations: list[bytes] = []
+    nodes: list[bytes] = field(default_factory=list)
+    value_info: list[bytes] = field(default_factory=list)
+    annotations: list[bytes] = field(default_factory=list)
 
 
+@dataclass
 class Initializers:
     """The serialized `initializer` and `value_info` fields of a graph's initializers."""
 
-    def __init__(self) -> None:
-        self.tensors: list[bytes] = []
-        self.value_info: list[bytes] = []
+    tensors: list[bytes] = field(default_factory=list)
+    value_info: list[bytes] = field(default_factory=list)
 
 
 class GraphFieldWriter:
@@ -115,7 +118,7 @@ class GraphFieldWriter:
     recover them).
     """
 
-    def __init__(self, model_ir_version: int | None, declared: Set[str] | None = None) -> None:
+    def __init__(self, model_ir_version: int | None, declared: AbstractSet[str] | None = None) -> None:
         self._ir_version = model_ir_version
         self._declared = declared
         self._attributes: dict[tuple, bytes] = {}
@@ -173,7 +176,7 @@ class GraphFieldWriter:
                 type_bytes = self._type_bytes(value)
                 if type_bytes is None:
                     return False
-                infos.append(_field(_VALUE_INFO_TAG, _VALUE_NAME_TAG + (strings.get(name) or text(name)) + type_bytes))
+                infos.append(_tagged(_VALUE_INFO_TAG, _VALUE_NAME_TAG + (strings.get(name) or text(name)) + type_bytes))
         if node.name:
             parts.append(_TAGS[_NODE_NAME] + _field_bytes(node.name.encode()))
         parts.append(_TAGS[_NODE_OP_TYPE] + (strings.get(node.op_type) or text(node.op_type)))
@@ -189,7 +192,7 @@ class GraphFieldWriter:
             parts.append(_TAGS[_NODE_DOMAIN] + text(node.domain))
         if node.overload:
             parts.append(_TAGS[_NODE_OVERLOAD] + text(node.overload))
-        pieces.nodes.append(_field(_NODE_TAG, b"".join(parts)))
+        pieces.nodes.append(_tagged(_NODE_TAG, b"".join(parts)))
         pieces.value_info.extend(infos)
         return True
 
@@ -204,14 +207,15 @@ class GraphFieldWriter:
             if _quantization_annotated(value):
                 return None
             tensor = value.const_value
-            if value.name and value.name not in inputs and (value.type is not None or value.shape is not None or _stored(value, "_metadata_props") or value.doc_string):
-                type_bytes = None if _stored(value, "_metadata_props") or value.doc_string else self._type_bytes(value)
+            described = _stored(value, "_metadata_props") or bool(value.doc_string)
+            if value.name and value.name not in inputs and (value.type is not None or value.shape is not None or described):
+                type_bytes = None if described else self._type_bytes(value)
                 if type_bytes is None:
                     proto = onnx.ValueInfoProto()
                     ir.serde.serialize_value_into(proto, value)
-                    done.value_info.append(_field(_VALUE_INFO_TAG, proto.SerializeToString()))
+                    done.value_info.append(_tagged(_VALUE_INFO_TAG, proto.SerializeToString()))
                 else:
-                    done.value_info.append(_field(_VALUE_INFO_TAG, _VALUE_NAME_TAG + text(value.name) + type_bytes))
+                    done.value_info.append(_tagged(_VALUE_INFO_TAG, _VALUE_NAME_TAG + text(value.name) + type_bytes))
             if tensor is None:
                 continue  # onnx_ir skips it (with a warning)
             tensor.name = value.name  # as onnx_ir does
@@ -220,7 +224,7 @@ class GraphFieldWriter:
                 proto = onnx.TensorProto()
                 ir.serde.serialize_tensor_into(proto, tensor)
                 data = proto.SerializeToString()
-            done.tensors.append(_field(_TAGS[_GRAPH_INITIALIZER], data))
+            done.tensors.append(_tagged(_TAGS[_GRAPH_INITIALIZER], data))
         return done
 
     def keeps_type(self, node: ir.Node, name: str) -> bool:
@@ -246,12 +250,10 @@ class GraphFieldWriter:
         return data
 
     def _type_bytes(self, value: ir.Value) -> bytes | None:
-        """The tagged TypeProto field of a value's ValueInfoProto (empty when it has no type
-        but a shape, as onnx_ir writes it); None where onnx_ir should write it (a type other
-        than a tensor's, denotations, a negative dimension)."""
+        """The tagged TypeProto field of a typed value's ValueInfoProto; None where onnx_ir
+        should write it (no type, a type other than a tensor's, denotations, a negative
+        dimension)."""
         kind, shape = value.type, value.shape
-        if kind is None:
-            return None if shape is not None else b""
         if type(kind) is not ir.TensorType or kind.denotation:
             return None
         tensor = _VARINT_TAGS[1] + _varint(kind.dtype.value)
@@ -285,11 +287,11 @@ class GraphFieldWriter:
             for value, kind, shape in dropped:
                 value.type, value.shape = kind, shape
         for message in proto.node:
-            pieces.nodes.append(_field(_NODE_TAG, message.SerializeToString()))
+            pieces.nodes.append(_tagged(_NODE_TAG, message.SerializeToString()))
         for message in proto.value_info:
-            pieces.value_info.append(_field(_VALUE_INFO_TAG, message.SerializeToString()))
+            pieces.value_info.append(_tagged(_VALUE_INFO_TAG, message.SerializeToString()))
         for message in proto.quantization_annotation:
-            pieces.annotations.append(_field(_TAGS[_GRAPH_ANNOTATION], message.SerializeToString()))
+            pieces.annotations.append(_tagged(_TAGS[_GRAPH_ANNOTATION], message.SerializeToString()))
 
 
 def _tensor_bytes(tensor: Any) -> bytes | None:  # noqa: ANN401 - an onnx_ir tensor

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence, Set
+from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import onnx
@@ -45,7 +46,7 @@ class ProtobufTooLarge(ValueError):
     """The model does not fit in one protobuf message (2 GB)."""
 
 
-def save(model: ir.Model, path: str | os.PathLike, declared: Set[str] | None = None) -> None:
+def save(model: ir.Model, path: str | os.PathLike, declared: AbstractSet[str] | None = None) -> None:
     """Write `model` to `path`: the same bytes as `ir.save(model, path)` without external data
     (tensors that are external stay external), with the types and shapes of the main graph's
     intermediate values where :class:`GraphFieldWriter` keeps them (`declared`).
@@ -105,7 +106,7 @@ def save(model: ir.Model, path: str | os.PathLike, declared: Set[str] | None = N
 
 
 @contextlib.contextmanager
-def _main_types_of(model: ir.Model, declared: Set[str] | None) -> Iterator[None]:
+def _main_types_of(model: ir.Model, declared: AbstractSet[str] | None) -> Iterator[None]:
     """Leave out the types and shapes of the main graph's node outputs that the writer would
     leave out (see :class:`GraphFieldWriter`), for onnx_ir's own serializer."""
     writer = GraphFieldWriter(model.ir_version, declared)
