@@ -1,16 +1,20 @@
-"""Decomposed normalizations decided as one block: fused where the opset allows, else FP32.
+"""Decomposed normalizations decided as one block: fused where the opset and the runtime allow,
+else FP32.
 
 PyTorch's TorchScript exporter (below opset 17), TensorFlow and Paddle write LayerNorm as
 ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div(/Mul/Add) and RMSNorm as Pow/ReduceMean/Add/Sqrt/
 Div(/Mul); jax2onnx writes Flax's LayerNorm with the variance as the mean of squares less the
-squared mean, clamped at 0 (ReduceMean/Sub, Mul/ReduceMean, Mul/Sub/Max/Add/Sqrt/Div/Mul/Add). Converted node by node, such a block ends up part 16-bit, part FP32 behind Casts, and
-runtimes' own fusions (onnxruntime's LayerNormFusion) then build a normalization op with mixed
-input types that fails to load. Here each block is found and either
+squared mean, clamped at 0 (ReduceMean/Sub, Mul/ReduceMean, Mul/Sub/Max/Add/Sqrt/Div/Mul/Add),
+and casts epsilon like the input (CastLike). Converted node by node, such a block ends up part
+16-bit, part FP32 behind Casts, and runtimes' own fusions (onnxruntime's LayerNormFusion) then
+build a normalization op with mixed input types that fails to load. Here each block is found
+and either
 
 * fused into `LayerNormalization` (opset 17) / `RMSNormalization` (opset 23) with
-  `stash_type=1`, so the statistics accumulate in FP32 inside the op and the block costs no
-  Cast, or
-* where the opset (or a non-static shape) does not allow that, kept FP32 as a whole.
+  `stash_type=1` where the runtime runs that op in the target type, so the statistics
+  accumulate in FP32 inside the op and the block costs no Cast, or
+* where the opset, the runtime (or a non-static shape) does not allow that, kept FP32 as a
+  whole.
 """
 
 from __future__ import annotations
@@ -264,10 +268,10 @@ def _epsilon(value: ir.Value | None, add: ir.Node, outputs: set[ir.Value]) -> tu
     """The constant epsilon `add` adds, and the Cast / CastLike to FP32 of it that only `add`
     reads (jax2onnx casts epsilon like the input), which belongs to the block."""
     epsilon = _scalar(value)
-    if epsilon is not None or value is None:
-        return None if epsilon is None else (epsilon, [])
-    cast = value.producer()
-    if cast is None or cast.op_type not in ("Cast", "CastLike") or not is_fp32_tensor(value):
+    if epsilon is not None:
+        return epsilon, []
+    cast = value.producer() if value is not None else None
+    if cast is None or value is None or cast.op_type not in ("Cast", "CastLike") or not is_fp32_tensor(value):
         return None
     if _sole_consumer(value, outputs) is not add or cast.inputs[0] is None:
         return None
