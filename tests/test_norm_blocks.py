@@ -66,6 +66,25 @@ def _model(
     return model
 
 
+def _layer_norm_tail() -> list[onnx.NodeProto]:
+    """var + eps -> Sqrt -> d / std -> * gamma -> + beta -> y."""
+    return [
+        oh.make_node("Add", ["var", "eps"], ["ve"], name="ln/add_eps"),
+        oh.make_node("Sqrt", ["ve"], ["std"], name="ln/sqrt"),
+        oh.make_node("Div", ["d", "std"], ["n"], name="ln/div"),
+        oh.make_node("Mul", ["n", "gamma"], ["s"], name="ln/mul"),
+        oh.make_node("Add", ["s", "beta"], ["y"], name="ln/add_beta"),
+    ]
+
+
+def _layer_norm_constants(rng: np.random.Generator) -> list[onnx.TensorProto]:
+    """eps, gamma and beta of :func:`_layer_norm_tail`."""
+    return [
+        _const("eps", EPS),
+        _const("gamma", rng.uniform(0.5, 1.5, SHAPE[-1])), _const("beta", rng.uniform(-0.5, 0.5, SHAPE[-1])),
+    ]
+
+
 def layer_norm(
     opset: int = 17,
     *,
@@ -83,17 +102,9 @@ def layer_norm(
         oh.make_node("Sub", ["x", "mean"], ["d"], name="ln/sub"),
         oh.make_node("Pow", ["d", "two"], ["sq"], name="ln/pow"),
         var,
-        oh.make_node("Add", ["var", "eps"], ["ve"], name="ln/add_eps"),
-        oh.make_node("Sqrt", ["ve"], ["std"], name="ln/sqrt"),
-        oh.make_node("Div", ["d", "std"], ["n"], name="ln/div"),
-        oh.make_node("Mul", ["n", "gamma"], ["s"], name="ln/mul"),
-        oh.make_node("Add", ["s", "beta"], ["y"], name="ln/add_beta"),
+        *_layer_norm_tail(),
     ]
-    inits = [
-        _const("two", 2.0), _const("eps", EPS),
-        _const("gamma", rng.uniform(0.5, 1.5, SHAPE[-1])), _const("beta", rng.uniform(-0.5, 0.5, SHAPE[-1])),
-        *mean_init, *var_init,
-    ]
+    inits = [_const("two", 2.0), *_layer_norm_constants(rng), *mean_init, *var_init]
     outputs = ["y"] + ([extra_output] if extra_output else [])
     return _model(nodes, inits, outputs, opset, tail)
 
@@ -138,17 +149,9 @@ def second_moment_layer_norm(opset: int = 17, *, clamp: bool = True, mean_read_e
         oh.make_node("Mul", ["mean", "mean"], ["mean_sq"], name="ln/mean_square"),
         oh.make_node("Sub", ["m2", "mean_sq"], ["var_raw" if clamp else "var"], name="ln/variance"),
         *([oh.make_node("Max", ["var_raw", "zero"], ["var"], name="ln/clamp")] if clamp else []),
-        oh.make_node("Add", ["var", "eps"], ["ve"], name="ln/add_eps"),
-        oh.make_node("Sqrt", ["ve"], ["std"], name="ln/sqrt"),
-        oh.make_node("Div", ["d", "std"], ["n"], name="ln/div"),
-        oh.make_node("Mul", ["n", "gamma"], ["s"], name="ln/mul"),
-        oh.make_node("Add", ["s", "beta"], ["y"], name="ln/add_beta"),
+        *_layer_norm_tail(),
     ]
-    inits = [
-        _const("zero", 0.0), _const("eps", EPS),
-        _const("gamma", rng.uniform(0.5, 1.5, SHAPE[-1])), _const("beta", rng.uniform(-0.5, 0.5, SHAPE[-1])),
-        *mean_init, *second_init,
-    ]
+    inits = [_const("zero", 0.0), *_layer_norm_constants(rng), *mean_init, *second_init]
     return _model(nodes, inits, ["y", "mean"] if mean_read_elsewhere else ["y"], opset)
 
 
