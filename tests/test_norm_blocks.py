@@ -322,14 +322,14 @@ def test_a_block_whose_fused_op_the_runtime_lacks_stays_as_it_is() -> None:
     FP32 as one block with that reason, and the LayerNorm, which it runs, fuses."""
     tensorrt = FusedKernels(load_runtime("tensorrt"), LowPrecision.FLOAT16)
     model = _typed(rms_norm(23))
-    result = fuse_norm_blocks(model, runtime=tensorrt)
+    result = fuse_norm_blocks(model, kernels=tensorrt)
     assert result.fused == [] and result.needs_opset == {}
     assert set(result.kept) == set(model.graph)
     assert all("tensorrt has no float16 kernel of RMSNormalization" in r for r in result.kept.values())
     layer = _typed(layer_norm(23))
-    assert fuse_norm_blocks(layer, runtime=tensorrt).fused == ["ln/LayerNormalization"]
+    assert fuse_norm_blocks(layer, kernels=tensorrt).fused == ["ln/LayerNormalization"]
     cuda = FusedKernels(load_runtime("ort-cuda"), LowPrecision.FLOAT16)
-    assert fuse_norm_blocks(_typed(rms_norm(23)), runtime=cuda).fused == ["rms/RMSNormalization"]
+    assert fuse_norm_blocks(_typed(rms_norm(23)), kernels=cuda).fused == ["rms/RMSNormalization"]
 
 
 def test_a_second_moment_whose_mean_is_read_elsewhere_is_no_block() -> None:

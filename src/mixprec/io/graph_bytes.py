@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from mixprec.graphs import is_default_domain
 
-__all__ = ["GraphFieldWriter", "GraphPieces", "Initializers"]
+__all__ = ["GraphFieldWriter", "GraphPieces", "Initializers", "keeps_type"]
 
 # Field numbers (onnx.proto).
 _NODE_INPUT, _NODE_OUTPUT, _NODE_NAME, _NODE_OP_TYPE, _NODE_ATTRIBUTE, _NODE_DOMAIN, _NODE_OVERLOAD = 1, 2, 3, 4, 5, 7, 8
@@ -229,8 +229,7 @@ class GraphFieldWriter:
 
     def keeps_type(self, node: ir.Node, name: str) -> bool:
         """Whether the node's output called `name` gets its value_info."""
-        declared = self._declared
-        return declared is None or name in declared or not is_default_domain(node.domain)
+        return keeps_type(self._declared, node, name)
 
     def _attribute_bytes(self, attr: Any) -> bytes | None:  # noqa: ANN401 - an onnx_ir attribute
         """The attribute's length-prefixed AttributeProto bytes; None for a reference."""
@@ -292,6 +291,13 @@ class GraphFieldWriter:
             pieces.value_info.append(_tagged(_VALUE_INFO_TAG, message.SerializeToString()))
         for message in proto.quantization_annotation:
             pieces.annotations.append(_tagged(_TAGS[_GRAPH_ANNOTATION], message.SerializeToString()))
+
+
+def keeps_type(declared: AbstractSet[str] | None, node: ir.Node, name: str) -> bool:
+    """Whether the output of `node` called `name` keeps its type and shape in the file: the
+    input declared it (`declared`, by name; None: every value keeps its own), or the node is
+    an op outside the ONNX domain (no ONNX inference can recover it)."""
+    return declared is None or name in declared or not is_default_domain(node.domain)
 
 
 def _tensor_bytes(tensor: Any) -> bytes | None:  # noqa: ANN401 - an onnx_ir tensor

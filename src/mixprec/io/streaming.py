@@ -24,7 +24,7 @@ import onnx
 import onnx_ir as ir
 from onnx import serialization
 
-from mixprec.io.graph_bytes import GraphFieldWriter
+from mixprec.io.graph_bytes import GraphFieldWriter, keeps_type
 
 __all__ = ["ProtobufTooLarge", "save"]
 
@@ -108,11 +108,10 @@ def save(model: ir.Model, path: str | os.PathLike, declared: AbstractSet[str] | 
 @contextlib.contextmanager
 def _main_types_of(model: ir.Model, declared: AbstractSet[str] | None) -> Iterator[None]:
     """Leave out the types and shapes of the main graph's node outputs that the writer would
-    leave out (see :class:`GraphFieldWriter`), for onnx_ir's own serializer."""
-    writer = GraphFieldWriter(model.ir_version, declared)
+    leave out (:func:`mixprec.io.graph_bytes.keeps_type`), for onnx_ir's own serializer."""
     dropped = [
         (value, value.type, value.shape) for node in model.graph for value in node.outputs
-        if value.name and not value.is_graph_output() and not writer.keeps_type(node, value.name)
+        if value.name and not value.is_graph_output() and not keeps_type(declared, node, value.name)
     ]
     for value, _, _ in dropped:
         value.type, value.shape = None, None

@@ -490,7 +490,7 @@ class FusedKernels:
 
 
 def fuse_norm_blocks(
-    model: ir.Model, found: dict[ir.Graph, list[NormBlock]] | None = None, runtime: FusedKernels | None = None
+    model: ir.Model, found: dict[ir.Graph, list[NormBlock]] | None = None, kernels: FusedKernels | None = None
 ) -> NormBlocks:
     """Fuse decomposed normalizations where the opset and the runtime allow (typed model:
     shapes are needed); the others are returned to be kept FP32 as one block.
@@ -498,8 +498,8 @@ def fuse_norm_blocks(
     `found`: the blocks an earlier call found (its `NormBlocks.found`), taken instead of
     searching again; only where that call fused none and the model has not changed since, its
     types included (an upgrade that only declared a newer opset): the search would find the
-    same blocks. `runtime`: where it has no kernel of a fused op in the target type, its blocks
-    stay as they are (None: every fused op runs).
+    same blocks. `kernels`: where the runtime has no kernel of a fused op in the target type,
+    its blocks stay as they are (None: every fused op runs).
     """
     opset = default_opset(model) or 0
     result = NormBlocks(fused=[], kept={})
@@ -512,7 +512,7 @@ def fuse_norm_blocks(
         for block in blocks:
             op_type, since = _FUSED_OP[block.kind]
             what = "LayerNorm" if block.kind == "layer" else "RMSNorm"
-            missing = runtime.missing(op_type) if runtime is not None else None
+            missing = kernels.missing(op_type) if kernels is not None else None
             if missing is not None:
                 reason = f"decomposed {what} kept FP32 as one block: {missing}"
             elif opset >= since:

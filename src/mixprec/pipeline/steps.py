@@ -265,7 +265,7 @@ def normalize(typed: Typed, profile: RuntimeProfile, policy: Policy, config: Con
     again rather than keep each block FP32 with casts."""
     model, typeinfo, notes = typed.model, typed.typeinfo, []
     kernels = FusedKernels(profile, config.ops.target)
-    blocks = fuse_norm_blocks(model, runtime=kernels)
+    blocks = fuse_norm_blocks(model, kernels=kernels)
     changed = bool(blocks.fused)
     version = opset_for_fusion(blocks, profile, config.ops.target) if config.io.opset is None else None
     if version is not None:
