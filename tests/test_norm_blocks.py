@@ -155,6 +155,47 @@ def second_moment_layer_norm(opset: int = 17, *, clamp: bool = True, mean_read_e
     return _model(nodes, inits, ["y", "mean"] if mean_read_elsewhere else ["y"], opset)
 
 
+def scale_shift_layer_norm(shift: str = "neg", affine: bool = True) -> onnx.ModelProto:
+    """Keras's LayerNormalization as tf2onnx writes it (TensorFlow's batch_normalization): means
+    by GlobalAveragePool over the last axis, g = gamma / sqrt(var + eps) with gamma of shape
+    [1, 1, C], and y = x * g + shift, the shift Add(Mul(Neg(mean), g), beta) (`neg`) or
+    Sub(beta, Mul(mean, g)) (`sub`); without `affine` no gamma and no beta."""
+    rng = np.random.default_rng(4)
+    factor = "g" if affine else "inv"
+    nodes = [
+        oh.make_node("GlobalAveragePool", ["x"], ["mean"], name="ln/mean"),
+        oh.make_node("Sub", ["x", "mean"], ["d"], name="ln/difference"),
+        oh.make_node("Mul", ["d", "d"], ["sq"], name="ln/squared_difference"),
+        oh.make_node("GlobalAveragePool", ["sq"], ["var"], name="ln/variance"),
+        oh.make_node("Add", ["var", "eps"], ["ve"], name="ln/add_eps"),
+        oh.make_node("Sqrt", ["ve"], ["std"], name="ln/sqrt"),
+        oh.make_node("Reciprocal", ["std"], ["inv"], name="ln/rsqrt"),
+        *([oh.make_node("Mul", ["inv", "gamma"], ["g"], name="ln/scale")] if affine else []),
+        oh.make_node("Mul", ["x", factor], ["xg"], name="ln/mul_x"),
+    ]
+    if shift == "neg":
+        nodes += [
+            oh.make_node("Neg", ["mean"], ["neg_mean"], name="ln/neg"),
+            oh.make_node("Mul", ["neg_mean", factor], ["mg"], name="ln/mul_mean"),
+            *([oh.make_node("Add", ["mg", "beta"], ["b"], name="ln/add_beta")] if affine else []),
+            oh.make_node("Add", ["xg", "b" if affine else "mg"], ["y"], name="ln/add"),
+        ]
+    else:
+        nodes += [
+            oh.make_node("Mul", ["mean", factor], ["mg"], name="ln/mul_mean"),
+            *([oh.make_node("Sub", ["beta", "mg"], ["b"], name="ln/sub_beta")] if affine else []),
+            oh.make_node("Add", ["xg", "b"], ["y"], name="ln/add") if affine
+            else oh.make_node("Sub", ["xg", "mg"], ["y"], name="ln/sub"),
+        ]
+    inits = [_const("eps", EPS)]
+    if affine:
+        inits += [
+            _const("gamma", rng.uniform(0.5, 1.5, (1, 1, SHAPE[-1]))),
+            _const("beta", rng.uniform(-0.5, 0.5, (1, 1, SHAPE[-1]))),
+        ]
+    return _model(nodes, inits, ["y"], 17)
+
+
 def _typed(model: onnx.ModelProto) -> ir.Model:
     onnx.checker.check_model(model, full_check=True)
     typed = ir.from_proto(model)
@@ -330,6 +371,28 @@ def test_a_block_whose_fused_op_the_runtime_lacks_stays_as_it_is() -> None:
     assert fuse_norm_blocks(layer, kernels=tensorrt).fused == ["ln/LayerNormalization"]
     cuda = FusedKernels(load_runtime("ort-cuda"), LowPrecision.FLOAT16)
     assert fuse_norm_blocks(_typed(rms_norm(23)), kernels=cuda).fused == ["rms/RMSNormalization"]
+
+
+@pytest.mark.parametrize(("shift", "affine"), [("neg", True), ("sub", True), ("neg", False), ("sub", False)])
+def test_a_keras_layer_norm_through_tf2onnx_fuses_and_computes_the_same(shift: str, affine: bool) -> None:
+    """x * g + (beta - mean * g), g = gamma / sqrt(var + eps), means by GlobalAveragePool: one
+    LayerNormalization over the last axis, gamma and beta of shape [1, 1, C] taken as [C]."""
+    proto = scale_shift_layer_norm(shift, affine)
+    model = _typed(proto)
+    [block] = find_norm_blocks(model.graph)
+    assert block.kind == "layer" and block.axes == [2] and block.output.name == "y"
+    assert len(block.nodes) == len(proto.graph.node)
+    fuse_norm_blocks(model)
+    assert _ops(model) == ["LayerNormalization"]
+    fused = ir.to_proto(model)
+    onnx.checker.check_model(fused, full_check=True)
+    np.testing.assert_allclose(run(fused, _feeds())[0], run(proto, _feeds())[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_scale_shift_whose_factor_is_read_elsewhere_is_no_block() -> None:
+    proto = scale_shift_layer_norm()
+    proto.graph.output.append(oh.make_tensor_value_info("g", F32, list(SHAPE)))
+    assert find_norm_blocks(_typed(proto).graph) == []
 
 
 def test_a_second_moment_whose_mean_is_read_elsewhere_is_no_block() -> None:

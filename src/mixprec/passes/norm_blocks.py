@@ -122,9 +122,19 @@ def _scalar(value: ir.Value | None) -> float | None:
     return float(np.asarray(array, dtype=np.float64).reshape(-1)[0])
 
 
+# Ops that compute a mean over trailing axes, keeping them (GlobalAveragePool: every axis
+# after the first two; tf2onnx writes a mean over the last axis of a rank-3 tensor so).
+_MEANS = ("ReduceMean", "GlobalAveragePool")
+
+
 def _axes(node: ir.Node, rank: int | None) -> list[int] | None:
-    """Positive reduced axes of a ReduceMean with keepdims=1, when they are trailing."""
-    if rank is None or node.attributes.get_int("keepdims", 1) != 1:
+    """Positive reduced axes of a ReduceMean with keepdims=1 (or a GlobalAveragePool), when
+    they are trailing."""
+    if rank is None or node.op_type not in _MEANS:
+        return None
+    if node.op_type == "GlobalAveragePool":
+        return list(range(2, rank)) if rank > 2 else None
+    if node.attributes.get_int("keepdims", 1) != 1:
         return None
     axes = reduction_axes(node)
     if not axes:
@@ -170,11 +180,7 @@ def _affine(value: ir.Value, op_type: str, outputs: set[ir.Value]) -> tuple[ir.N
     if node is None or node.op_type != op_type:
         return None
     other = _other_input(node, value)
-    if other is None or other.const_value is None and small_constant_array(other) is None:
-        return None
-    if other.producer() is not None and other.producer().op_type != "Constant":  # type: ignore[union-attr]
-        return None
-    return node, other
+    return (node, other) if _is_constant_operand(other) else None
 
 
 def _match(variance: ir.Node, outputs: set[ir.Value]) -> NormBlock | None:
@@ -187,7 +193,7 @@ def _match(variance: ir.Node, outputs: set[ir.Value]) -> NormBlock | None:
         return _match_second_moment(square, variance, base, moment, add, epsilon, std, outputs)
     found = _normalized(std, base, outputs)
     if found is None:
-        return None
+        return _match_scale_shift(square, variance, base, add, epsilon, std, outputs)
     divide, result = found
     nodes = [square, variance, *add, std, *divide]
     kind, source = "rms", base
@@ -234,6 +240,110 @@ def _match_second_moment(
     affine_nodes, scale, bias, result = _affine_tail(result, "layer", outputs)
     nodes.extend(affine_nodes)
     return NormBlock("layer", nodes, base, result, axes, epsilon, scale, bias)
+
+
+def _match_scale_shift(
+    square: ir.Node, variance: ir.Node, base: ir.Value, add: list[ir.Node], epsilon: float, std: ir.Node,
+    outputs: set[ir.Value],
+) -> NormBlock | None:
+    """A LayerNorm as TensorFlow's batch_normalization writes it (Keras's LayerNormalization
+    through tf2onnx): with g = gamma / sqrt(mean((x - mean(x))**2) + eps), the result is
+    x * g + (beta - mean(x) * g), the shift written Add(Mul(Neg(mean), g), beta) or
+    Sub(beta, Mul(mean, g)); gamma and beta optional."""
+    center = base.producer()
+    if center is None or center.op_type != "Sub" or center.inputs[1] is None or base in outputs:
+        return None
+    source, mean_value = center.inputs
+    mean = mean_value.producer() if mean_value is not None else None
+    if mean is None or mean.inputs[0] is not source or {use.node for use in base.uses()} != {square}:
+        return None
+    inverse = _sole_consumer(std.outputs[0], outputs)
+    if inverse is None or not (inverse.op_type == "Reciprocal" or (
+        inverse.op_type == "Div" and inverse.inputs[1] is std.outputs[0] and _scalar(inverse.inputs[0]) == 1.0
+    )):
+        return None
+    nodes = [mean, center, square, variance, *add, std, inverse]
+    factor, scale = inverse.outputs[0], None
+    scaled = _affine(factor, "Mul", outputs)
+    if scaled is not None:
+        nodes.append(scaled[0])
+        factor, scale = scaled[0].outputs[0], scaled[1]
+    found = _shifted(source, mean, center, factor, outputs)
+    if found is None:
+        return None
+    shift_nodes, bias, result = found
+    axes = _axes(variance, _rank(source))
+    if axes is None or _axes(mean, _rank(source)) != axes:
+        return None
+    return NormBlock("layer", [*nodes, *shift_nodes], source, result, axes, epsilon, scale, bias)
+
+
+def _shifted(
+    source: ir.Value, mean: ir.Node, center: ir.Node, factor: ir.Value, outputs: set[ir.Value]
+) -> tuple[list[ir.Node], ir.Value | None, ir.Value] | None:
+    """x * g + (beta - mean * g) after the factor g: its nodes, beta (None without) and result.
+    Every intermediate value is read once, inside."""
+    readers = [use.node for use in factor.uses()]
+    if len(readers) != 2 or factor in outputs or any(node.op_type != "Mul" for node in readers):
+        return None
+    scaled = next((node for node in readers if _other_input(node, factor) is source), None)
+    if scaled is None:
+        return None
+    product = readers[1] if readers[0] is scaled else readers[0]
+    mean_readers = {use.node for use in mean.outputs[0].uses()}
+    term = _other_input(product, factor)
+    negated = term.producer() if term is not None else None
+    nodes = [scaled, product]
+    if negated is not None and negated.op_type == "Neg" and negated.inputs[0] is mean.outputs[0]:
+        # x * g + (-mean * g + beta)
+        if mean_readers != {center, negated} or _sole_consumer(term, outputs) is not product:
+            return None
+        nodes.insert(0, negated)
+        shift = _sole_consumer(product.outputs[0], outputs)
+        bias = None
+        if shift is not None and shift.op_type == "Add" and _other_input(shift, product.outputs[0]) is not None \
+                and _is_constant_operand(_other_input(shift, product.outputs[0])):
+            nodes.append(shift)
+            bias, shifted = _other_input(shift, product.outputs[0]), shift.outputs[0]
+        else:
+            shifted = product.outputs[0]
+        total = _sole_consumer(shifted, outputs)
+        if total is None or total.op_type != "Add" or _other_input(total, shifted) is not scaled.outputs[0]:
+            return None
+    elif term is mean.outputs[0]:
+        # x * g + (beta - mean * g), or x * g - mean * g
+        if mean_readers != {center, product}:
+            return None
+        shift = _sole_consumer(product.outputs[0], outputs)
+        bias = None
+        if shift is not None and shift.op_type == "Sub" and shift.inputs[1] is product.outputs[0] \
+                and _is_constant_operand(shift.inputs[0]):
+            nodes.append(shift)
+            bias = shift.inputs[0]
+            total = _sole_consumer(shift.outputs[0], outputs)
+            if total is None or total.op_type != "Add" or _other_input(total, shift.outputs[0]) is not scaled.outputs[0]:
+                return None
+        else:
+            total = shift
+            if total is None or total.op_type != "Sub" or total.inputs[0] is not scaled.outputs[0] \
+                    or total.inputs[1] is not product.outputs[0]:
+                return None
+    else:
+        return None
+    if _sole_consumer(scaled.outputs[0], outputs) is not total:
+        return None
+    nodes.append(total)
+    return nodes, bias, total.outputs[0]
+
+
+def _is_constant_operand(value: ir.Value | None) -> bool:
+    """An initializer or a Constant's output (an affine scale or shift)."""
+    if value is None:
+        return False
+    producer = value.producer()
+    if value.const_value is not None:
+        return producer is None
+    return producer is not None and producer.op_type == "Constant" and small_constant_array(value) is not None
 
 
 def _variance_chain(
@@ -291,7 +401,7 @@ def _second_moment(
         return None
     mean_value = _squared(squared_mean)
     mean = mean_value.producer() if mean_value is not None else None
-    if mean is None or mean.op_type != "ReduceMean" or mean.inputs[0] is not base:
+    if mean is None or mean.op_type not in _MEANS or mean.inputs[0] is not base:
         return None
     correction = [squared_mean, sub]
     clamp = _sole_consumer(sub.outputs[0], outputs)
@@ -310,7 +420,7 @@ def _centering(
     mean = center.inputs[1].producer()
     users = {use.node for use in base.uses()}
     if (
-        mean is not None and mean.op_type == "ReduceMean" and mean.inputs[0] is center.inputs[0]
+        mean is not None and mean.op_type in _MEANS and mean.inputs[0] is center.inputs[0]
         and users == {square, divide} and base not in outputs
         and _sole_consumer(mean.outputs[0], outputs) is center
     ):
@@ -343,7 +453,7 @@ def find_norm_blocks(graph: ir.Graph) -> list[NormBlock]:
     blocks = []
     claimed: set[ir.Node] = set()
     for node in graph:
-        if node.op_type != "ReduceMean" or node in claimed or node.domain not in ("", "ai.onnx"):
+        if node.op_type not in _MEANS or node in claimed or node.domain not in ("", "ai.onnx"):
             continue
         block = _match(node, outputs)
         if block is not None and not claimed.intersection(block.nodes):
@@ -381,8 +491,13 @@ def _affine_tensor(block: NormBlock, value: ir.Value | None, fill: float) -> np.
     array = _constant_array(value)
     if array is None or array.dtype != np.float32:
         return None
+    extra = array.ndim - len(normalized)
+    if extra > 0:  # leading axes of 1 ([1, 1, C] for a norm over the last axis) broadcast away
+        if any(d != 1 for d in array.shape[:extra]):
+            return None
+        array = array.reshape(array.shape[extra:])
     try:
-        return np.ascontiguousarray(np.broadcast_to(array, normalized)) if array.ndim <= len(normalized) else None
+        return np.ascontiguousarray(np.broadcast_to(array, normalized))
     except ValueError:
         return None
 
