@@ -1,14 +1,15 @@
-"""Flax models exported by jax2onnx, converted and compared with their FP32 export.
+"""Models of other frameworks' exporters, converted and compared with their FP32 export.
 
-    python bench/bench_jax.py [--python bench/out/jax-venv/bin/python] [--out bench/out/jax]
+    python bench/bench_exporters.py [--jax-python P] [--keras-python P] [--out bench/out/exporters]
 
-Exports the models of bench/export_jax.py with the given interpreter (a venv with jax, flax and
-jax2onnx: bench/README.md §8), converts each to float16 for ort-cuda and tensorrt and to
-bfloat16 for openvino, and prints per conversion: the share of float nodes converted, the
-normalizations fused, the checker, and the worst output error against the FP32 export on
-generated inputs (16-bit numerics emulated in FP32, as a GPU rounds them) at their usual scale
-and, for float inputs, 1000 times it (activations of a residual stream: squares leave float16's
-range there).
+Exports the models of bench/export_jax.py (Flax through jax2onnx) and bench/export_keras.py
+(Keras through tf2onnx), each with the interpreter of a venv that has that framework
+(bench/README.md §8; an exporter whose interpreter is missing is skipped), converts each model
+to float16 for ort-cuda and tensorrt and to bfloat16 for openvino, and prints per conversion:
+the share of float nodes converted, the normalizations fused, the checker, and the worst output
+error against the FP32 export on generated inputs (16-bit numerics emulated in FP32, as a GPU
+rounds them) at their usual scale and, for float inputs, 1000 times it (activations of a
+residual stream: squares leave float16's range there).
 """
 
 from __future__ import annotations
@@ -61,15 +62,17 @@ def _error(expected: list[np.ndarray], actual: list[np.ndarray]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--python", default="bench/out/jax-venv/bin/python")
-    parser.add_argument("--out", type=Path, default=Path("bench/out/jax"))
+    parser.add_argument("--jax-python", default="bench/out/jax-venv/bin/python")
+    parser.add_argument("--keras-python", default="bench/out/keras-venv/bin/python")
+    parser.add_argument("--out", type=Path, default=Path("bench/out/exporters"))
     args = parser.parse_args()
-    exporter = Path(__file__).with_name("export_jax.py")
-    subprocess.run([args.python, str(exporter), str(args.out)], check=True, capture_output=True)
-    print(f"{'model':24} {'target':18} {'converted':>9} {'fused':>5} {'checker':>8} {'error x1':>10} {'error x1000':>12}")
-    for path in sorted(args.out.glob("jax_*.onnx")):
-        if ".mixprec." in path.name:
+    for script, python in (("export_jax.py", args.jax_python), ("export_keras.py", args.keras_python)):
+        if not Path(python).exists():
+            print(f"skipped {script}: no interpreter at {python} (bench/README.md §8)")
             continue
+        subprocess.run([python, str(Path(__file__).with_name(script)), str(args.out)], check=True, capture_output=True)
+    print(f"{'model':24} {'target':18} {'converted':>9} {'fused':>5} {'checker':>8} {'error x1':>10} {'error x1000':>12}")
+    for path in sorted(args.out.glob("*.onnx")):
         source = onnx.load(path)
         for target, runtime in TARGETS:
             with tempfile.TemporaryDirectory() as tmp:
