@@ -50,7 +50,7 @@ def cnn() -> keras.Model:
 
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    tf.random.set_seed(0)
+    keras.utils.set_random_seed(0)
     specs = {
         "keras_encoder": (encoder, [tf.TensorSpec((None, 16), tf.int32)]),
         "keras_cnn": (cnn, [tf.TensorSpec((None, 32, 32, 3), tf.float32)]),
