@@ -5,7 +5,9 @@ PyTorch's TorchScript exporter (below opset 17), TensorFlow and Paddle write Lay
 ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div(/Mul/Add) and RMSNorm as Pow/ReduceMean/Add/Sqrt/
 Div(/Mul); jax2onnx writes Flax's LayerNorm with the variance as the mean of squares less the
 squared mean, clamped at 0 (ReduceMean/Sub, Mul/ReduceMean, Mul/Sub/Max/Add/Sqrt/Div/Mul/Add),
-and casts epsilon like the input (CastLike). Converted node by node, such a block ends up part
+and casts epsilon like the input (CastLike); tf2onnx writes Keras's LayerNormalization as
+TensorFlow's batch_normalization, x * g + (beta - mean * g) with g = gamma / sqrt(var + eps),
+its means by GlobalAveragePool. Converted node by node, such a block ends up part
 16-bit, part FP32 behind Casts, and runtimes' own fusions (onnxruntime's LayerNormFusion) then
 build a normalization op with mixed input types that fails to load. Here each block is found
 and either
