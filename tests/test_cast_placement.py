@@ -268,3 +268,25 @@ def test_a_cut_that_trades_cast_bytes_for_launches_gives_way_to_the_cut_by_bytes
     assert placement._casts(values, greedy) == (3, 720)
     assert placement._casts(values, placement._solve((nodes, values), 8192)) == (1, 6000)
     assert placement._best_cut((nodes, values), greedy, (3, 720), 8192) == ((False, True, True), (2, 660))
+
+
+def test_a_product_of_distinct_values_is_a_follow_op_and_a_square_is_not() -> None:
+    """In float16 a square (Mul(x, x)) stays FP32 as Pow does; any other Mul follows its inputs
+    like every follow op, so cast placement moves it (a free node of its island)."""
+    model = parse(f"""{HEADER}
+agraph (float[16,4] x) => (float[16,4] y, float[16,4] z)
+<float[4,4] w = {W44}, float two = {{2.0}}>
+{{
+  a = MatMul(x, w)
+  y = Mul(a, two)
+  z = Mul(a, a)
+}}
+""")
+    result, out = convert(model)
+    check_full(out)
+    decisions = {n.outputs[0].name: d for n, d in result.plan.decisions.items()}
+    # a is cast once for both FP32 outputs: the cut moved the product into FP32 beside the square.
+    assert decisions["y"].category.value == "placed by cast cost"
+    assert decisions["z"].category.value == "policy" and "square" in decisions["z"].reason
+    assert sigs_of(out, "Mul") == [NodeSig("Mul", (F, F), (F,))] * 2
+    assert_matches_fp32(model, out, random_feeds(model))

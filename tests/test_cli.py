@@ -141,6 +141,8 @@ def test_policy_show_says_where_an_fp32_ops_condition_lets_it_follow(capsys: pyt
     assert "[follows its inputs where between_quantizers" in softmax
     reduce_mean = next(line for line in lines if line.strip().startswith("ReduceMean "))
     assert "[reduced_size_at_most" in reduce_mean  # a conditional op converts where it holds
+    mul = next(line for line in lines if line.strip().startswith("Mul "))
+    assert "square" in mul and "[FP32 unless distinct_inputs" in mul  # a follow op, but not a square
 
 
 def test_report_rewrite_keeps_the_file_mode(tmp_path: Path) -> None:

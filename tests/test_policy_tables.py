@@ -122,7 +122,7 @@ def test_user_overrides_move_ops_between_classes() -> None:
         ({"rule": [{"class": "low", "ops": ["Add"], "colour": "red"}]}, "colour"),
         ({"rule": [{"class": "low", "ops": []}]}, "ops"),
         ({"rule": [{"class": "conditional", "ops": ["Add"]}]}, "condition"),
-        ({"rule": [{"class": "low", "ops": ["Add"], "condition": "attribute_in"}]}, "conditional and fp32 only"),
+        ({"rule": [{"class": "low", "ops": ["Add"], "condition": "attribute_in"}]}, "conditional, fp32 and follow only"),
         ({"rule": [{"class": "low", "ops": ["Add"], "fp32_inputs": ["x"]}]}, "fp32_inputs"),
         ({"rules": []}, "top-level"),
     ],

@@ -68,13 +68,16 @@ class Inputs(NamedTuple):
 
 def classify(node: ir.Node, facts: NodeFacts) -> PolicyClass:
     """The node's op class from the policy; a conditional op's condition decides FOLLOW or FP32,
-    and an FP32 op's condition, where it holds, makes it FOLLOW."""
+    an FP32 op's condition, where it holds, makes it FOLLOW, and a follow op's condition, where
+    it does not hold, makes it FP32 (elsewhere it is a follow op like any other)."""
     rule = facts.rule
     assert rule is not None  # noqa: S101 (unknown_op decided nodes without one)
     op_name = format_op_name(node.domain, node.op_type)
     if rule.condition is None:
         return PolicyClass(rule.op_class, Category.POLICY, f"{op_name}: {rule.reason}")
     result = CONDITIONS[rule.condition](node, small_constant_array, rule.params)
+    if rule.op_class is OpClass.FOLLOW:
+        return PolicyClass(OpClass.FOLLOW if result.ok else OpClass.FP32, Category.POLICY, f"{op_name}: {rule.reason}")
     if rule.op_class is OpClass.FP32:
         if result.ok:
             return PolicyClass(OpClass.FOLLOW, Category.CONDITION, f"{op_name}: {result.evidence}")

@@ -347,7 +347,8 @@ def schema(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Ruling | No
 
 # -- the policy ----------------------------------------------------------------------------------
 def policy_class(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Ruling | None:
-    """The policy keeps the op FP32, or its condition does not hold."""
+    """The policy keeps the op FP32, or its condition does not hold (a follow op's: for the
+    rule's reason)."""
     found = context.classify(node, facts)
     if not found.held:
         return _keep(Category.CONDITION, found.reason)
@@ -503,8 +504,8 @@ _MAY_DECIDE: dict[Rule, Callable[[ir.Node, NodeFacts, PlanContext], bool]] = {
     runtime_blocked: lambda node, facts, context: (
         bool(facts.runtime_blocked) and facts.rule is not None and not _always_fp32(facts.rule)
     ),
-    policy_class: lambda node, facts, context: (
-        facts.rule is not None and facts.rule.op_class in (OpClass.FP32, OpClass.CONDITIONAL)
+    policy_class: lambda node, facts, context: facts.rule is not None and (
+        facts.rule.op_class in (OpClass.FP32, OpClass.CONDITIONAL) or facts.rule.condition is not None
     ),
     runtime_one_type: lambda node, facts, context: context.runtime.needs_one_type(node.domain, node.op_type),
     low_class: lambda node, facts, context: facts.rule is not None and facts.rule.op_class is OpClass.LOW,

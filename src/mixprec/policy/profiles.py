@@ -238,8 +238,9 @@ def binding_signature(domain: str, op_type: str, version: int, n_inputs: int, n_
 
 def _condition_words(rule: OpRule) -> str:
     """What a rule's condition decides, as the listing says it (a conditional rule converts
-    where it holds; an FP32 rule's op follows its inputs there)."""
-    return "follows its inputs where " if rule.op_class is OpClass.FP32 else ""
+    where it holds; an FP32 rule's op follows its inputs there; a follow rule's op stays FP32
+    where it does not)."""
+    return {OpClass.FP32: "follows its inputs where ", OpClass.FOLLOW: "FP32 unless "}.get(rule.op_class, "")
 
 
 def effective_classes(policy: Policy, runtime: RuntimeProfile) -> dict[str, list[tuple[str, str]]]:

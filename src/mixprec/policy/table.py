@@ -203,14 +203,14 @@ def _rule_applies(entry: Mapping[str, Any], target: LowPrecision, where: str) ->
 
 
 def _rule_condition(entry: Mapping[str, Any], op_class: OpClass, where: str) -> str | None:
-    """The named condition of a rule entry: required for class conditional, optional for class
-    fp32 (where it holds, the op follows its inputs instead), known, and allowed for no other
-    class."""
+    """The named condition of a rule entry: required for class conditional, optional for classes
+    fp32 and follow (where it holds the op follows its inputs, else it stays FP32 for the rule's
+    reason), known, and allowed for no other class."""
     condition = entry.get("condition")
     if op_class is OpClass.CONDITIONAL and condition is None:
         raise PolicyError(f"{where}: 'condition' is required for class conditional")
-    if condition is not None and op_class not in (OpClass.CONDITIONAL, OpClass.FP32):
-        raise PolicyError(f"{where}: 'condition' is allowed for classes conditional and fp32 only")
+    if condition is not None and op_class not in (OpClass.CONDITIONAL, OpClass.FP32, OpClass.FOLLOW):
+        raise PolicyError(f"{where}: 'condition' is allowed for classes conditional, fp32 and follow only")
     if condition is not None:
         from mixprec.policy.conditions import CONDITIONS  # noqa: PLC0415 - conditions read IR
 
