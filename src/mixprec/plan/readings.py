@@ -77,7 +77,8 @@ def classify(node: ir.Node, facts: NodeFacts) -> PolicyClass:
         return PolicyClass(rule.op_class, Category.POLICY, f"{op_name}: {rule.reason}")
     result = CONDITIONS[rule.condition](node, small_constant_array, rule.params)
     if rule.op_class is OpClass.FOLLOW:
-        return PolicyClass(OpClass.FOLLOW if result.ok else OpClass.FP32, Category.POLICY, f"{op_name}: {rule.reason}")
+        op_class = OpClass.FOLLOW if result.ok else OpClass.FP32
+        return PolicyClass(op_class, Category.POLICY, f"{op_name}: {rule.reason}")
     if rule.op_class is OpClass.FP32:
         if result.ok:
             return PolicyClass(OpClass.FOLLOW, Category.CONDITION, f"{op_name}: {result.evidence}")
