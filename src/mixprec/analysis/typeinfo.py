@@ -20,7 +20,8 @@ import onnx_ir as ir
 from mixprec.analysis.constants import constant_node_tensor
 from mixprec.errors import MixprecError
 from mixprec.graphs import all_graphs, all_nodes, shapes_contradict, static_shape, subgraph_owners, walk_nodes
-from mixprec.io import graph_only_proto, weight_free_proto
+from mixprec.io import weight_free_proto
+from mixprec.io.onnx_file import FileChecks, Inferred, file_inference, first_line, forget_output_shapes, inferred_graph
 from mixprec.policy.profiles import binding_signature
 from mixprec.policy.schemas import Signature, signature
 from mixprec.policy.table import normalize_domain
@@ -163,62 +164,47 @@ def _apply(graph: ir.Graph, proto: onnx.GraphProto, types: _TypeCache) -> int:
 
 
 def _infer_graph_types(
-    model: ir.Model, source: Path | None, strict_failure: Callable[[str], None] | None = None
+    model: ir.Model,
+    source: Path | None,
+    strict_failure: Callable[[str], None] | None = None,
+    checks: FileChecks | None = None,
 ) -> tuple[int, list[str], str | None]:
     """Run ONNX shape inference on the graph and copy its types onto the IR.
 
     Returns the number of values typed, the corrected output shapes, and the warning when
     inference failed (then nothing is typed). With `strict_failure`, inference first runs
     strict (the checker's full check: types checked, the first error raised); on an error it
-    is told the error's first line (it may raise) before the lenient inference runs.
+    is told the error's first line (it may raise) before the lenient inference runs. `checks`:
+    a child already inferring `source`.
     """
-    inferred = 0
-    corrected: list[str] = []
-    try:
-        proto = graph_only_proto(source) if source is not None else weight_free_proto(model)
-        _forget_output_shapes(proto.graph, nested=len(all_graphs(model)) > 1)
-        # Inference reads bytes: the parsed copy need not live beside onnx's own and its result.
-        graph_bytes = proto.SerializeToString()
-        del proto
-        result = _strict_inference(graph_bytes, strict_failure) if strict_failure is not None else None
-        if result is None:
-            result = _inference(graph_bytes, strict=False)
-    except Exception as e:  # noqa: BLE001 - inference is best effort; the planner copes
-        if isinstance(e, MixprecError):
+    strict = strict_failure is not None
+    if source is None:
+        try:
+            proto = weight_free_proto(model)
+        except MixprecError:
             raise
-        warning = _first_line(e)
-        logger.warning("type inference failed, unknown types stay unconverted: %s", warning)
-        return inferred, corrected, warning
+        except Exception as e:  # noqa: BLE001 - inference is best effort; the planner copes
+            inferred = Inferred(None, None, first_line(e))
+        else:
+            forget_output_shapes(proto.graph, nested=len(all_graphs(model)) > 1)
+            # Inference reads bytes: the parsed copy need not live beside onnx's own and its result.
+            graph_bytes = proto.SerializeToString()
+            del proto
+            inferred = inferred_graph(graph_bytes, strict=strict, objected=strict_failure)
+    elif checks is not None:
+        inferred = checks.inference(lambda: file_inference(source, strict=strict, objected=strict_failure), strict_failure)
+    else:
+        inferred = file_inference(source, strict=strict, objected=strict_failure)
+    if inferred.model is None:
+        logger.warning("type inference failed, unknown types stay unconverted: %s", inferred.failure)
+        return 0, [], inferred.failure
+    count = 0
+    corrected: list[str] = []
     types = _TypeCache()
-    for graph, graph_proto in _graph_pairs(model.graph, result.graph):
-        inferred += _apply(graph, graph_proto, types)
+    for graph, graph_proto in _graph_pairs(model.graph, inferred.model.graph):
+        count += _apply(graph, graph_proto, types)
         corrected.extend(_correct_output_shapes(graph, graph_proto, types))
-    return inferred, corrected, None
-
-
-def _inference(model: bytes, *, strict: bool) -> onnx.ModelProto:
-    """ONNX inference of a serialized model (`strict`: types checked, the first error raised),
-    with data propagation: shapes computed in the graph (Shape -> Gather -> Concat -> Reshape)
-    keep their named and static dimensions instead of a new unknown one per value. Where
-    propagation objects, inference runs again without it, as the checker runs it."""
-    try:
-        return onnx.shape_inference.infer_shapes(model, check_type=strict, strict_mode=strict, data_prop=True)
-    except Exception:  # noqa: BLE001 - judged by inference without propagation, the checker's own
-        return onnx.shape_inference.infer_shapes(model, check_type=strict, strict_mode=strict)
-
-
-def _strict_inference(model: bytes, strict_failure: Callable[[str], None]) -> onnx.ModelProto | None:
-    """Strict inference of a serialized model; None (after telling `strict_failure`) when it
-    objects."""
-    try:
-        return _inference(model, strict=True)
-    except Exception as e:  # noqa: BLE001 - any objection is the checker's; lenient inference follows
-        strict_failure(_first_line(e))
-        return None
-
-
-def _first_line(error: BaseException) -> str:
-    return str(error).splitlines()[0] if str(error) else type(error).__name__
+    return count, corrected, None
 
 
 def _fill_function_constant_types(function: ir.Function) -> None:
@@ -231,7 +217,10 @@ def _fill_function_constant_types(function: ir.Function) -> None:
 
 
 def infer_types(
-    model: ir.Model, source: Path | None = None, strict_failure: Callable[[str], None] | None = None
+    model: ir.Model,
+    source: Path | None = None,
+    strict_failure: Callable[[str], None] | None = None,
+    checks: FileChecks | None = None,
 ) -> TypeInfo:
     """Fill in element types and shapes of all values of `model` in place.
 
@@ -241,6 +230,8 @@ def infer_types(
             faster than serializing the IR for large graphs.
         strict_failure: Run inference strictly first, as the checker's full check does, and
             tell this the first error (it may raise; else lenient inference follows).
+        checks: A child process already inferring `source` (:class:`FileChecks`): its answer
+            is taken instead of inferring here.
     """
     for value in model.graph.initializers.values():
         if value.const_value is not None and value.dtype is None:
@@ -248,7 +239,7 @@ def infer_types(
         shape = value.shape  # deserialized: one frozen Shape per weight; shared by dims here
         if shape is not None and shape.frozen and all(isinstance(d, int) for d in shape.dims):
             value.shape = static_shape(tuple(shape.dims))
-    inferred, corrected, warning = _infer_graph_types(model, source, strict_failure)
+    inferred, corrected, warning = _infer_graph_types(model, source, strict_failure, checks)
     main_nodes = walk_nodes(model.graph)
     _fill_constant_types(model, main_nodes)
     for function in infer_function_types(model):
@@ -285,24 +276,6 @@ def retype_after_upgrade(model: ir.Model, untyped_before: set[str], previous: Ty
         for node in nodes for out in node.outputs
     )
     return infer_types(model) if lost else previous
-
-
-def _forget_output_shapes(graph: onnx.GraphProto, *, nested: bool = True) -> None:
-    """Drop the declared shapes of the graph outputs (subgraphs included; `nested`: whether it
-    has any, else its nodes are not walked) from the copy that inference reads, so that what it
-    infers for them is what the model computes."""
-    for output in graph.output:
-        if output.type.HasField("tensor_type"):
-            output.type.tensor_type.ClearField("shape")
-    if not nested:
-        return
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                _forget_output_shapes(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for sub in attr.graphs:
-                    _forget_output_shapes(sub)
 
 
 def _correct_output_shapes(graph: ir.Graph, proto: onnx.GraphProto, types: _TypeCache) -> list[str]:

@@ -1,8 +1,9 @@
 """Models in and out: loading with path safety (`loading`), views of a model for tools that read
-whole protobufs (`views`), atomic publishing of outputs (`publishing`), and the protobuf written
+whole protobufs (`views`), what ONNX's checker and inference say of a file (`onnx_file`), atomic publishing of outputs (`publishing`), and the protobuf written
 a batch of nodes at a time (`streaming`)."""
 
 from mixprec.io.loading import load_model
+from mixprec.io.onnx_file import graph_only_proto
 from mixprec.io.publishing import (
     StagedModel,
     check_output_path,
@@ -13,7 +14,6 @@ from mixprec.io.publishing import (
 )
 from mixprec.io.views import (
     EXTERNAL_DATA_THRESHOLD,
-    graph_only_proto,
     typed_values,
     uses_external_data,
     wants_external_data,

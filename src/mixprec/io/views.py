@@ -14,7 +14,7 @@ from mixprec.errors import ModelLoadError
 from mixprec.graphs import all_graphs
 
 __all__ = [
-    "EXTERNAL_DATA_THRESHOLD", "graph_only_proto", "typed_values", "uses_external_data",
+    "EXTERNAL_DATA_THRESHOLD", "typed_values", "uses_external_data",
     "wants_external_data", "weight_bytes", "weight_free_proto",
 ]
 
@@ -22,35 +22,10 @@ __all__ = [
 EXTERNAL_DATA_THRESHOLD = 1 << 30
 
 
-def graph_only_proto(path: str | os.PathLike, max_inline_bytes: int = 1024) -> onnx.ModelProto:
-    """A model file's graph without large initializer data: those become typed graph inputs.
-
-    Reads the graph (never external data); enough for shape inference and for an onnxruntime
-    session that proves the graph loads, at a fraction of the memory of the weights.
-    """
-    proto = onnx.load(str(path), load_external_data=False)
-    # Before IR 4 an initializer is typed only through a graph input of the same name.
-    proto.ir_version = max(proto.ir_version, 4)
-    graph = proto.graph
-    inputs = {i.name for i in graph.input}
-    kept = []
-    for tensor in graph.initializer:
-        external = tensor.data_location == onnx.TensorProto.EXTERNAL
-        if not external and len(tensor.raw_data) <= max_inline_bytes:
-            kept.append(tensor)
-            continue
-        if tensor.name not in inputs:
-            graph.input.append(
-                onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
-            )
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    return proto
-
-
 def weight_free_proto(model: ir.Model, max_inline_bytes: int = 1024) -> onnx.ModelProto:
     """Serialize `model` with large main-graph initializers turned into typed graph inputs
-    (the in-memory counterpart of :func:`graph_only_proto`; no weight is read)."""
+    (the in-memory counterpart of :func:`mixprec.io.onnx_file.graph_only_proto`; no weight is
+    read)."""
     graph = model.graph
     removed: list[tuple[ir.Value, ir.TensorProtocol | None]] = []
     inlined: list[tuple[ir.Value, ir.TensorProtocol]] = []

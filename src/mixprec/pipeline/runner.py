@@ -188,6 +188,8 @@ class Prepared:
 def _prepare(steps: Steps, source: object, config: Config, cleanup: contextlib.ExitStack) -> Prepared:
     """load -> upgrade -> reference -> fold -> type -> normalize -> analyze."""
     loaded = steps.run("load", load, source, config)
+    if loaded.checks is not None:
+        cleanup.callback(loaded.checks.close)
     steps.capture(loaded.model)
     upgraded = steps.run("upgrade", upgrade, loaded, config)
     model = upgraded.model
@@ -196,8 +198,11 @@ def _prepare(steps: Steps, source: object, config: Config, cleanup: contextlib.E
     folded = steps.run("fold", fold, model, loaded.profile, config)
     steps.check("fold", model)
     unchanged = None if loaded.changed or upgraded.changed or folded.changed else loaded.path
+    if unchanged is None and loaded.checks is not None:
+        loaded.checks.close()  # its inference is of the file, no longer of the model
     strict_failure = refuse_invalid_input(loaded) if loaded.checked else None
-    typed = steps.run("type", type_model, model, unchanged, loaded.policy, strict_failure)
+    checks = loaded.checks if unchanged is not None else None
+    typed = steps.run("type", type_model, model, unchanged, loaded.policy, strict_failure, checks)
     steps.check("type", model)
     normalized = steps.run("normalize", normalize, typed, loaded.profile, loaded.policy, config)
     steps.check("normalize", normalized.model)

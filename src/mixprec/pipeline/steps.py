@@ -11,6 +11,7 @@ file); steps that edit the model edit it in place and say whether they changed i
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from mixprec.analysis.typeinfo import TypeInfo, assume_float_outputs, infer_type
 from mixprec.config import Config
 from mixprec.errors import InputError, ModelLoadError, RunError
 from mixprec.graphs import all_graphs, main_values, node_keys, walk_nodes
+from mixprec.io.onnx_file import FileChecks
 from mixprec.io import StagedModel, load_model, typed_values, uses_external_data, wants_external_data, weight_bytes
 from mixprec.passes.fold_dequantize import fold_constant_dequantizations
 from mixprec.passes.integer_groups import write_groups_on_integers
@@ -68,6 +70,8 @@ class Loaded:
         changed: Whether loading changed the model (an IR version below 4 raised to 4).
         checked: Whether the input is checked (the structural checker passed; strict type
             inference is the type step's).
+        checks: The child process checking and inferring the input's file beside the load
+            (its inference is the type step's while the model still equals the file).
     """
 
     model: ir.Model
@@ -78,10 +82,25 @@ class Loaded:
     notes: tuple[str, ...]
     changed: bool = False
     checked: bool = False
+    checks: FileChecks | None = None
 
 
 def load(source: object, config: Config) -> Loaded:
-    """Read the model, check it, resolve the policy and the runtime."""
+    """Read the model, check it, resolve the policy and the runtime. A model file is checked,
+    and its graph inferred, by a child process while the IR reads it."""
+    checks = None
+    if isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
+        strict = not config.io.allow_invalid
+        checks = FileChecks.start(source, check=strict, strict=strict)
+    try:
+        return _load(source, config, checks)
+    except BaseException:
+        if checks is not None:
+            checks.close()
+        raise
+
+
+def _load(source: object, config: Config, checks: FileChecks | None) -> Loaded:
     model, path = load_model(source)
     notes = _normalize_ir_version(model)
     profile = load_runtime(config.runtime)
@@ -90,7 +109,10 @@ def load(source: object, config: Config) -> Loaded:
     if checked:
         # The structural checker now; the type step's inference runs strict, as the checker's
         # full check would (one inference, not two), and refuses the input where it objects.
-        problem = checker_error(path if path is not None else original, full_check=False)  # type: ignore[arg-type]
+        def structural() -> str | None:
+            return checker_error(path if path is not None else original, full_check=False)  # type: ignore[arg-type]
+
+        problem = checks.structural_problem(structural) if checks is not None and path is not None else structural()
         if problem is not None:
             raise _invalid_input(path, problem)
     ops = config.ops
@@ -98,7 +120,10 @@ def load(source: object, config: Config) -> Loaded:
     policy = load_policy(ops.target, ops.policy_file).with_overrides(
         low_precision_ops=ops.low_precision_ops, fp32_ops=ops.fp32_ops, follow_ops=ops.follow_ops
     )
-    return Loaded(model, path, original, profile, policy, tuple(notes), changed=bool(notes), checked=checked)
+    return Loaded(
+        model, path, original, profile, policy, tuple(notes), changed=bool(notes), checked=checked,
+        checks=checks,
+    )
 
 
 def _invalid_input(path: Path | None, problem: str) -> ModelLoadError:
@@ -226,12 +251,17 @@ class Typed:
 
 
 def type_model(
-    model: ir.Model, unchanged: Path | None, policy: Policy, strict_failure: Callable[[str], None] | None = None
+    model: ir.Model,
+    unchanged: Path | None,
+    policy: Policy,
+    strict_failure: Callable[[str], None] | None = None,
+    checks: FileChecks | None = None,
 ) -> Typed:
     """Infer every value's type once (`unchanged`: the file `model` still equals, parsed faster;
-    `strict_failure`: infer strictly, as the input check, see :func:`refuse_invalid_input`)."""
+    `strict_failure`: infer strictly, as the input check, see :func:`refuse_invalid_input`;
+    `checks`: the child inferring `unchanged`)."""
     declared = typed_values(model)
-    typeinfo = infer_types(model, source=unchanged, strict_failure=strict_failure)
+    typeinfo = infer_types(model, source=unchanged, strict_failure=strict_failure, checks=checks)
     notes = []
     if typeinfo.corrected:
         notes.append(

@@ -10,16 +10,9 @@ import onnx
 import onnx.checker
 
 from mixprec.errors import ValidationFailure
+from mixprec.io.onnx_file import checker_error
 
-
-def checker_error(model: str | Path | onnx.ModelProto, *, full_check: bool = True) -> str | None:
-    """The ONNX checker's first error line (`full_check`: with strict type inference), or None."""
-    try:
-        onnx.checker.check_model(model if isinstance(model, onnx.ModelProto) else str(model), full_check=full_check)
-    except Exception as e:  # noqa: BLE001 - the checker failing on a model is a finding too
-        lines = str(e).strip().splitlines()
-        return lines[0] if lines else type(e).__name__
-    return None
+__all__ = ["check_model_file", "checker_error", "input_problem"]
 
 
 def input_problem(model: str | Path | onnx.ModelProto) -> str | None:

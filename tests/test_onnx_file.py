@@ -1,0 +1,213 @@
+"""ONNX's checker and inference of the input file in a child process (`mixprec.io.onnx_file`):
+the conversion takes the child's answers where it gives them and computes them itself where it
+does not, with the same outcome either way; no child outlives a conversion."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import pytest
+from onnx import TensorProto
+
+import mixprec
+from mixprec.errors import ModelLoadError
+from mixprec.io import onnx_file
+from mixprec.io.onnx_file import FileChecks
+
+from helpers import assert_close, random_feeds, run
+
+F32 = TensorProto.FLOAT
+
+
+class _Spy:
+    """Records the children started and which answers the conversion took from them."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, min_bytes: int = 0) -> None:
+        self.started: list[FileChecks] = []
+        self.inferred = 0
+        monkeypatch.setattr(onnx_file, "CHILD_MIN_BYTES", min_bytes)
+        start, inference = FileChecks.start.__func__, FileChecks.inference  # type: ignore[attr-defined]
+
+        def spy_start(cls: type[FileChecks], *args, **kwargs) -> FileChecks | None:
+            checks = start(cls, *args, **kwargs)
+            if checks is not None:
+                self.started.append(checks)
+            return checks
+
+        def spy_inference(checks: FileChecks, fallback, objected=None):  # noqa: ANN001, ANN202
+            def counted_fallback():  # noqa: ANN202
+                self.inferred -= 1
+                return fallback()
+
+            self.inferred += 1
+            return inference(checks, counted_fallback, objected)
+
+        monkeypatch.setattr(FileChecks, "start", classmethod(spy_start))
+        monkeypatch.setattr(FileChecks, "inference", spy_inference)
+
+    def all_ended(self) -> bool:
+        return all(checks._process.returncode is not None for checks in self.started)
+
+
+def _branching_model() -> onnx.ModelProto:
+    """MatMul -> If (both branches compute on the outer value) -> Softmax, with a declared
+    output shape that contradicts what the model computes (inference corrects it)."""
+    rng = np.random.default_rng(0)
+    weight = oh.make_tensor("w", F32, [8, 8], rng.standard_normal((8, 8)).astype(np.float32).ravel().tolist())
+    then_graph = oh.make_graph(
+        [oh.make_node("Relu", ["h"], ["t"])], "then", [], [oh.make_tensor_value_info("t", F32, None)]
+    )
+    else_graph = oh.make_graph(
+        [oh.make_node("Neg", ["h"], ["e"])], "else", [], [oh.make_tensor_value_info("e", F32, None)]
+    )
+    graph = oh.make_graph(
+        [
+            oh.make_node("MatMul", ["x", "w"], ["h"]),
+            oh.make_node("If", ["flag"], ["b"], then_branch=then_graph, else_branch=else_graph),
+            oh.make_node("Softmax", ["b"], ["y"], axis=-1),
+        ],
+        "g",
+        [oh.make_tensor_value_info("x", F32, [2, 8]), oh.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+        [oh.make_tensor_value_info("y", F32, [2, 3])],
+        [weight],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def _relu(output_type: int = F32, input_name: str = "x") -> onnx.ModelProto:
+    graph = oh.make_graph(
+        [oh.make_node("Relu", [input_name], ["y"])], "g",
+        [oh.make_tensor_value_info("x", F32, [2])], [oh.make_tensor_value_info("y", output_type, [2])],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 9
+    return model
+
+
+def _convert(source: Path, out: Path) -> tuple[bytes, mixprec.Report]:
+    result = mixprec.convert(source, out, target_dtype="float16", validate="checker")
+    return out.read_bytes(), result.report
+
+
+def test_the_childs_inference_converts_the_model_as_the_process_own_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Byte-identical outputs and the same report notes with the child's inference as with
+    the process's own, on a model with subgraphs and a corrected output shape."""
+    source = tmp_path / "m.onnx"
+    onnx.save(_branching_model(), str(source))
+    in_process = _convert(source, tmp_path / "in_process.onnx")
+    spy = _Spy(monkeypatch)
+    by_child = _convert(source, tmp_path / "by_child.onnx")
+    assert len(spy.started) == 1 and spy.inferred == 1
+    assert by_child[0] == in_process[0]
+    assert by_child[1].notes == in_process[1].notes
+    assert any("declared output shape" in note for note in by_child[1].notes)
+    assert spy.all_ended()
+    converted = onnx.load(str(tmp_path / "by_child.onnx"))
+    feeds = {"x": random_feeds(_branching_model())["x"], "flag": np.array(True)}
+    assert_close(run(converted, feeds)[0], run(_branching_model(), feeds)[0], rtol=1e-2, atol=1e-3)
+
+
+def test_a_file_below_the_threshold_is_checked_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = tmp_path / "m.onnx"
+    onnx.save(_branching_model(), str(source))
+    spy = _Spy(monkeypatch, min_bytes=source.stat().st_size + 1)
+    _convert(source, tmp_path / "out.onnx")
+    assert spy.started == []
+
+
+@pytest.mark.parametrize(
+    ("model", "kind"),
+    [(_relu(input_name="missing"), "structural"), (_relu(output_type=TensorProto.INT64), "strict")],
+)
+def test_an_invalid_file_is_refused_as_the_process_itself_refuses_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: onnx.ModelProto, kind: str
+) -> None:
+    """The structural checker's objection (answered before the IR is used) and strict
+    inference's (onnxruntime cannot load the model either) refuse the input with the same
+    one-line message, and the child ends."""
+    source = tmp_path / f"{kind}.onnx"
+    onnx.save(model, str(source))
+    with pytest.raises(ModelLoadError) as in_process:
+        _convert(source, tmp_path / "a.onnx")
+    spy = _Spy(monkeypatch)
+    with pytest.raises(ModelLoadError) as by_child:
+        _convert(source, tmp_path / "b.onnx")
+    assert len(spy.started) == 1
+    assert str(by_child.value) == str(in_process.value)
+    assert "not a valid ONNX model" in str(by_child.value)
+    assert spy.all_ended()
+    assert not (tmp_path / "b.onnx").exists()
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "import sys; sys.exit(0)",  # answers nothing
+        "import sys; sys.stdout.buffer.write(b'c' + bytes(8))",  # the check only, then dies
+        "import sys; sys.stdout.buffer.write(b'c' + bytes(8) + b'm' + (99).to_bytes(8, 'little'))",  # cut off
+    ],
+)
+def test_a_child_that_answers_in_part_is_made_up_for_in_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, entry: str
+) -> None:
+    source = tmp_path / "m.onnx"
+    onnx.save(_branching_model(), str(source))
+    expected = _convert(source, tmp_path / "expected.onnx")[0]
+    spy = _Spy(monkeypatch)
+    monkeypatch.setattr(onnx_file, "_CHILD_ENTRY", entry)
+    assert _convert(source, tmp_path / "out.onnx")[0] == expected
+    assert len(spy.started) == 1 and spy.inferred == 0  # the fallback answered
+    assert spy.all_ended()
+
+
+def test_no_child_starts_where_python_cannot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = tmp_path / "m.onnx"
+    onnx.save(_branching_model(), str(source))
+    spy = _Spy(monkeypatch)
+    monkeypatch.setattr(onnx_file.sys, "executable", str(tmp_path / "no-python"))
+    assert FileChecks.start(source, check=True, strict=True) is None
+    _convert(source, tmp_path / "out.onnx")
+    assert spy.started == []
+
+
+def test_a_model_the_steps_change_closes_the_child_unread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An IR version below 4 is raised on load: the file's inference no longer describes the
+    model, so the child ends unread and the model is inferred in process."""
+    model = _relu()
+    model.ir_version = 3
+    model.graph.ClearField("value_info")
+    source = tmp_path / "old.onnx"
+    onnx.save(model, str(source))
+    spy = _Spy(monkeypatch)
+    _convert(source, tmp_path / "out.onnx")
+    assert len(spy.started) == 1 and spy.inferred == 0
+    assert spy.all_ended()
+
+
+def test_the_child_does_not_import_the_package(tmp_path: Path) -> None:
+    """The child runs this module's file as a script: onnx alone is imported, and a module the
+    working directory holds does not stand in for it."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    (tmp_path / "onnx.py").write_text("raise SystemExit('the working directory shadowed onnx')\n")
+    source = tmp_path / "m.onnx"
+    onnx.save(_relu(), str(source))
+    probe = (
+        onnx_file._CHILD_ENTRY.replace("run_name='__main__')", "run_name='__main__'); "
+        "sys.stderr.write(str(sorted(m for m in sys.modules if m.startswith('mixprec'))))")
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, onnx_file.__file__, str(source), "--check", "--strict"],
+        cwd=tmp_path, capture_output=True, timeout=120, check=True,
+    )
+    assert done.stderr.decode() == "[]"
+    assert done.stdout[:1] == b"c" and done.stdout[1:9] == bytes(8)  # passes the checker
+    assert b"m" in done.stdout[9:10]
