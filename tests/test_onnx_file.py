@@ -13,9 +13,10 @@ import pytest
 from onnx import TensorProto
 
 import mixprec
-from mixprec.errors import ModelLoadError
+from mixprec.errors import ModelLoadError, ValidationFailure
 from mixprec.io import onnx_file
 from mixprec.io.onnx_file import FileChecks
+from mixprec.validate.checker import check_model_file
 
 from helpers import assert_close, random_feeds, run
 
@@ -27,6 +28,7 @@ class _Spy:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, *, min_bytes: int = 0) -> None:
         self.started: list[FileChecks] = []
+        self.kinds: list[str] = []  # "input" (checker and inference) or "output" (full checker)
         self.inferred = 0
         monkeypatch.setattr(onnx_file, "CHILD_MIN_BYTES", min_bytes)
         start, inference = FileChecks.start.__func__, FileChecks.inference  # type: ignore[attr-defined]
@@ -35,6 +37,7 @@ class _Spy:
             checks = start(cls, *args, **kwargs)
             if checks is not None:
                 self.started.append(checks)
+                self.kinds.append("input" if kwargs.get("infer") else "output")
             return checks
 
         def spy_inference(checks: FileChecks, fallback, objected=None):  # noqa: ANN001, ANN202
@@ -104,7 +107,7 @@ def test_the_childs_inference_converts_the_model_as_the_process_own_does(
     in_process = _convert(source, tmp_path / "in_process.onnx")
     spy = _Spy(monkeypatch)
     by_child = _convert(source, tmp_path / "by_child.onnx")
-    assert len(spy.started) == 1 and spy.inferred == 1
+    assert spy.kinds == ["input", "output"] and spy.inferred == 1
     assert by_child[0] == in_process[0]
     assert by_child[1].notes == in_process[1].notes
     assert any("declared output shape" in note for note in by_child[1].notes)
@@ -139,7 +142,7 @@ def test_an_invalid_file_is_refused_as_the_process_itself_refuses_it(
     spy = _Spy(monkeypatch)
     with pytest.raises(ModelLoadError) as by_child:
         _convert(source, tmp_path / "b.onnx")
-    assert len(spy.started) == 1
+    assert spy.kinds == ["input"]
     assert str(by_child.value) == str(in_process.value)
     assert "not a valid ONNX model" in str(by_child.value)
     assert spy.all_ended()
@@ -163,7 +166,39 @@ def test_a_child_that_answers_in_part_is_made_up_for_in_process(
     spy = _Spy(monkeypatch)
     monkeypatch.setattr(onnx_file, "_CHILD_ENTRY", entry)
     assert _convert(source, tmp_path / "out.onnx")[0] == expected
-    assert len(spy.started) == 1 and spy.inferred == 0  # the fallback answered
+    assert spy.kinds == ["input", "output"] and spy.inferred == 0  # the fallback answered
+    assert spy.all_ended()
+
+
+def test_the_output_checker_in_a_child_fails_the_model_as_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The full checker of a staged model, in a child: the same finding, the same failure."""
+    monkeypatch.setattr(onnx_file, "CHILD_MIN_BYTES", 0)
+    invalid = tmp_path / "invalid.onnx"
+    onnx.save(_relu(output_type=TensorProto.INT64), str(invalid))
+    with pytest.raises(ValidationFailure) as in_process:
+        check_model_file(invalid)
+    checks = FileChecks.start(invalid, checker="full")
+    assert checks is not None
+    with pytest.raises(ValidationFailure) as by_child:
+        check_model_file(invalid, None, checks)
+    assert str(by_child.value) == str(in_process.value)
+    valid = tmp_path / "valid.onnx"
+    onnx.save(_relu(), str(valid))
+    checks = FileChecks.start(valid, checker="full")
+    assert checks is not None and check_model_file(valid, None, checks) is None
+    checks.close()
+
+
+def test_a_conversion_the_output_check_fails_publishes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report is built while the child checks; its finding still stops the output."""
+    source = tmp_path / "m.onnx"
+    onnx.save(_branching_model(), str(source))
+    spy = _Spy(monkeypatch)
+    entry = "import sys; '--full' in sys.argv and sys.stdout.buffer.write(b'c' + (4).to_bytes(8, 'little') + b'bad!')"
+    monkeypatch.setattr(onnx_file, "_CHILD_ENTRY", entry)  # the output's checker objects
+    with pytest.raises(ValidationFailure, match="fails the ONNX checker: bad!"):
+        _convert(source, tmp_path / "out.onnx")
+    assert not (tmp_path / "out.onnx").exists()
     assert spy.all_ended()
 
 
@@ -172,7 +207,7 @@ def test_no_child_starts_where_python_cannot(tmp_path: Path, monkeypatch: pytest
     onnx.save(_branching_model(), str(source))
     spy = _Spy(monkeypatch)
     monkeypatch.setattr(onnx_file.sys, "executable", str(tmp_path / "no-python"))
-    assert FileChecks.start(source, check=True, strict=True) is None
+    assert FileChecks.start(source, checker="structural", infer=True, strict=True) is None
     _convert(source, tmp_path / "out.onnx")
     assert spy.started == []
 
@@ -187,7 +222,7 @@ def test_a_model_the_steps_change_closes_the_child_unread(tmp_path: Path, monkey
     onnx.save(model, str(source))
     spy = _Spy(monkeypatch)
     _convert(source, tmp_path / "out.onnx")
-    assert len(spy.started) == 1 and spy.inferred == 0
+    assert spy.kinds == ["input", "output"] and spy.inferred == 0
     assert spy.all_ended()
 
 
@@ -205,7 +240,7 @@ def test_the_child_does_not_import_the_package(tmp_path: Path) -> None:
         "sys.stderr.write(str(sorted(m for m in sys.modules if m.startswith('mixprec'))))")
     )
     done = subprocess.run(
-        [sys.executable, "-c", probe, onnx_file.__file__, str(source), "--check", "--strict"],
+        [sys.executable, "-c", probe, onnx_file.__file__, str(source), "--structural", "--infer", "--strict"],
         cwd=tmp_path, capture_output=True, timeout=120, check=True,
     )
     assert done.stderr.decode() == "[]"

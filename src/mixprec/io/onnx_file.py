@@ -1,12 +1,13 @@
-"""What ONNX's own tools say of a model file: the structural checker, and shape inference of its
-graph without the weights; run in a child process while the IR reads the same file.
+"""What ONNX's own tools say of a model file: the checker, and shape inference of its graph
+without the weights; run in a child process beside the converting one.
 
 The checker and inference hold the GIL, so in the converting process they add to the time
-onnx_ir takes to read the file; a child runs them beside it. The child imports onnx alone (this
+onnx_ir takes to read the input (and the report takes to build, for the output's check); a
+child runs them beside it. The child imports onnx alone (this
 file runs as a script, not through the package) and answers in frames on its stdout, each a
 one-byte tag, an 8-byte length and the payload:
 
-    c   the structural checker's first error line ("" where the model passes)
+    c   the checker's first error line ("" where the model passes)
     s   strict inference's first error line, where it objects (lenient inference follows)
     m   the inferred graph-only model, serialized
     f   why inference failed
@@ -149,32 +150,40 @@ def _file_graph(path: str | os.PathLike) -> bytes:
 
 
 class FileChecks:
-    """The structural check and inference of one model file, computed by a child process.
+    """The checker's answer and the inference of one model file, computed by a child process.
 
-    Each answer is read once, in order: :meth:`structural_problem`, then :meth:`inference`.
+    Each answer is read once, in order: :meth:`checker_problem`, then :meth:`inference`.
     Where the child gives no answer, the in-process fallback the caller passes computes it.
     """
 
-    def __init__(self, process: subprocess.Popen[bytes], *, check: bool) -> None:
+    def __init__(self, process: subprocess.Popen[bytes], *, checker: str | None) -> None:
         self._process = process
-        self._check = check
+        self._checker = checker
 
     @classmethod
-    def start(cls, path: str | os.PathLike, *, check: bool, strict: bool) -> FileChecks | None:
-        """Start the child on `path` (`check`: run the structural checker first; `strict`:
-        inference runs strictly first), or None where the file is too small to gain from it or
-        no child can start."""
+    def start(
+        cls, path: str | os.PathLike, *, checker: str | None, infer: bool = False, strict: bool = False
+    ) -> FileChecks | None:
+        """Start the child on `path`, or None where the file is too small to gain from it or no
+        child can start.
+
+        Args:
+            checker: `structural` or `full` (with strict type inference): the checker runs first.
+            infer: Infer the file's graph.
+            strict: Inference runs strictly first.
+        """
+        flags = [f"--{checker}"] if checker is not None else []
+        flags += [flag for flag, on in (("--infer", infer), ("--strict", strict)) if on]
         try:
             if os.path.getsize(path) < CHILD_MIN_BYTES:
                 return None
-            flags = [flag for flag, on in (("--check", check), ("--strict", strict)) if on]
             process = subprocess.Popen(
                 [sys.executable, "-c", _CHILD_ENTRY, __file__, os.fspath(path), *flags],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             )
         except (OSError, ValueError):
             return None
-        return cls(process, check=check)
+        return cls(process, checker=checker)
 
     def _frame(self) -> tuple[bytes, bytes] | None:
         stdout = self._process.stdout
@@ -190,9 +199,9 @@ class FileChecks:
             return None
         return (header[:1], payload) if len(payload) == size else None
 
-    def structural_problem(self, fallback: Callable[[], str | None]) -> str | None:
-        """The structural checker's first error line, or None where the model passes."""
-        frame = self._frame() if self._check else None
+    def checker_problem(self, fallback: Callable[[], str | None]) -> str | None:
+        """The checker's first error line, or None where the model passes."""
+        frame = self._frame() if self._checker is not None else None
         if frame is None or frame[0] != b"c":
             return fallback()
         return frame[1].decode() or None
@@ -245,8 +254,10 @@ def _send(out: IO[bytes], tag: bytes, payload: bytes) -> None:
 def _child(argv: list[str]) -> None:
     path, flags = argv[0], set(argv[1:])
     out = sys.stdout.buffer
-    if "--check" in flags:
-        _send(out, b"c", (checker_error(path, full_check=False) or "").encode())
+    if "--structural" in flags or "--full" in flags:
+        _send(out, b"c", (checker_error(path, full_check="--full" in flags) or "").encode())
+    if "--infer" not in flags:
+        return
     try:
         graph = _file_graph(path)
     except Exception as e:  # noqa: BLE001 - reported as inference's failure

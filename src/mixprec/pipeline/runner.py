@@ -2,11 +2,11 @@
 and checks the model's invariants after those that change it (``MIXPREC_CHECK_STEPS=1``).
 
     prepare: load, upgrade, reference, fold, type, normalize, analyze    -> Prepared
-    convert: prepare, plan, rewrite, save, validate, [repair, save, validate], report, publish
+    convert: prepare, plan, rewrite, save, validate | report, [repair, save, validate, report], publish
 
 A runtime rejection (onnxruntime fails on the converted model where it runs the FP32 one) is a
-result of `validate`, answered by the `repair` step (:mod:`mixprec.pipeline.repair`); the report
-is built once, last, from the results.
+result of `validate`, answered by the `repair` step (:mod:`mixprec.pipeline.repair`). The report
+is built while a child process checks the staged model, and takes the validation last.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from mixprec.pipeline.steps import (
     refuse_invalid_input,
     rewrite,
     save,
+    start_checker,
     type_model,
     upgrade,
     validate,
@@ -234,46 +235,58 @@ def convert_model(source: object, output: Path | None, config: Config) -> Conver
         steps.check("plan", model)
         rewritten = steps.run("rewrite", rewrite, model, planned.plan, config)
         steps.check("rewrite", model)
-        staged, checked = _save_and_validate(steps, prepared, rewritten, output, cleanup)
-        extra: tuple[str, ...] = ()
+
+        def report(extra: tuple[str, ...] = ()) -> Report:
+            notes = (*prepared.notes, *planned.notes, *rewritten.notes, *extra)
+            return steps.run("report", _report, prepared, planned, rewritten, output, notes)
+
+        # The report is built while a child checks the staged model (its validation is added last).
+        staged, checked, built = _save_and_validate(steps, prepared, rewritten, output, cleanup, report)
         if checked.rejection is not None:
             from mixprec.pipeline.repair import repair  # noqa: PLC0415
 
             if staged is not None:
                 staged.discard()
             repaired = steps.run("repair", repair, checked.rejection, prepared, planned.plan)
-            planned, rewritten, extra = repaired.planned, repaired.rewritten, (repaired.note,)
-            staged, checked = _save_and_validate(steps, prepared, rewritten, output, cleanup)
+            planned, rewritten = repaired.planned, repaired.rewritten
+            staged, checked, _ = _save_and_validate(steps, prepared, rewritten, output, cleanup)
             if checked.rejection is not None:
                 raise checked.rejection
-        assert checked.validation is not None
-        report = steps.run(
-            "report", _report, prepared, planned, rewritten, output,
-            (*prepared.notes, *planned.notes, *rewritten.notes, *extra), checked,
-        )
+            built = report((repaired.note,))
+        assert checked.validation is not None and built is not None
+        built.validation = checked.validation
         if staged is not None and output is not None:  # last: nothing is written when a step fails
             steps.run("publish", staged.publish)
-    report.seconds, report.cpu_seconds = steps.totals()
-    return ConversionResult(rewritten.model, report, planned.plan, output, ranges=prepared.analysis.ranges)
+    built.seconds, built.cpu_seconds = steps.totals()
+    return ConversionResult(rewritten.model, built, planned.plan, output, ranges=prepared.analysis.ranges)
 
 
 def _save_and_validate(
-    steps: Steps, prepared: Prepared, rewritten: Rewritten, output: Path | None, cleanup: contextlib.ExitStack
-) -> tuple[StagedModel | None, Checked]:
-    """save -> validate; the staged file is removed when the run ends without publishing it."""
+    steps: Steps,
+    prepared: Prepared,
+    rewritten: Rewritten,
+    output: Path | None,
+    cleanup: contextlib.ExitStack,
+    meanwhile: Callable[[], T] | None = None,
+) -> tuple[StagedModel | None, Checked, T | None]:
+    """save -> validate, with `meanwhile` run while a child checks the staged model; the
+    staged file is removed when the run ends without publishing it."""
     config, ref, model = prepared.config, prepared.reference, rewritten.model
     staged = steps.run("save", save, rewritten, output, ref, prepared.typed.declared, config, cleanup)
     if staged is not None:
         cleanup.callback(staged.discard)  # unless published by then
         steps.check("save", model, staged)
-    return staged, steps.run("validate", validate, staged, model, prepared.loaded, ref, config)
+    checks = steps.run("validate", start_checker, staged, ref)
+    if checks is not None:
+        cleanup.callback(checks.close)
+    done = meanwhile() if meanwhile is not None else None
+    return staged, steps.run("validate", validate, staged, model, prepared.loaded, ref, config, checks), done
 
 
 def _report(
-    prepared: Prepared, planned: Planned, rewritten: Rewritten, output: Path | None, notes: tuple[str, ...],
-    checked: Checked,
+    prepared: Prepared, planned: Planned, rewritten: Rewritten, output: Path | None, notes: tuple[str, ...]
 ) -> Report:
-    """The report, from the results."""
+    """The report, from the results (its validation is added once the checks end)."""
     path = prepared.loaded.path
     return build_report(
         model=rewritten.model,
@@ -286,5 +299,4 @@ def _report(
         type_inference_warning=prepared.normalized.typeinfo.warning,
         profile=prepared.profile,
         notes=notes,
-        validation=checked.validation,
     )

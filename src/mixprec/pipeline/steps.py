@@ -44,7 +44,7 @@ from mixprec.policy.table import Policy, load_policy, parse_op_name
 from mixprec.runtime.batches import BatchSource
 from mixprec.validate.checker import checker_error, input_problem
 from mixprec.validate.results import Validation
-from mixprec.validate.staged import RuntimeRejection, validate_staged
+from mixprec.validate.staged import RuntimeRejection, validate_staged, start_checker as start_staged_checker
 
 Findings = dict[str, tuple[Category, str]]  # node key -> (category, reason) of a node kept FP32
 
@@ -91,7 +91,7 @@ def load(source: object, config: Config) -> Loaded:
     checks = None
     if isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
         strict = not config.io.allow_invalid
-        checks = FileChecks.start(source, check=strict, strict=strict)
+        checks = FileChecks.start(source, checker="structural" if strict else None, infer=True, strict=strict)
     try:
         return _load(source, config, checks)
     except BaseException:
@@ -112,7 +112,7 @@ def _load(source: object, config: Config, checks: FileChecks | None) -> Loaded:
         def structural() -> str | None:
             return checker_error(path if path is not None else original, full_check=False)  # type: ignore[arg-type]
 
-        problem = checks.structural_problem(structural) if checks is not None and path is not None else structural()
+        problem = checks.checker_problem(structural) if checks is not None and path is not None else structural()
         if problem is not None:
             raise _invalid_input(path, problem)
     ops = config.ops
@@ -439,8 +439,22 @@ class Checked:
     rejection: RuntimeRejection | None = None
 
 
-def validate(staged: StagedModel | None, model: ir.Model, loaded: Loaded, reference: Reference, config: Config) -> Checked:
-    """Check the staged model: the checker, the runtime as users run it, the numerics."""
+def start_checker(staged: StagedModel | None, reference: Reference) -> FileChecks | None:
+    """Start the checker of the staged model in a child: :func:`validate` takes its answer, and
+    what runs in between (the report) runs beside it."""
+    return start_staged_checker(staged.path, reference.level) if staged is not None else None
+
+
+def validate(
+    staged: StagedModel | None,
+    model: ir.Model,
+    loaded: Loaded,
+    reference: Reference,
+    config: Config,
+    checks: FileChecks | None = None,
+) -> Checked:
+    """Check the staged model: the checker (`checks`: already running in a child), the runtime
+    as users run it, the numerics."""
     if staged is None:
         return Checked(Validation())
     validation = config.validation
@@ -457,7 +471,7 @@ def validate(staged: StagedModel | None, model: ir.Model, loaded: Loaded, refere
         result = validate_staged(
             staged.path, reference.path, config.ops.target, reference.level, reference.data,
             config.calibration.max_batches, tolerance, original_checker_error,
-            weights_large=reference.weights_large, runtime=loaded.profile.name, model=model,
+            weights_large=reference.weights_large, runtime=loaded.profile.name, model=model, checks=checks,
         )
     except RuntimeRejection as rejection:
         return Checked(None, rejection)

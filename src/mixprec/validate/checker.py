@@ -10,7 +10,7 @@ import onnx
 import onnx.checker
 
 from mixprec.errors import ValidationFailure
-from mixprec.io.onnx_file import checker_error
+from mixprec.io.onnx_file import FileChecks, checker_error
 
 __all__ = ["check_model_file", "checker_error", "input_problem"]
 
@@ -41,13 +41,16 @@ def input_problem(model: str | Path | onnx.ModelProto) -> str | None:
     return None if outcome.ok else strict
 
 
-def check_model_file(path: str | Path, original: Callable[[], str | None] | None = None) -> str | None:
+def check_model_file(
+    path: str | Path, original: Callable[[], str | None] | None = None, checks: FileChecks | None = None
+) -> str | None:
     """Run the full ONNX checker on a saved converted model.
 
     Args:
         path: The converted model.
         original: Returns the checker's error for the FP32 model, or None if it passes; asked
             only when the converted model fails.
+        checks: A child already running the full checker on `path`: its answer is taken.
 
     Returns:
         None when the model passes; the error when the FP32 model fails the same way (the
@@ -56,7 +59,7 @@ def check_model_file(path: str | Path, original: Callable[[], str | None] | None
     Raises:
         ValidationFailure: The converted model is invalid and the FP32 model is not.
     """
-    error = checker_error(path)
+    error = checks.checker_problem(lambda: checker_error(path)) if checks is not None else checker_error(path)
     if error is None:
         return None
     if original is not None:

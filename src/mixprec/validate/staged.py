@@ -29,6 +29,7 @@ from mixprec.dtypes import LowPrecision
 from mixprec.errors import InputError, MixprecError, RunError, ValidationFailure
 from mixprec.host import host_cpu
 from mixprec.io import graph_only_proto, uses_external_data, without_staging
+from mixprec.io.onnx_file import FileChecks
 from mixprec.policy.quantized_groups import quantized_groups
 from mixprec.validate.results import OutputError, Validation
 from mixprec.validate import compare
@@ -64,6 +65,12 @@ class RuntimeRejection(ValidationFailure):
         self.feeds = feeds
 
 
+def start_checker(path: Path, level: str) -> FileChecks | None:
+    """The full checker of a staged model, started in a child (see :func:`validate_staged`),
+    for a large enough file at a level that checks."""
+    return None if level == "none" else FileChecks.start(path, checker="full")
+
+
 def validate_staged(
     path: Path,
     reference: Path | None,
@@ -77,19 +84,21 @@ def validate_staged(
     weights_large: bool = False,
     runtime: str = "onnx",
     model: ir.Model | None = None,
+    checks: FileChecks | None = None,
 ) -> Validation:
     """Check a staged converted model; raise ValidationFailure to stop it being published.
 
     `runtime`: the target runtime's profile name; `openvino` (when installed) also runs both
     models on OpenVINO's CPU plugin for real (bfloat16 arithmetic on AVX512-BF16/AMX).
     `model`: the staged model in memory, typed: the emulation starts from a copy of it instead
-    of reading the file and inferring its types again.
+    of reading the file and inferring its types again. `checks`: the full checker already
+    running on `path` in a child (:func:`start_checker`).
     """
     result = Validation()
     if level == "none":
         result.numerics = "not checked: validation off"
         return result
-    inherited = check_model_file(path, original_checker_error)
+    inherited = check_model_file(path, original_checker_error, checks)
     if inherited is None:
         result.checker = "passed"
     else:
