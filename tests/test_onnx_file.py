@@ -16,6 +16,7 @@ import mixprec
 from mixprec.errors import ModelLoadError, ValidationFailure
 from mixprec.io import onnx_file
 from mixprec.io.onnx_file import FileChecks
+from mixprec.validate import staged
 from mixprec.validate.checker import check_model_file
 
 from helpers import assert_close, random_feeds, run
@@ -26,11 +27,12 @@ F32 = TensorProto.FLOAT
 class _Spy:
     """Records the children started and which answers the conversion took from them."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, min_bytes: int = 0) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, min_bytes: int = 0, min_nodes: int = 0) -> None:
         self.started: list[FileChecks] = []
         self.kinds: list[str] = []  # "input" (checker and inference) or "output" (full checker)
         self.inferred = 0
         monkeypatch.setattr(onnx_file, "CHILD_MIN_BYTES", min_bytes)
+        monkeypatch.setattr(staged, "CHECKER_CHILD_MIN_NODES", min_nodes)
         start, inference = FileChecks.start.__func__, FileChecks.inference  # type: ignore[attr-defined]
 
         def spy_start(cls: type[FileChecks], *args, **kwargs) -> FileChecks | None:
@@ -117,12 +119,16 @@ def test_the_childs_inference_converts_the_model_as_the_process_own_does(
     assert_close(run(converted, feeds)[0], run(_branching_model(), feeds)[0], rtol=1e-2, atol=1e-3)
 
 
-def test_a_file_below_the_threshold_is_checked_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_model_below_the_thresholds_is_checked_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The input's child starts by the file's size, the output checker's by the node count."""
     source = tmp_path / "m.onnx"
     onnx.save(_branching_model(), str(source))
     spy = _Spy(monkeypatch, min_bytes=source.stat().st_size + 1)
     _convert(source, tmp_path / "out.onnx")
-    assert spy.started == []
+    assert spy.kinds == ["output"]
+    spy = _Spy(monkeypatch, min_nodes=1000)
+    _convert(source, tmp_path / "out.onnx")
+    assert spy.kinds == ["input"]
 
 
 @pytest.mark.parametrize(
@@ -187,6 +193,16 @@ def test_the_output_checker_in_a_child_fails_the_model_as_in_process(tmp_path: P
     checks = FileChecks.start(valid, checker="full")
     assert checks is not None and check_model_file(valid, None, checks) is None
     checks.close()
+    waiting = FileChecks.start(None, checker="full")  # started before the file is written
+    assert waiting is not None
+    waiting.check_file(invalid)
+    with pytest.raises(ValidationFailure) as named_later:
+        check_model_file(invalid, None, waiting)
+    assert str(named_later.value) == str(in_process.value)
+    unnamed = FileChecks.start(None, checker="full")
+    assert unnamed is not None
+    unnamed.close()  # never named: ended without an answer
+    assert unnamed._process.returncode is not None
 
 
 def test_a_conversion_the_output_check_fails_publishes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

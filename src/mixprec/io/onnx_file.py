@@ -162,12 +162,14 @@ class FileChecks:
 
     @classmethod
     def start(
-        cls, path: str | os.PathLike, *, checker: str | None, infer: bool = False, strict: bool = False
+        cls, path: str | os.PathLike | None, *, checker: str | None, infer: bool = False, strict: bool = False
     ) -> FileChecks | None:
         """Start the child on `path`, or None where the file is too small to gain from it or no
         child can start.
 
         Args:
+            path: The model file; None: the child starts now (Python and onnx load while the
+                file is written) and waits for :meth:`check_file` to name it.
             checker: `structural` or `full` (with strict type inference): the checker runs first.
             infer: Infer the file's graph.
             strict: Inference runs strictly first.
@@ -175,15 +177,27 @@ class FileChecks:
         flags = [f"--{checker}"] if checker is not None else []
         flags += [flag for flag, on in (("--infer", infer), ("--strict", strict)) if on]
         try:
-            if os.path.getsize(path) < CHILD_MIN_BYTES:
+            if path is not None and os.path.getsize(path) < CHILD_MIN_BYTES:
                 return None
             process = subprocess.Popen(
-                [sys.executable, "-c", _CHILD_ENTRY, __file__, os.fspath(path), *flags],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                [sys.executable, "-c", _CHILD_ENTRY, __file__, "-" if path is None else os.fspath(path), *flags],
+                stdin=subprocess.PIPE if path is None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             )
         except (OSError, ValueError):
             return None
         return cls(process, checker=checker)
+
+    def check_file(self, path: str | os.PathLike) -> None:
+        """Name the file to a child started without one: it starts on it."""
+        stdin = self._process.stdin
+        if stdin is None:
+            return
+        try:
+            stdin.write(os.fsencode(path))
+            stdin.close()
+        except OSError:
+            pass  # it died: its answers are missing, and the caller's fallbacks give them
 
     def _frame(self) -> tuple[bytes, bytes] | None:
         stdout = self._process.stdout
@@ -236,8 +250,9 @@ class FileChecks:
         if process.poll() is None:
             process.kill()
         process.wait()
-        if process.stdout is not None:
-            process.stdout.close()
+        for stream in (process.stdin, process.stdout):
+            if stream is not None:
+                stream.close()
 
 
 # The child's command: this file as a script, with the working directory off the path (a
@@ -253,6 +268,10 @@ def _send(out: IO[bytes], tag: bytes, payload: bytes) -> None:
 
 def _child(argv: list[str]) -> None:
     path, flags = argv[0], set(argv[1:])
+    if path == "-":
+        path = os.fsdecode(sys.stdin.buffer.read())  # the whole of stdin, once the file is written
+        if not path:
+            return
     out = sys.stdout.buffer
     if "--structural" in flags or "--full" in flags:
         _send(out, b"c", (checker_error(path, full_check="--full" in flags) or "").encode())

@@ -272,13 +272,15 @@ def _save_and_validate(
     """save -> validate, with `meanwhile` run while a child checks the staged model; the
     staged file is removed when the run ends without publishing it."""
     config, ref, model = prepared.config, prepared.reference, rewritten.model
+    checks = steps.run("validate", start_checker, model, ref)
+    if checks is not None:
+        cleanup.callback(checks.close)
     staged = steps.run("save", save, rewritten, output, ref, prepared.typed.declared, config, cleanup)
     if staged is not None:
         cleanup.callback(staged.discard)  # unless published by then
         steps.check("save", model, staged)
-    checks = steps.run("validate", start_checker, staged, ref)
-    if checks is not None:
-        cleanup.callback(checks.close)
+        if checks is not None:
+            checks.check_file(staged.path)
     done = meanwhile() if meanwhile is not None else None
     return staged, steps.run("validate", validate, staged, model, prepared.loaded, ref, config, checks), done
 

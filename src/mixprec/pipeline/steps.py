@@ -439,10 +439,11 @@ class Checked:
     rejection: RuntimeRejection | None = None
 
 
-def start_checker(staged: StagedModel | None, reference: Reference) -> FileChecks | None:
-    """Start the checker of the staged model in a child: :func:`validate` takes its answer, and
+def start_checker(model: ir.Model, reference: Reference) -> FileChecks | None:
+    """Start the checker of the model about to be saved in a child (it starts while the model
+    is written and checks the staged file once named): :func:`validate` takes its answer, and
     what runs in between (the report) runs beside it."""
-    return start_staged_checker(staged.path, reference.level) if staged is not None else None
+    return start_staged_checker(reference.level, sum(len(graph) for graph in all_graphs(model)))
 
 
 def validate(

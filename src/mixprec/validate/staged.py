@@ -65,10 +65,15 @@ class RuntimeRejection(ValidationFailure):
         self.feeds = feeds
 
 
-def start_checker(path: Path, level: str) -> FileChecks | None:
-    """The full checker of a staged model, started in a child (see :func:`validate_staged`),
-    for a large enough file at a level that checks."""
-    return None if level == "none" else FileChecks.start(path, checker="full")
+# From this many nodes on, the full checker of a staged model runs in a child.
+CHECKER_CHILD_MIN_NODES = 20_000
+
+
+def start_checker(level: str, nodes: int) -> FileChecks | None:
+    """The full checker of a model about to be staged, started in a child at a level that
+    checks and for a graph of `nodes` large enough to gain from it: name the staged file to it
+    (:meth:`FileChecks.check_file`) and pass it to :func:`validate_staged`."""
+    return FileChecks.start(None, checker="full") if level != "none" and nodes >= CHECKER_CHILD_MIN_NODES else None
 
 
 def validate_staged(
