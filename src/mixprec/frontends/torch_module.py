@@ -38,6 +38,7 @@ import onnx_ir as ir
 from mixprec.dtypes import LowPrecision
 from mixprec.errors import ExportError, InputError
 from mixprec.graphs import FreshNames, all_nodes
+from mixprec.io import value_types
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +267,7 @@ def _torchscript_export(
         logger.debug("TorchScript export of %s: %s: %s", name, warning.category.__name__, where)
         if issubclass(warning.category, torch.jit.TracerWarning):
             warned.append(where)
-    return ir.serde.deserialize_model(onnx.load_from_string(buffer.getvalue())), warned
+    return value_types.deserialize(onnx.load_from_string(buffer.getvalue())), warned
 
 
 def _first_line(error: BaseException) -> str:

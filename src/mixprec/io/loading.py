@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 
 from mixprec.errors import InputError, ModelLoadError
 from mixprec.graphs import all_graphs, all_nodes
+from mixprec.io.value_types import deserialize
 
 __all__ = ["load_model"]
 
@@ -248,7 +249,7 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> tuple[
         return source, None
     if isinstance(source, onnx.ModelProto):
         try:
-            return ir.serde.deserialize_model(source), None
+            return deserialize(source, owned=False), None
         except Exception as e:  # noqa: BLE001
             raise ModelLoadError(f"cannot read the given ModelProto: {_root_message(e)}") from e
     if not isinstance(source, (str, os.PathLike)):
@@ -264,7 +265,7 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> tuple[
         raise ModelLoadError(f"{path}: file is empty")
     try:
         # onnx_ir's `load` without its own walk over the tensors (`_settle_tensors` makes one).
-        model = ir.serde.deserialize_model(onnx.load(path, load_external_data=False))
+        model = deserialize(onnx.load(path, load_external_data=False))
     except DecodeError as e:
         raise ModelLoadError(f"{path}: not an ONNX model or truncated (protobuf parse error)") from e
     except (OSError, ValueError) as e:

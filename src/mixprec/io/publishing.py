@@ -28,6 +28,7 @@ import onnx_ir as ir
 from mixprec.errors import InputError
 from mixprec.graphs import all_graphs, is_default_domain
 from mixprec.io import streaming
+from mixprec.io import value_types
 from mixprec.io.loading import external_slots, read_external, shared_reads
 from mixprec.io.views import tensor_nbytes, wants_external_data
 from mixprec.progress import Progress
@@ -111,6 +112,9 @@ def _write(
 ) -> None:
     with _value_info_of(model, declared), _no_metadata_left_behind(model), shared_reads():
         _write_all(model, path, data_name, progress, declared)
+    set_aside = model.meta.get(value_types.SET_ASIDE)
+    if set_aside:
+        value_types.restore_file(path, set_aside)
 
 
 def _write_all(model: ir.Model, path: Path, data_name: str | None, progress: bool | None, declared: set[str] | None) -> None:

@@ -12,6 +12,7 @@ import onnx_ir as ir
 
 from mixprec.errors import ModelLoadError
 from mixprec.graphs import all_graphs
+from mixprec.io import value_types
 
 __all__ = [
     "EXTERNAL_DATA_THRESHOLD", "typed_values", "uses_external_data",
@@ -53,7 +54,7 @@ def weight_free_proto(model: ir.Model, max_inline_bytes: int = 1024) -> onnx.Mod
                     raise ModelLoadError(f"initializer {value.name!r}: its external data cannot be read: {e}") from e
                 inlined.append((value, tensor))
                 value.const_value = ir.Tensor(array, name=value.name)
-        return ir.serde.serialize_model(model)
+        return value_types.to_proto(model)
     finally:
         for value, tensor in inlined:
             value.const_value = tensor

@@ -18,6 +18,7 @@ import onnx_ir as ir
 from mixprec.dtypes import LowPrecision
 from mixprec.errors import InputError
 from mixprec.graphs import all_nodes, has_subgraphs
+from mixprec.io import value_types
 from mixprec.io import weight_free_proto
 from mixprec.policy.opfacts import op_facts
 from mixprec.policy.profiles import RuntimeProfile
@@ -131,7 +132,7 @@ def upgrade_opset(model: ir.Model, opset: int, skip: frozenset[ir.Node] = frozen
         for name, value in graph.initializers.items()
         if name not in kept and value.const_value is not None
     }
-    result = ir.serde.deserialize_model(_convert_version(proto, current, opset))
+    result = value_types.carry(model, value_types.deserialize(_convert_version(proto, current, opset)))
     _restore_weights(result.graph, detached, inputs)
     return result
 

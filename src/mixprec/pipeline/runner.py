@@ -25,6 +25,7 @@ from mixprec.analysis.constants import copy_ranges
 from mixprec.config import Config
 from mixprec.graphs import node_keys
 from mixprec.io import StagedModel
+from mixprec.io import value_types
 from mixprec.io.loading import shared_reads
 from mixprec.pipeline.planning import PlanInputs, Planned, make_plan
 from mixprec.pipeline.steps import (
@@ -102,7 +103,7 @@ class Steps:
             return
         require_invariants(model, step=name, baseline=self.baseline)
         if staged is not None and staged.path.stat().st_size <= STAGED_RELOAD_MAX_BYTES:
-            require_invariants(ir.load(staged.path), step=f"{name} (staged file)", baseline=self.baseline)
+            require_invariants(value_types.load(staged.path), step=f"{name} (staged file)", baseline=self.baseline)
 
     def totals(self) -> tuple[dict[str, float], dict[str, float]]:
         """Seconds and CPU seconds per step, with the run's total, rounded for the report."""
@@ -167,7 +168,7 @@ class Prepared:
             extra_fp32: Node key -> (category, reason) of more nodes to keep FP32.
             plan: A plan file (or its dict) to apply instead of the configured one.
         """
-        model = self.model.clone()
+        model = value_types.carry(self.model, self.model.clone())
         copy_ranges(self.model, model)
         config = self.config if plan is None else self.config.with_options(plan=plan)
         planned = make_plan(model, node_keys(model), config, self.plan_inputs(extra_fp32))

@@ -28,8 +28,8 @@ from mixprec.analysis.typeinfo import TypeInfo, assume_float_outputs, infer_type
 from mixprec.config import Config
 from mixprec.errors import InputError, ModelLoadError, RunError
 from mixprec.graphs import all_graphs, main_values, node_keys, walk_nodes
+from mixprec.io import StagedModel, load_model, typed_values, uses_external_data, value_types, wants_external_data, weight_bytes
 from mixprec.io.onnx_file import FileChecks
-from mixprec.io import StagedModel, load_model, typed_values, uses_external_data, wants_external_data, weight_bytes
 from mixprec.passes.fold_dequantize import fold_constant_dequantizations
 from mixprec.passes.integer_groups import write_groups_on_integers
 from mixprec.passes.norm_blocks import FusedKernels, fuse_norm_blocks, opset_for_fusion
@@ -229,7 +229,7 @@ def reference(loaded: Loaded, model: ir.Model, config: Config, cleanup: contextl
     if (level in ("run", "load") or calibrating) and path is None:
         folder = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="mixprec-ref-"))
         path = Path(folder) / "reference.onnx"
-        ir.save(model, path, external_data="reference.onnx.data" if weights > RUN_MAX_WEIGHT_BYTES else None)
+        value_types.save(model, path, external_data="reference.onnx.data" if weights > RUN_MAX_WEIGHT_BYTES else None)
     return Reference(path, level, data, weights, uses_external_data(model))
 
 

@@ -27,6 +27,8 @@ from mixprec.policy.table import OpRule, Policy, format_op_name
 __all__ = ["OpTemplate", "node_facts", "op_template"]
 
 _ANY_FLOAT = frozenset({"tensor(float)", "tensor(float16)", "tensor(bfloat16)"})
+# ONNX's other domains, whose schemas onnx has as it has the default domain's (classical ML ops).
+_ONNX_DOMAINS = frozenset({"ai.onnx.ml", "ai.onnx.preview.training"})
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ def _binding(
     """The node's signature, and the type variables a runtime kernel binding blocks, with why."""
     n_in, n_out = len(node.inputs), len(node.outputs)
     sig = None
-    if is_default_domain(node.domain) and opset is not None:
+    if (is_default_domain(node.domain) or node.domain in _ONNX_DOMAINS) and opset is not None:
         sig = signature(node.op_type, node.domain, opset, n_in, n_out)
     blocked: frozenset[str] = frozenset()
     reason = None

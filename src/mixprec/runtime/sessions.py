@@ -156,7 +156,29 @@ def run_session(
         raise
     except Exception as exc:  # onnxruntime raises several pybind exception types
         raise RunError(f"onnxruntime run failed: {_first_line(exc)}") from exc
-    return dict(zip(output_names, results))
+    return {name: as_array(name, result) for name, result in zip(output_names, results)}
+
+
+def as_array(name: str, output: object) -> np.ndarray:
+    """An output as one array, whatever its ONNX type: a tensor as it is; a map as its values
+    in key order; a sequence as its elements stacked (flattened and joined where their shapes
+    differ); an empty optional as an empty array. Two runs of one model give arrays that
+    compare element by element (a classifier's sequence of per-class maps becomes
+    [samples, classes])."""
+    if isinstance(output, np.ndarray):
+        return output
+    if output is None:
+        return np.zeros((0,), np.float32)
+    if isinstance(output, dict):
+        return np.asarray([output[key] for key in sorted(output)])
+    if isinstance(output, (list, tuple)):
+        if not output:
+            return np.zeros((0,), np.float32)
+        items = [as_array(name, item) for item in output]
+        if all(item.shape == items[0].shape for item in items):
+            return np.stack(items)
+        return np.concatenate([item.ravel() for item in items])
+    raise RunError(f"output {name!r}: onnxruntime returned a {type(output).__name__}, not a tensor, sequence or map")
 
 
 def _run_many_inputs(session: ort.InferenceSession, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:

@@ -13,6 +13,7 @@ import onnx.shape_inference
 import onnx_ir as ir
 
 from mixprec.analysis.cost_model import float_elements, flops_of, node_time
+from mixprec.io import value_types
 from mixprec.plan.estimate import BOUNDARIES
 from mixprec.graphs import node_keys
 from mixprec.plan.model import Precision, PrecisionPlan
@@ -45,7 +46,7 @@ def node_costs(proto: onnx.ModelProto, batch: Mapping[str, np.ndarray], cost: Ru
             shape.dim.add().dim_value = int(size)
     try:
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
-        ir_model = ir.from_proto(inferred)
+        ir_model = value_types.deserialize(inferred)
     except Exception as e:  # noqa: BLE001 - shape inference raises assorted types
         logger.debug("shape inference for the cost model failed: %s", e)
         return NodeCosts({}, {})

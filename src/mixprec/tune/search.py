@@ -20,7 +20,7 @@ import onnx_ir as ir
 from mixprec.config import CalibrationConfig, Config, OutputConfig, ValidationConfig
 from mixprec.dtypes import LowPrecision
 from mixprec.errors import InputError, MixprecError
-from mixprec.io import wants_external_data
+from mixprec.io import value_types, wants_external_data
 from mixprec.pipeline import Prepared, prepare
 from mixprec.plan.file import PlanFile, fp32_plan, load_plan
 from mixprec.policy.costs import runtime_cost
@@ -197,7 +197,7 @@ class _Search:
             ir_model = upgrade_opset(ir_model, opset)
             self.notes.append(f"opset upgraded from {current} to {opset}")
         path = self.workdir / "fp32.onnx"
-        ir.save(ir_model, path)
+        value_types.save(ir_model, path)
         return path
 
     # -- conversion and evaluation ---------------------------------------------------------------
@@ -233,13 +233,13 @@ class _Search:
         if self.config.runtime == "openvino" and openvino.openvino_available():
             # The deployment runtime computes for real (bfloat16 on AVX512-BF16/AMX): judge
             # candidates by what it produces, not by the emulation.
-            ir.save(model, path, external_data=f"{path.name}.data" if wants_external_data(model) else None)
+            value_types.save(model, path, external_data=f"{path.name}.data" if wants_external_data(model) else None)
             session = openvino.OpenVinoSession(path, precision="model")
             return [session.run(feeds) for feeds in self.batches]
         if self.emulate:
             emulate_into_file(model, path)
         else:
-            ir.save(model, path, external_data=f"{path.name}.data" if wants_external_data(model) else None)
+            value_types.save(model, path, external_data=f"{path.name}.data" if wants_external_data(model) else None)
         session = sessions.make_session(path, graph_optimization="disable")
         return [sessions.run_session(session, feeds) for feeds in self.batches]
 
@@ -378,7 +378,7 @@ class _Search:
             return model_path
         path = folder / "prepared.onnx"
         external = wants_external_data(prepared.model)
-        ir.save(prepared.model, path, external_data="prepared.onnx.data" if external else None)
+        value_types.save(prepared.model, path, external_data="prepared.onnx.data" if external else None)
         return path
 
     def _probe(
@@ -396,10 +396,10 @@ class _Search:
             reference_names = [o.name for o in exposer.proto.graph.output]
             errors: dict[str, float] = {}
             try:
-                probe = ir.from_proto(exposer.proto)
+                probe = value_types.deserialize(exposer.proto, owned=False)
                 outputs = ProbeBuilder(probe, self.target, candidates).build()
                 path = exposer.workdir / "probe.onnx"
-                onnx.save(ir.to_proto(probe), str(path))
+                onnx.save(value_types.to_proto(probe), str(path))
                 session = runner.make_session(path, graph_optimization="disable")
                 for feeds in self.batches:
                     results = runner.run_session(session, feeds)

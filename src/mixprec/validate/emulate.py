@@ -47,6 +47,7 @@ import onnx_ir.passes.common as ir_passes
 
 from mixprec.errors import InputError, ModelLoadError, RunError
 from mixprec.graphs import FreshNames, default_domain_version, forget_structure, is_default_domain, model_names
+from mixprec.io import value_types
 from mixprec.io import weight_free_proto
 from mixprec.policy.opfacts import NO_FACTS, op_facts
 from mixprec.validate.qdq_forms import cpu_quantization_forms
@@ -88,7 +89,7 @@ def emulate_low_precision(model: ModelLike) -> onnx.ModelProto:
     """
     ir_model = _load_copy(model)
     _emulate_in_place(ir_model)
-    return ir.to_proto(ir_model)
+    return value_types.to_proto(ir_model)
 
 
 def emulate_low_precision_file(
@@ -118,7 +119,7 @@ def emulate_low_precision_file(
     if dst.resolve() == src.resolve():
         raise InputError(f"output path {dst} is the input model; choose another path")
     try:
-        ir_model = ir.load(src)
+        ir_model = value_types.load(src)
     except Exception as exc:  # protobuf and onnx_ir raise assorted types
         raise ModelLoadError(f"cannot load model {src}: {exc}") from exc
     return emulate_into_file(ir_model, dst)
@@ -143,7 +144,7 @@ def emulate_into_file(ir_model: ir.Model, output_path: str | os.PathLike[str]) -
                 "output name"
             )
     dst.parent.mkdir(parents=True, exist_ok=True)
-    ir.save(ir_model, dst, external_data=external_data, size_threshold_bytes=1024)
+    value_types.save(ir_model, dst, external_data=external_data, size_threshold_bytes=1024)
     logger.info("wrote emulation model %s", dst)
     return dst
 
@@ -159,9 +160,9 @@ def _initializer_tensors(model: ir.Model) -> list[ir.TensorProtocol]:
 
 def _load_copy(model: ModelLike) -> ir.Model:
     if isinstance(model, onnx.ModelProto):
-        return ir.from_proto(model)
+        return value_types.deserialize(model, owned=False)
     if isinstance(model, ir.Model):
-        return model.clone()
+        return value_types.carry(model, model.clone())
     if isinstance(model, (str, os.PathLike)):
         path = Path(model)
         if not path.is_file():
@@ -170,7 +171,7 @@ def _load_copy(model: ModelLike) -> ir.Model:
             proto = onnx.load(str(path), load_external_data=True)
         except Exception as exc:  # protobuf and onnx raise assorted types
             raise ModelLoadError(f"cannot load model {path}: {exc}") from exc
-        return ir.from_proto(proto)
+        return value_types.deserialize(proto)
     raise InputError(
         f"expected an onnx.ModelProto, onnx_ir.Model or path, got {type(model).__name__}"
     )
@@ -181,14 +182,16 @@ def _emulate_in_place(model: ir.Model) -> None:
     _infer_types(model)
     names = _Names(*model_names(model))
     rounded = 0
-    untyped: set[str] = set()
+    untyped: dict[str, set[str]] = {}  # op -> outputs of unknown element type
     for graph in list(model.graphs()):
         rounded += _emulate_graph(graph, graph is model.graph, names, untyped)
-    if untyped:
+    non_tensor = model.meta.get(value_types.SET_ASIDE, {})  # maps: nothing to round
+    unknown = sorted(op for op, outputs in untyped.items() if not outputs <= non_tensor.keys())
+    if unknown:
         logger.warning(
             "emulation: the element type of some outputs of %s is unknown; those values "
             "are not rounded to 16-bit",
-            ", ".join(sorted(untyped)),
+            ", ".join(unknown),
         )
     if rounded and default_domain_version(model.opset_imports) is None:
         model.opset_imports[""] = 13
@@ -218,7 +221,7 @@ def _infer_types(model: ir.Model) -> None:
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, RuntimeError) as exc:
         logger.warning("emulation: ONNX type inference failed (%s); using declared types", exc)
         return
-    inferred_model = ir.from_proto(inferred)
+    inferred_model = value_types.deserialize(inferred)
     for original, result in zip(model.graphs(), inferred_model.graphs()):
         found = ir.convenience.create_value_mapping(result)
         for name, value in ir.convenience.create_value_mapping(original).items():
@@ -251,7 +254,7 @@ class _Names:
     node: FreshNames
 
 
-def _emulate_graph(graph: ir.Graph, is_main: bool, names: _Names, untyped: set[str]) -> int:
+def _emulate_graph(graph: ir.Graph, is_main: bool, names: _Names, untyped: dict[str, set[str]]) -> int:
     """Rewrite one graph (not its subgraphs); return the number of rounding points."""
     rounded = 0
     original_nodes = list(graph)
@@ -297,7 +300,7 @@ def _emulate_cast(graph: ir.Graph, node: ir.Node, names: _Names) -> int:
     return 0
 
 
-def _emulate_cast_like(graph: ir.Graph, node: ir.Node, names: _Names, untyped: set[str]) -> int:
+def _emulate_cast_like(graph: ir.Graph, node: ir.Node, names: _Names, untyped: dict[str, set[str]]) -> int:
     """A CastLike to 16-bit becomes a Cast pair; others are retyped. Returns the number of
     rounding points."""
     out = node.outputs[0]
@@ -306,7 +309,7 @@ def _emulate_cast_like(graph: ir.Graph, node: ir.Node, names: _Names, untyped: s
         _replace_cast_like(graph, node, low, names)
         return 1
     if out.type is None:
-        untyped.add("CastLike")
+        untyped.setdefault("CastLike", set()).add(out.name)
     _retype(out)
     return 0
 
@@ -327,7 +330,7 @@ def _float_dtype_attribute(node: ir.Node, attribute: str | None) -> ir.DataType 
     return dtype
 
 
-def _emulate_node(graph: ir.Graph, node: ir.Node, names: _Names, untyped: set[str]) -> int:
+def _emulate_node(graph: ir.Graph, node: ir.Node, names: _Names, untyped: dict[str, set[str]]) -> int:
     """Rewrite one node for emulation; return the number of rounding points."""
     op = node.op_type if is_default_domain(node.domain) else None
     facts = op_facts("", op) if op is not None else NO_FACTS
@@ -349,7 +352,7 @@ def _round_outputs(
     attr_low: ir.DataType | None,
     skip_rounding: bool,
     names: _Names,
-    untyped: set[str],
+    untyped: dict[str, set[str]],
 ) -> int:
     """Retype the node's outputs to FLOAT and round those that were 16-bit (unless
     `skip_rounding`); outputs without a type take `attr_low`, else are noted in `untyped`.
@@ -362,7 +365,7 @@ def _round_outputs(
             if attr_low is None:
                 if op in _CONSTANTS:
                     continue  # type follows the (converted) tensor attribute
-                untyped.add(f"{node.domain + '::' if node.domain else ''}{node.op_type}")
+                untyped.setdefault(f"{node.domain + '::' if node.domain else ''}{node.op_type}", set()).add(out.name)
                 continue
             out.type = ir.TensorType(attr_low)
         low = _low_dtype(out)
