@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, NamedTuple
@@ -159,6 +160,7 @@ class FileChecks:
     def __init__(self, process: subprocess.Popen[bytes], *, checker: str | None) -> None:
         self._process = process
         self._checker = checker
+        self.started = time.perf_counter()  # when the child had its file (perf_counter)
 
     @classmethod
     def start(
@@ -193,6 +195,7 @@ class FileChecks:
         stdin = self._process.stdin
         if stdin is None:
             return
+        self.started = time.perf_counter()
         try:
             stdin.write(os.fsencode(path))
             stdin.close()

@@ -467,7 +467,7 @@ def validate(
             return checker_error(source_path)
         return checker_error(original) if original is not None else None
 
-    start = time.perf_counter()
+    start = checks.started if checks is not None else time.perf_counter()  # the check began in the child
     try:
         result = validate_staged(
             staged.path, reference.path, config.ops.target, reference.level, reference.data,
