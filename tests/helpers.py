@@ -383,3 +383,17 @@ def matmul_chain(layers: int, seed: int) -> onnx.ModelProto:
         [helper.make_tensor_value_info(x, TensorProto.FLOAT, [2, 8])], weights,
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def relu_model(output_type: int = TensorProto.FLOAT, input_name: str = "x") -> onnx.ModelProto:
+    """Relu of a [2] float input `x`; `input_name` other than "x" reads an undefined value (the
+    structural checker objects), an `output_type` other than float contradicts inference (only
+    the full check objects)."""
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Relu", [input_name], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [onnx.helper.make_tensor_value_info("y", output_type, [2])],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    return model

@@ -19,7 +19,7 @@ from mixprec.io.onnx_file import FileChecks
 from mixprec.validate import staged
 from mixprec.validate.checker import check_model_file
 
-from helpers import assert_close, random_feeds, run
+from helpers import assert_close, random_feeds, relu_model, run
 
 F32 = TensorProto.FLOAT
 
@@ -84,16 +84,6 @@ def _branching_model() -> onnx.ModelProto:
     return model
 
 
-def _relu(output_type: int = F32, input_name: str = "x") -> onnx.ModelProto:
-    graph = oh.make_graph(
-        [oh.make_node("Relu", [input_name], ["y"])], "g",
-        [oh.make_tensor_value_info("x", F32, [2])], [oh.make_tensor_value_info("y", output_type, [2])],
-    )
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
-    model.ir_version = 9
-    return model
-
-
 def _convert(source: Path, out: Path) -> tuple[bytes, mixprec.Report]:
     result = mixprec.convert(source, out, target_dtype="float16", validate="checker")
     return out.read_bytes(), result.report
@@ -133,7 +123,7 @@ def test_a_model_below_the_thresholds_is_checked_in_process(tmp_path: Path, monk
 
 @pytest.mark.parametrize(
     ("model", "kind"),
-    [(_relu(input_name="missing"), "structural"), (_relu(output_type=TensorProto.INT64), "strict")],
+    [(relu_model(input_name="missing"), "structural"), (relu_model(output_type=TensorProto.INT64), "strict")],
 )
 def test_an_invalid_file_is_refused_as_the_process_itself_refuses_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: onnx.ModelProto, kind: str
@@ -180,7 +170,7 @@ def test_the_output_checker_in_a_child_fails_the_model_as_in_process(tmp_path: P
     """The full checker of a staged model, in a child: the same finding, the same failure."""
     monkeypatch.setattr(onnx_file, "CHILD_MIN_BYTES", 0)
     invalid = tmp_path / "invalid.onnx"
-    onnx.save(_relu(output_type=TensorProto.INT64), str(invalid))
+    onnx.save(relu_model(output_type=TensorProto.INT64), str(invalid))
     with pytest.raises(ValidationFailure) as in_process:
         check_model_file(invalid)
     checks = FileChecks.start(invalid, checker="full")
@@ -189,7 +179,7 @@ def test_the_output_checker_in_a_child_fails_the_model_as_in_process(tmp_path: P
         check_model_file(invalid, None, checks)
     assert str(by_child.value) == str(in_process.value)
     valid = tmp_path / "valid.onnx"
-    onnx.save(_relu(), str(valid))
+    onnx.save(relu_model(), str(valid))
     checks = FileChecks.start(valid, checker="full")
     assert checks is not None and check_model_file(valid, None, checks) is None
     checks.close()
@@ -231,7 +221,7 @@ def test_no_child_starts_where_python_cannot(tmp_path: Path, monkeypatch: pytest
 def test_a_model_the_steps_change_closes_the_child_unread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An IR version below 4 is raised on load: the file's inference no longer describes the
     model, so the child ends unread and the model is inferred in process."""
-    model = _relu()
+    model = relu_model()
     model.ir_version = 3
     model.graph.ClearField("value_info")
     source = tmp_path / "old.onnx"
@@ -250,7 +240,7 @@ def test_the_child_does_not_import_the_package(tmp_path: Path) -> None:
 
     (tmp_path / "onnx.py").write_text("raise SystemExit('the working directory shadowed onnx')\n")
     source = tmp_path / "m.onnx"
-    onnx.save(_relu(), str(source))
+    onnx.save(relu_model(), str(source))
     probe = (
         onnx_file._CHILD_ENTRY.replace("run_name='__main__')", "run_name='__main__'); "
         "sys.stderr.write(str(sorted(m for m in sys.modules if m.startswith('mixprec'))))")

@@ -21,6 +21,8 @@ from mixprec.progress import Progress, _fmt
 from mixprec.tolerance import Tolerance, as_tolerance
 from mixprec.validate.checker import checker_error, input_problem
 
+from helpers import relu_model
+
 F32 = TensorProto.FLOAT
 
 # -- tolerance ----------------------------------------------------------------------------------
@@ -104,29 +106,19 @@ def test_runtime_sections_rejects(text: str, message: str) -> None:
 # -- ONNX checker ---------------------------------------------------------------------------------
 
 
-def _relu(output_type: int = F32, input_name: str = "x") -> onnx.ModelProto:
-    graph = oh.make_graph(
-        [oh.make_node("Relu", [input_name], ["y"])], "g",
-        [oh.make_tensor_value_info("x", F32, [2])], [oh.make_tensor_value_info("y", output_type, [2])],
-    )
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
-    model.ir_version = 9
-    return model
-
-
 def test_checker_error_valid_and_invalid(tmp_path: Path) -> None:
     """None for a valid model (proto or file); the first error line for an undefined input."""
-    assert checker_error(_relu()) is None
+    assert checker_error(relu_model()) is None
     path = tmp_path / "ok.onnx"
-    onnx.save(_relu(), str(path))
+    onnx.save(relu_model(), str(path))
     assert checker_error(path) is None
-    error = checker_error(_relu(input_name="missing"))
+    error = checker_error(relu_model(input_name="missing"))
     assert error is not None and "missing" in error and "\n" not in error
 
 
 def test_checker_error_full_check_runs_strict_type_inference() -> None:
     """A declared output type that contradicts inference fails only the full check."""
-    wrong = _relu(output_type=TensorProto.INT64)
+    wrong = relu_model(output_type=TensorProto.INT64)
     assert checker_error(wrong, full_check=False) is None
     assert checker_error(wrong) is not None
 
@@ -134,10 +126,10 @@ def test_checker_error_full_check_runs_strict_type_inference() -> None:
 def test_input_problem() -> None:
     """Valid: None. Structurally invalid: the structural error. Only strict inference objects
     and onnxruntime cannot load it either: the strict error."""
-    assert input_problem(_relu()) is None
-    structural = input_problem(_relu(input_name="missing"))
-    assert structural is not None and structural == checker_error(_relu(input_name="missing"), full_check=False)
-    wrong = _relu(output_type=TensorProto.INT64)
+    assert input_problem(relu_model()) is None
+    structural = input_problem(relu_model(input_name="missing"))
+    assert structural is not None and structural == checker_error(relu_model(input_name="missing"), full_check=False)
+    wrong = relu_model(output_type=TensorProto.INT64)
     strict = input_problem(wrong)
     assert strict is not None and strict == checker_error(wrong)
 

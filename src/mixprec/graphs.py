@@ -8,6 +8,7 @@ import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 _GRAPH = ir.AttributeType.GRAPH
@@ -268,3 +269,16 @@ def reduction_axes(node: ir.Node, constant: Callable[[ir.Value], np.ndarray | No
         return []
     array = constant(node.inputs[1])
     return None if array is None else [int(a) for a in np.asarray(array).reshape(-1)]
+
+
+def graph_protos(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
+    """A protobuf graph and its subgraphs, at any depth."""
+    graphs = [graph]
+    for current in graphs:
+        for node in current.node:
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    graphs.append(attr.g)
+                elif attr.type == onnx.AttributeProto.GRAPHS:
+                    graphs.extend(attr.graphs)
+    return graphs

@@ -17,6 +17,8 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
+from mixprec.graphs import graph_protos
+
 __all__ = [
     "SET_ASIDE", "carry", "deserialize", "load", "readable", "restore", "restore_file", "save", "set_aside", "to_proto",
 ]
@@ -44,35 +46,21 @@ def _value_infos(graph: onnx.GraphProto) -> Iterator[onnx.ValueInfoProto]:
     yield from graph.value_info
 
 
-def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """The graph and its subgraphs, at any depth."""
-    yield graph
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _graphs(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for sub in attr.graphs:
-                    yield from _graphs(sub)
-
-
 def _unreadable(proto: onnx.ModelProto) -> Iterator[tuple[bool, onnx.ValueInfoProto]]:
     """(in the main graph?, value info) of every value whose type the IR cannot hold."""
-    for index, graph in enumerate(_graphs(proto.graph)):
+    for index, graph in enumerate(graph_protos(proto.graph)):
         for info in _value_infos(graph):
             if info.type.WhichOneof("value") not in ("tensor_type", None) and not readable(info.type):
                 yield index == 0, info
     for function in proto.functions:
-        for info in function.value_info:
-            if not readable(info.type):
-                yield False, info
-        for node in function.node:
-            for attr in node.attribute:
-                for sub in (attr.g,) if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
-                    for graph in _graphs(sub):
-                        for info in _value_infos(graph):
-                            if not readable(info.type):
-                                yield False, info
+        subgraphs = [
+            graph
+            for node in function.node for attr in node.attribute
+            for body in ((attr.g,) if attr.type == onnx.AttributeProto.GRAPH else attr.graphs)
+            for graph in graph_protos(body)
+        ]
+        infos = [*function.value_info, *(info for graph in subgraphs for info in _value_infos(graph))]
+        yield from ((False, info) for info in infos if not readable(info.type))
 
 
 def set_aside(proto: onnx.ModelProto) -> dict[str, bytes]:

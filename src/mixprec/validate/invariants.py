@@ -29,7 +29,7 @@ import onnx.shape_inference
 import onnx_ir as ir
 
 from mixprec.errors import InvariantError
-from mixprec.graphs import has_subgraphs, is_default_domain, shapes_contradict
+from mixprec.graphs import graph_protos, has_subgraphs, is_default_domain, shapes_contradict
 from mixprec.io import uses_external_data, weight_bytes, weight_free_proto
 
 ENV_VARIABLE = "MIXPREC_CHECK_STEPS"
@@ -490,7 +490,7 @@ def _inferred_shapes(model: ir.Model, names: set[str]) -> dict[str, list[int | s
         return {}
     shapes: dict[str, list[int | str | None]] = {}
     seen: set[str] = set()
-    for graph in _graph_protos(proto.graph):
+    for graph in graph_protos(proto.graph):
         for info in graph.value_info:
             name = info.name
             if name not in names:
@@ -507,20 +507,8 @@ def _inferred_shapes(model: ir.Model, names: set[str]) -> dict[str, list[int | s
     return shapes
 
 
-def _graph_protos(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
-    graphs = [graph]
-    for current in graphs:
-        for node in current.node:
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    graphs.append(attr.g)
-                elif attr.type == onnx.AttributeProto.GRAPHS:
-                    graphs.extend(attr.graphs)
-    return graphs
-
-
 def _forget_value_info(graph: onnx.GraphProto) -> None:
-    for current in _graph_protos(graph):
+    for current in graph_protos(graph):
         del current.value_info[:]
 
 
