@@ -18,7 +18,7 @@ from mixprec.dtypes import LowPrecision
 from mixprec.graphs import all_graphs, is_default_domain, static_shape
 from mixprec.graphs import reduction_axes as graphs_reduction_axes
 from mixprec.io.loading import ExternalReader, read_external
-from mixprec.io.views import tensor_size
+from mixprec.io.views import float32_values, tensor_size
 
 _CHUNK_BYTES = 64 * 1024 * 1024
 # What was measured of each constant, per target type (see `constant_range`). A side table, not
@@ -263,7 +263,7 @@ def constant_ranges(values: Iterable[ir.Value], target: LowPrecision) -> None:
                 continue
             array = None
             if tensor_size(tensor) <= _BATCH_ELEMENTS:
-                array = reader.read(tensor) if isinstance(tensor, ir.ExternalTensor) else tensor.numpy().reshape(-1)
+                array = reader.read(tensor) if isinstance(tensor, ir.ExternalTensor) else float32_values(tensor)
             if array is None:
                 constant_range(value, target)
                 continue

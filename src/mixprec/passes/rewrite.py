@@ -26,6 +26,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_tensor, is_constant, iter_chunks, read_array
+from mixprec.io.views import float32_values
 from mixprec.analysis.cost_model import estimated_elements, guessed_elements, tensor_elements
 from mixprec.plan.model import Precision, PrecisionPlan, Storage
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
@@ -95,7 +96,9 @@ class _CastLoad:
     def __call__(self) -> ir.TensorProtocol:
         limit = self.target.limits.max
         if math.prod(self.shape) <= _WHOLE_ELEMENTS:  # the common small weight: one read, one cast
-            whole = read_array(self.tensor)
+            tensor = self.tensor
+            inline_float = tensor.dtype == ir.DataType.FLOAT and not isinstance(tensor, ir.ExternalTensor)
+            whole = float32_values(tensor) if inline_float else read_array(tensor)
             if self.saturate:
                 whole = np.clip(whole, -limit, limit)
             return ir.Tensor(whole.astype(self.target.numpy_dtype).reshape(self.shape), name=self.name)
