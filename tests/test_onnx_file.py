@@ -43,9 +43,9 @@ class _Spy:
             return checks
 
         def spy_inference(checks: FileChecks, fallback, objected=None):  # noqa: ANN001, ANN202
-            def counted_fallback():  # noqa: ANN202
+            def counted_fallback(told):  # noqa: ANN001, ANN202
                 self.inferred -= 1
-                return fallback()
+                return fallback(told)
 
             self.inferred += 1
             return inference(checks, counted_fallback, objected)
@@ -252,3 +252,51 @@ def test_the_child_does_not_import_the_package(tmp_path: Path) -> None:
     assert done.stderr.decode() == "[]"
     assert done.stdout[:1] == b"c" and done.stdout[1:9] == bytes(8)  # passes the checker
     assert b"m" in done.stdout[9:10]
+
+
+def test_what_else_writes_to_the_childs_stdout_does_not_break_its_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Output after the child took its private stream (an import's message) goes to stderr and
+    the answers are used; bytes before it make the answers unreadable and the conversion infers
+    in process, with the same output."""
+    source = tmp_path / "m.onnx"
+    onnx.save(_branching_model(), str(source))
+    expected = _convert(source, tmp_path / "expected.onnx")[0]
+    entry = onnx_file._CHILD_ENTRY
+    after = entry.replace("os.dup2(2, 1); ", "os.dup2(2, 1); print('a message', flush=True); ")
+    assert after != entry
+    for noisy, used in ((after, 1), ("print('a message', flush=True); " + entry, 0)):
+        spy = _Spy(monkeypatch)
+        monkeypatch.setattr(onnx_file, "_CHILD_ENTRY", noisy)
+        assert _convert(source, tmp_path / "out.onnx")[0] == expected
+        assert spy.kinds == ["input", "output"] and spy.inferred == used
+        assert spy.all_ended()
+
+
+def test_an_objection_told_before_the_child_died_is_not_told_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = tmp_path / "m.onnx"
+    onnx.save(relu_model(), str(source))
+    monkeypatch.setattr(onnx_file, "CHILD_MIN_BYTES", 0)
+    frame = b"s" + (3).to_bytes(8, "little") + b"odd"
+    monkeypatch.setattr(onnx_file, "_CHILD_ENTRY", f"import sys; sys.stdout.buffer.write({frame!r})")
+    checks = FileChecks.start(source, checker=None, infer=True, strict=True)
+    assert checks is not None
+    told: list[str] = []
+    given: list[object] = []
+
+    def fallback(objected):  # noqa: ANN001, ANN202
+        given.append(objected)
+        return onnx_file.file_inference(source, strict=True, objected=objected)
+
+    inferred = checks.inference(fallback, told.append)
+    assert told == ["odd"] and given == [None]
+    assert inferred.model is not None
+
+
+def test_no_child_where_the_interpreter_is_an_application(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    source = tmp_path / "m.onnx"
+    onnx.save(relu_model(), str(source))
+    monkeypatch.setattr(onnx_file, "CHILD_MIN_BYTES", 0)
+    monkeypatch.setattr(onnx_file.sys, "frozen", True, raising=False)
+    assert FileChecks.start(source, checker="structural", infer=True) is None

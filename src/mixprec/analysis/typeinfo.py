@@ -181,18 +181,20 @@ def _infer_graph_types(
     if source is None:
         try:
             proto = weight_free_proto(model)
+            forget_output_shapes(proto.graph, nested=len(all_graphs(model)) > 1)
+            # Inference reads bytes: the parsed copy need not live beside onnx's own and its result.
+            graph_bytes = proto.SerializeToString()
+            del proto
         except MixprecError:
             raise
         except Exception as e:  # noqa: BLE001 - inference is best effort; the planner copes
             inferred = Inferred(None, None, first_line(e))
         else:
-            forget_output_shapes(proto.graph, nested=len(all_graphs(model)) > 1)
-            # Inference reads bytes: the parsed copy need not live beside onnx's own and its result.
-            graph_bytes = proto.SerializeToString()
-            del proto
             inferred = inferred_graph(graph_bytes, strict=strict, objected=strict_failure)
     elif checks is not None:
-        inferred = checks.inference(lambda: file_inference(source, strict=strict, objected=strict_failure), strict_failure)
+        inferred = checks.inference(
+            lambda objected: file_inference(source, strict=strict, objected=objected), strict_failure
+        )
     else:
         inferred = file_inference(source, strict=strict, objected=strict_failure)
     if inferred.model is None:

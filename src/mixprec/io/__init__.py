@@ -1,6 +1,7 @@
 """Models in and out: loading with path safety (`loading`), views of a model for tools that read
-whole protobufs (`views`), what ONNX's checker and inference say of a file (`onnx_file`), atomic publishing of outputs (`publishing`), and the protobuf written
-a batch of nodes at a time (`streaming`)."""
+whole protobufs (`views`), what ONNX's checker and inference say of a file (`onnx_file`), types
+the IR cannot hold (`value_types`), atomic publishing of outputs (`publishing`), and the
+protobuf written a batch of nodes at a time (`streaming`)."""
 
 from mixprec.io.loading import load_model
 from mixprec.io.onnx_file import graph_only_proto

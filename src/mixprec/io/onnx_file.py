@@ -5,7 +5,8 @@ The checker and inference hold the GIL, so in the converting process they add to
 onnx_ir takes to read the input (and the report takes to build, for the output's check); a
 child runs them beside it. The child imports onnx alone (this
 file runs as a script, not through the package) and answers in frames on its stdout, each a
-one-byte tag, an 8-byte length and the payload:
+one-byte tag, an 8-byte length and the payload (on a copy of its stdout: anything else that
+writes there goes to stderr):
 
     c   the checker's first error line ("" where the model passes)
     s   strict inference's first error line, where it objects (lenient inference follows)
@@ -24,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, NamedTuple
+from typing import IO, Literal, NamedTuple
 
 import onnx
 import onnx.checker
@@ -39,6 +40,8 @@ __all__ = [
 CHILD_MIN_BYTES = 4 << 20
 
 _HEADER = 9  # tag (1 byte) and payload length (8 bytes, little-endian)
+_TAGS = (b"c", b"s", b"m", b"f")
+_MAX_FRAME_BYTES = 2 << 30  # an inferred graph is one protobuf
 
 
 def first_line(error: BaseException) -> str:
@@ -157,14 +160,19 @@ class FileChecks:
     Where the child gives no answer, the in-process fallback the caller passes computes it.
     """
 
-    def __init__(self, process: subprocess.Popen[bytes], *, checker: str | None) -> None:
+    def __init__(self, process: subprocess.Popen[bytes], *, checker: Literal["structural", "full"] | None) -> None:
         self._process = process
         self._checker = checker
         self.started = time.perf_counter()  # when the child had its file (perf_counter)
 
     @classmethod
     def start(
-        cls, path: str | os.PathLike | None, *, checker: str | None, infer: bool = False, strict: bool = False
+        cls,
+        path: str | os.PathLike | None,
+        *,
+        checker: Literal["structural", "full"] | None,
+        infer: bool = False,
+        strict: bool = False,
     ) -> FileChecks | None:
         """Start the child on `path`, or None where the file is too small to gain from it or no
         child can start.
@@ -178,6 +186,8 @@ class FileChecks:
         """
         flags = [f"--{checker}"] if checker is not None else []
         flags += [flag for flag, on in (("--infer", infer), ("--strict", strict)) if on]
+        if not sys.executable or getattr(sys, "frozen", False):
+            return None  # no Python to run the child (an application bundle, an embedding host)
         try:
             if path is not None and os.path.getsize(path) < CHILD_MIN_BYTES:
                 return None
@@ -203,16 +213,19 @@ class FileChecks:
             pass  # it died: its answers are missing, and the caller's fallbacks give them
 
     def _frame(self) -> tuple[bytes, bytes] | None:
+        """The next frame, or None where the stream ends or holds something else."""
         stdout = self._process.stdout
         if stdout is None:
             return None
         try:
             header = stdout.read(_HEADER)
-            if len(header) < _HEADER:
+            if len(header) < _HEADER or header[:1] not in _TAGS:
                 return None
             size = int.from_bytes(header[1:], "little")
+            if size > _MAX_FRAME_BYTES:
+                return None
             payload = stdout.read(size)
-        except (OSError, ValueError):
+        except (OSError, ValueError, MemoryError):
             return None
         return (header[:1], payload) if len(payload) == size else None
 
@@ -221,30 +234,36 @@ class FileChecks:
         frame = self._frame() if self._checker is not None else None
         if frame is None or frame[0] != b"c":
             return fallback()
-        return frame[1].decode() or None
+        return frame[1].decode(errors="replace") or None
 
     def inference(
-        self, fallback: Callable[[], Inferred], objected: Callable[[str], None] | None = None
+        self,
+        fallback: Callable[[Callable[[str], None] | None], Inferred],
+        objected: Callable[[str], None] | None = None,
     ) -> Inferred:
         """The inferred graph; a strict objection is told to `objected` (which may raise)
-        before it is returned. The child ends here."""
+        before it is returned. The child ends here. `fallback(objected)` infers in process
+        (given None where the objection was told already)."""
         try:
             objection = None
             frame = self._frame()
             if frame is not None and frame[0] == b"s":
-                objection = frame[1].decode()
+                objection = frame[1].decode(errors="replace")
                 if objected is not None:
                     objected(objection)
                 frame = self._frame()
         finally:
             self.close()
         if frame is None or frame[0] not in (b"f", b"m"):
-            return fallback()
+            return fallback(objected if objection is None else None)
         tag, payload = frame
         if tag == b"f":
-            return Inferred(objection, None, payload.decode())
+            return Inferred(objection, None, payload.decode(errors="replace"))
         model = onnx.ModelProto()
-        model.ParseFromString(payload)
+        try:
+            model.ParseFromString(payload)
+        except Exception:  # noqa: BLE001 - a damaged answer: inferred here instead
+            return fallback(objected if objection is None else None)
         return Inferred(objection, model, None)
 
     def close(self) -> None:
@@ -259,8 +278,12 @@ class FileChecks:
 
 
 # The child's command: this file as a script, with the working directory off the path (a
-# module of the user's there must not stand in for onnx).
-_CHILD_ENTRY = "import runpy, sys; del sys.path[0]; runpy.run_path(sys.argv[1], run_name='__main__')"
+# module of the user's there must not stand in for onnx), and its frames on a private copy of
+# stdout (whatever else writes to stdout, an import's message say, goes to stderr).
+_CHILD_ENTRY = (
+    "import os, runpy, sys; sys.path[:1] = [] if sys.path[:1] == [''] else sys.path[:1]; "
+    "sys.argv.append(str(os.dup(1))); os.dup2(2, 1); runpy.run_path(sys.argv[1], run_name='__main__')"
+)
 
 
 def _send(out: IO[bytes], tag: bytes, payload: bytes) -> None:
@@ -270,12 +293,13 @@ def _send(out: IO[bytes], tag: bytes, payload: bytes) -> None:
 
 
 def _child(argv: list[str]) -> None:
-    path, flags = argv[0], set(argv[1:])
+    """The child: `argv` is the file (`-`: named on stdin), the flags, and the descriptor of
+    its frames' stream."""
+    path, flags, out = argv[0], set(argv[1:-1]), os.fdopen(int(argv[-1]), "wb")
     if path == "-":
         path = os.fsdecode(sys.stdin.buffer.read())  # the whole of stdin, once the file is written
         if not path:
             return
-    out = sys.stdout.buffer
     if "--structural" in flags or "--full" in flags:
         _send(out, b"c", (checker_error(path, full_check="--full" in flags) or "").encode())
     if "--infer" not in flags:
@@ -305,4 +329,4 @@ def file_inference(path: str | os.PathLike, *, strict: bool, objected: Callable[
 
 
 if __name__ == "__main__":
-    _child(sys.argv[2:])
+    _child(sys.argv[2:])  # after `-c` and this file's path

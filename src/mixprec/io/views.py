@@ -75,11 +75,13 @@ def tensor_size(tensor: ir.TensorProtocol) -> int:
 
 
 def float32_values(tensor: ir.TensorProtocol) -> np.ndarray:
-    """A float32 tensor's values, flat. A tensor read from a protobuf with raw data is viewed in
-    place (onnx_ir's `numpy()` costs several times more per tensor, which tells on tens of
-    thousands of small weights)."""
-    if type(tensor) is ir.serde.TensorProtoTensor and tensor.raw.HasField("raw_data"):
-        return np.frombuffer(tensor.raw.raw_data, dtype="<f4")
+    """A float32 tensor's values, flat. A tensor read from a protobuf with raw data is read from
+    its bytes directly (onnx_ir's `numpy()` costs several times more per tensor, which tells on
+    tens of thousands of small weights)."""
+    if type(tensor) is ir.serde.TensorProtoTensor and tensor.dtype == ir.DataType.FLOAT:
+        raw = tensor.raw
+        if raw.HasField("raw_data") and len(raw.raw_data) == 4 * math.prod(raw.dims):
+            return np.frombuffer(raw.raw_data, dtype="<f4")
     return np.asarray(tensor.numpy(), dtype=np.float32).reshape(-1)
 
 

@@ -26,11 +26,11 @@ import numpy as np
 import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_tensor, is_constant, iter_chunks, read_array
-from mixprec.io.views import float32_values
 from mixprec.analysis.cost_model import estimated_elements, guessed_elements, tensor_elements
 from mixprec.plan.model import Precision, PrecisionPlan, Storage
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.graphs import FreshNames, keep_structure, static_shape
+from mixprec.io.views import float32_values
 
 logger = logging.getLogger(__name__)
 

@@ -62,7 +62,9 @@ STAGED_RELOAD_MAX_BYTES = 64 << 20
 
 @dataclass
 class ConversionResult:
-    """The converted model and the report of what was done."""
+    """The converted model and the report of what was done. Save `model` with
+    :func:`mixprec.save_model`: it writes back the value types the IR cannot hold (a
+    classifier's per-class maps), which `onnx_ir.save` leaves out."""
 
     model: ir.Model
     report: Report
@@ -279,6 +281,8 @@ def _save_and_validate(
     staged = steps.run("save", save, rewritten, output, ref, prepared.typed.declared, config, cleanup)
     if staged is not None:
         cleanup.callback(staged.discard)  # unless published by then
+        if checks is not None:
+            cleanup.callback(checks.close)  # before the staged file goes
         steps.check("save", model, staged)
         if checks is not None:
             checks.check_file(staged.path)

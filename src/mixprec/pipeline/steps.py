@@ -44,7 +44,7 @@ from mixprec.policy.table import Policy, load_policy, parse_op_name
 from mixprec.runtime.batches import BatchSource
 from mixprec.validate.checker import checker_error, input_problem
 from mixprec.validate.results import Validation
-from mixprec.validate.staged import RuntimeRejection, validate_staged, start_checker as start_staged_checker
+from mixprec.validate.staged import RuntimeRejection, start_output_checker, validate_staged
 
 Findings = dict[str, tuple[Category, str]]  # node key -> (category, reason) of a node kept FP32
 
@@ -443,7 +443,7 @@ def start_checker(model: ir.Model, reference: Reference) -> FileChecks | None:
     """Start the checker of the model about to be saved in a child (it starts while the model
     is written and checks the staged file once named): :func:`validate` takes its answer, and
     what runs in between (the report) runs beside it."""
-    return start_staged_checker(reference.level, sum(len(graph) for graph in all_graphs(model)))
+    return start_output_checker(reference.level, sum(len(graph) for graph in all_graphs(model)))
 
 
 def validate(
@@ -467,7 +467,8 @@ def validate(
             return checker_error(source_path)
         return checker_error(original) if original is not None else None
 
-    start = checks.started if checks is not None else time.perf_counter()  # the check began in the child
+    # From the check's start: in a child, it overlaps the report's build.
+    start = checks.started if checks is not None else time.perf_counter()
     try:
         result = validate_staged(
             staged.path, reference.path, config.ops.target, reference.level, reference.data,

@@ -47,8 +47,7 @@ import onnx_ir.passes.common as ir_passes
 
 from mixprec.errors import InputError, ModelLoadError, RunError
 from mixprec.graphs import FreshNames, default_domain_version, forget_structure, is_default_domain, model_names
-from mixprec.io import value_types
-from mixprec.io import weight_free_proto
+from mixprec.io import value_types, weight_free_proto
 from mixprec.policy.opfacts import NO_FACTS, op_facts
 from mixprec.validate.qdq_forms import cpu_quantization_forms
 

@@ -69,7 +69,7 @@ class RuntimeRejection(ValidationFailure):
 CHECKER_CHILD_MIN_NODES = 20_000
 
 
-def start_checker(level: str, nodes: int) -> FileChecks | None:
+def start_output_checker(level: str, nodes: int) -> FileChecks | None:
     """The full checker of a model about to be staged, started in a child at a level that
     checks and for a graph of `nodes` large enough to gain from it: name the staged file to it
     (:meth:`FileChecks.check_file`) and pass it to :func:`validate_staged`."""
@@ -97,7 +97,7 @@ def validate_staged(
     models on OpenVINO's CPU plugin for real (bfloat16 arithmetic on AVX512-BF16/AMX).
     `model`: the staged model in memory, typed: the emulation starts from a copy of it instead
     of reading the file and inferring its types again. `checks`: the full checker already
-    running on `path` in a child (:func:`start_checker`).
+    running on `path` in a child (:func:`start_output_checker`).
     """
     result = Validation()
     if level == "none":
