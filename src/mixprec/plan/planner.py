@@ -38,6 +38,7 @@ from collections.abc import Mapping, Sequence
 import onnx_ir as ir
 
 from mixprec.analysis.constants import FLUSH_WORDS, ConstantRange, constant_range, constant_ranges, is_constant
+from mixprec.analysis.norm_bounds import affine_bound, output_bound
 from mixprec.analysis.qdq import quantizes_float_chain
 from mixprec.dtypes import is_fp32_tensor
 from mixprec.graphs import (
@@ -53,7 +54,7 @@ from mixprec.plan.placement import PlannerView, min_cut_islands
 from mixprec.plan.readings import Inputs, PolicyClass, classify, read_inputs, weight_heavy
 from mixprec.plan.rules import Action, Rule, Ruling, decide, rules_for
 from mixprec.plan.templates import OpTemplate, node_facts, op_template
-from mixprec.policy.opfacts import op_facts
+from mixprec.policy.opfacts import OpFacts, op_facts
 from mixprec.policy.profiles import RuntimeProfile, load_runtime
 from mixprec.policy.table import Policy, format_op_name, normalize_domain
 
@@ -353,12 +354,34 @@ class Planner:
             category, reason = Category.NO_FLOAT, "no FP32 values"
         self.decisions[node] = self._decision(precision, category, reason)
         self.lowered[node] = frozenset()
-        bounded = out_state is State.HIGH and is_default_domain(node.domain) and op_facts("", node.op_type).bounded
+        fact = op_facts(node.domain, node.op_type)
+        bounded = out_state is State.HIGH and is_default_domain(node.domain) and fact.bounded
         for out in node.outputs:
             if out in self.fp32:
                 self.state[out] = out_state
                 if bounded:
                     self.bounded[out] = f"{node.op_type} output: within a fixed small interval"
+        if out_state is State.HIGH and fact.normalizes is not None and node.outputs and node.outputs[0] in self.fp32:
+            self._bound_normalized(node, fact)
+
+    def _bound_normalized(self, node: ir.Node, fact: OpFacts) -> None:
+        """A normalization's output whose size its group and constant scale and bias bound
+        within the 16-bit range: a 16-bit copy of it is safe (see `analysis.norm_bounds`)."""
+        bound = output_bound(node, fact, self._absmax)
+        if bound is None:
+            return
+        worst = affine_bound(node.outputs[0], bound, self._absmax)
+        if worst <= self.target.limits.max:
+            self.bounded[node.outputs[0]] = (
+                f"{node.op_type} output: at most {bound:.4g} in magnitude (the square root of its group "
+                f"size times its scale, plus its bias), and at most {worst:.4g} through the constant "
+                "scale and shift after it"
+            )
+
+    def _absmax(self, value: ir.Value) -> float | None:
+        """A constant's largest magnitude (None for other values and constants that overflow)."""
+        rng = self.constant_range(value) if is_constant(value) else None
+        return rng.absmax if rng is not None and not rng.overflow else None
 
     def _lower(self, node: ir.Node, facts: NodeFacts, category: Category, reason: str) -> None:
         self.decisions[node] = self._decision(Precision.LOW, category, reason)

@@ -76,6 +76,7 @@ class OpFacts:
     scaling_inputs: InputSet = ()
     singular_inputs: InputSet = ()
     keeps_zero: bool = False
+    normalizes: str | None = None
 
     @property
     def carries_floats(self) -> bool:
@@ -102,7 +103,10 @@ def _selects(inputs: InputSet, index: int) -> bool:
 NO_FACTS = OpFacts()
 
 _FLAGS = ("shape_only", "comparison", "exact_use", "random", "value_preserving", "gathers", "bounded", "keeps_zero")
-_NAMES = {"interval": INTERVAL_RULES, "flops": FLOPS_FORMULAS, "quantization": QUANTIZATION_ROLES}
+_NAMES = {
+    "interval": INTERVAL_RULES, "flops": FLOPS_FORMULAS, "quantization": QUANTIZATION_ROLES,
+    "normalizes": frozenset({"from_axis", "spatial", "groups"}),
+}
 _INDICES = ("scale_input", "output_type_from", "norm_scale", "norm_bias")
 _INPUT_SETS = ("additive_inputs", "scaling_inputs", "singular_inputs")
 _KEYS = frozenset({*_FLAGS, *_NAMES, *_INDICES, *_INPUT_SETS, "carrier", "integer_inputs", "dtype_attribute"})

@@ -1,0 +1,123 @@
+"""A normalization kept FP32 bounds its output by its group size and constant scale and bias
+(`mixprec.analysis.norm_bounds`): the ops after it (a GroupNorm's affine, SiLU) compute in 16
+bits from a cast of it, as PyTorch's exporters write GroupNorm (Reshape -> InstanceNormalization
+-> Reshape -> Mul -> Add) in every diffusion UNet and VAE."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto
+
+from mixprec.analysis.norm_bounds import MAX_GROUP_ELEMENTS, group_size, output_bound
+from mixprec.policy.opfacts import _NAMES, op_facts
+
+from helpers import convert, run, sigs_of
+
+F32 = TensorProto.FLOAT
+_C, _G, _HW = 16, 4, 8
+
+
+def _group_norm_block(gamma: float = 1.0, opset: int = 18) -> onnx.ModelProto:
+    """Conv -> GroupNorm as exported (Reshape, InstanceNormalization of unit scale and zero bias,
+    Reshape, Mul gamma, Add beta) -> SiLU -> Conv."""
+    rng = np.random.default_rng(0)
+    inits = [
+        onnx.numpy_helper.from_array(rng.standard_normal((_C, _C, 3, 3)).astype(np.float32) * 0.2, "w1"),
+        onnx.numpy_helper.from_array(rng.standard_normal((_C, _C, 3, 3)).astype(np.float32) * 0.2, "w2"),
+        onnx.numpy_helper.from_array(np.array([0, _G, -1], np.int64), "grouped"),
+        onnx.numpy_helper.from_array(np.array([1, _C, _HW, _HW], np.int64), "back"),
+        onnx.numpy_helper.from_array(np.ones(_G, np.float32), "ones"),
+        onnx.numpy_helper.from_array(np.zeros(_G, np.float32), "zeros"),
+        onnx.numpy_helper.from_array(np.full((_C, 1, 1), gamma, np.float32), "gamma"),
+        onnx.numpy_helper.from_array(np.full((_C, 1, 1), 0.1, np.float32), "beta"),
+    ]
+    nodes = [
+        oh.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+        oh.make_node("Reshape", ["c1", "grouped"], ["r1"], name="group"),
+        oh.make_node("InstanceNormalization", ["r1", "ones", "zeros"], ["n"], epsilon=1e-5, name="norm"),
+        oh.make_node("Reshape", ["n", "back"], ["r2"], name="ungroup"),
+        oh.make_node("Mul", ["r2", "gamma"], ["scaled"], name="scale"),
+        oh.make_node("Add", ["scaled", "beta"], ["shifted"], name="shift"),
+        oh.make_node("Sigmoid", ["shifted"], ["gate"], name="gate"),
+        oh.make_node("Mul", ["shifted", "gate"], ["silu"], name="silu"),
+        oh.make_node("Conv", ["silu", "w2"], ["y"], pads=[1, 1, 1, 1], name="conv2"),
+    ]
+    graph = oh.make_graph(
+        nodes, "gn", [oh.make_tensor_value_info("x", F32, [1, _C, _HW, _HW])],
+        [oh.make_tensor_value_info("y", F32, [1, _C, _HW, _HW])], inits,
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", opset)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_a_group_norms_affine_and_silu_compute_in_16_bits_after_its_fp32_instance_norm(target: str) -> None:
+    result, converted = convert(_group_norm_block(), target_dtype=target, runtime="ort-cuda")
+    low = TensorProto.FLOAT16 if target == "float16" else TensorProto.BFLOAT16
+    kept = {k.name: k for k in result.report.kept_fp32}
+    assert set(kept) == {"norm"}
+    assert [s.inputs[0] for s in sigs_of(converted, "InstanceNormalization")] == ["float"]
+    assert result.report.low_by_op == {"Conv": 2, "Reshape": 2, "Mul": 2, "Add": 1, "Sigmoid": 1}
+    assert {s.outputs[0] for op in ("Conv", "Sigmoid", "Mul", "Add") for s in sigs_of(converted, op)} == {
+        "float16" if low == TensorProto.FLOAT16 else "bfloat16"
+    }
+    x = np.random.default_rng(1).standard_normal((1, _C, _HW, _HW)).astype(np.float32) * 1000  # large activations
+    if target == "float16":
+        got = run(converted, {"x": x})[0].astype(np.float32)
+        want = run(_group_norm_block(), {"x": x})[0]
+        assert np.isfinite(got).all()
+        assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
+
+
+def test_a_scale_that_could_overflow_keeps_what_follows_fp32() -> None:
+    """A group of 4 channels * 64 = 256 elements: |normalized| <= 16. Times gamma 2000: 32,000,
+    within float16, so the affine and SiLU convert; times gamma 5000: 80,000, beyond it, so they
+    stay FP32 (bfloat16 has the range)."""
+    result, _ = convert(_group_norm_block(gamma=2000.0), target_dtype="float16", runtime="ort-cuda")
+    assert {k.name for k in result.report.kept_fp32} == {"norm"}
+    result, _ = convert(_group_norm_block(gamma=5000.0), target_dtype="float16", runtime="ort-cuda")
+    assert {"norm", "ungroup", "scale"} <= {k.name for k in result.report.kept_fp32}
+    result, _ = convert(_group_norm_block(gamma=5000.0), target_dtype="bfloat16", runtime="ort-cuda")
+    assert {k.name for k in result.report.kept_fp32} == {"norm"}
+
+
+def _node(op: str, shape: list[int | str] | None, **attributes: object) -> ir.Node:
+    x = ir.Value(name="x", shape=ir.Shape(shape) if shape is not None else None, type=ir.TensorType(ir.DataType.FLOAT))
+    scale = ir.Value(name="scale", type=ir.TensorType(ir.DataType.FLOAT))
+    bias = ir.Value(name="bias", type=ir.TensorType(ir.DataType.FLOAT))
+    attrs = [ir.AttrInt64(k, v) for k, v in attributes.items()]  # type: ignore[arg-type]
+    return ir.Node("", op, [x, scale, bias], attrs)
+
+
+def test_group_sizes_follow_each_normalization() -> None:
+    facts = lambda op: op_facts("", op)  # noqa: E731
+    assert group_size(_node("LayerNormalization", [2, 7, 64]), facts("LayerNormalization")) == 64
+    assert group_size(_node("LayerNormalization", [2, 7, 64], axis=1), facts("LayerNormalization")) == 7 * 64
+    assert group_size(_node("InstanceNormalization", [2, 8, 5, 6]), facts("InstanceNormalization")) == 30
+    assert group_size(_node("GroupNormalization", [2, 8, 5, 6], num_groups=4), facts("GroupNormalization")) == 60
+    assert group_size(_node("RMSNormalization", [3, 10]), facts("RMSNormalization")) == 10
+    assert group_size(_node("InstanceNormalization", ["N", 8, "H", 6]), facts("InstanceNormalization")) == MAX_GROUP_ELEMENTS
+    assert group_size(_node("LayerNormalization", None), facts("LayerNormalization")) == MAX_GROUP_ELEMENTS
+    assert _NAMES["normalizes"] == {"from_axis", "spatial", "groups"}
+
+
+def test_the_bound_holds_on_the_worst_input() -> None:
+    """One element far from the others is the worst case: it reaches sqrt(N) (nearly)."""
+    n = 256
+    x = np.zeros(n, np.float64)
+    x[0] = 1e6
+    y = (x - x.mean()) / np.sqrt(x.var() + 1e-5)
+    assert math.sqrt(n) * 0.99 < np.abs(y).max() <= math.sqrt(n)
+    node = _node("LayerNormalization", [1, n])
+    magnitudes = {"scale": 3.0, "bias": 0.5}
+    bound = output_bound(node, op_facts("", "LayerNormalization"), lambda v: magnitudes.get(v.name))
+    assert bound == pytest.approx(math.sqrt(n) * 3.0 + 0.5)
+    assert output_bound(node, op_facts("", "LayerNormalization"), lambda v: None) is None  # a scale not constant
+    assert output_bound(node, op_facts("", "Relu"), lambda v: 1.0) is None
