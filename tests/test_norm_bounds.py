@@ -121,3 +121,44 @@ def test_the_bound_holds_on_the_worst_input() -> None:
     assert bound == pytest.approx(math.sqrt(n) * 3.0 + 0.5)
     assert output_bound(node, op_facts("", "LayerNormalization"), lambda v: None) is None  # a scale not constant
     assert output_bound(node, op_facts("", "Relu"), lambda v: 1.0) is None
+
+
+def _timestep_embedding() -> onnx.ModelProto:
+    """A diffusion UNet's time projection as torch.onnx writes it: t * frequencies -> Sin, Cos
+    -> Concat -> Linear -> SiLU -> Linear."""
+    rng = np.random.default_rng(0)
+    half = 16
+    freqs = np.exp(-np.log(10000.0) * np.arange(half, dtype=np.float32) / half)[None, :]
+    inits = [
+        onnx.numpy_helper.from_array(freqs.astype(np.float32), "freqs"),
+        onnx.numpy_helper.from_array(rng.standard_normal((2 * half, 32)).astype(np.float32) * 0.2, "w1"),
+        onnx.numpy_helper.from_array(rng.standard_normal((32, 32)).astype(np.float32) * 0.2, "w2"),
+        onnx.numpy_helper.from_array(np.array([1], np.int64), "axis1"),
+    ]
+    nodes = [
+        oh.make_node("Unsqueeze", ["t", "axis1"], ["t2"]),
+        oh.make_node("Mul", ["t2", "freqs"], ["angles"], name="angles"),
+        oh.make_node("Sin", ["angles"], ["s"], name="sin"),
+        oh.make_node("Cos", ["angles"], ["c"], name="cos"),
+        oh.make_node("Concat", ["c", "s"], ["emb"], axis=1),
+        oh.make_node("MatMul", ["emb", "w1"], ["h"], name="linear1"),
+        oh.make_node("Sigmoid", ["h"], ["g"]), oh.make_node("Mul", ["h", "g"], ["a"]),
+        oh.make_node("MatMul", ["a", "w2"], ["y"], name="linear2"),
+    ]
+    graph = oh.make_graph(
+        nodes, "time", [oh.make_tensor_value_info("t", F32, [1])], [oh.make_tensor_value_info("y", F32, [1, 32])], inits,
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)])
+    model.ir_version = 8
+    return model
+
+
+def test_sin_and_cos_of_a_timestep_stay_fp32() -> None:
+    """At t = 981 float16 keeps the argument to 0.5: Sin and Cos of it would be off by up to a
+    quarter; they stay FP32 and the projection after them converts."""
+    result, converted = convert(_timestep_embedding(), target_dtype="float16", runtime="ort-cuda")
+    assert {"sin", "cos"} <= {k.name for k in result.report.kept_fp32}
+    assert result.report.low_by_op.get("MatMul") == 2
+    t = np.array([981.0], np.float32)
+    got, want = run(converted, {"t": t})[0].astype(np.float32), run(_timestep_embedding(), {"t": t})[0]
+    assert np.abs(got - want).max() <= 0.01 * np.abs(want).max()
