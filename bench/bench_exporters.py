@@ -1,16 +1,18 @@
 """Models of other frameworks' exporters, converted and compared with their FP32 export.
 
     python bench/bench_exporters.py [--jax-python P] [--keras-python P] [--sklearn-python P]
-                                    [--out bench/out/exporters]
+                                    [--diffusers-python P] [--out bench/out/exporters]
 
 Exports the models of bench/export_jax.py (Flax through jax2onnx), bench/export_keras.py
-(Keras through tf2onnx) and bench/export_sklearn.py (scikit-learn, LightGBM and XGBoost through
-skl2onnx and onnxmltools), each with the interpreter of a venv that has that framework
+(Keras through tf2onnx), bench/export_sklearn.py (scikit-learn, LightGBM and XGBoost through
+skl2onnx and onnxmltools) and bench/export_diffusers.py (diffusers' UNet and VAE decoder through
+both PyTorch exporters), each with the interpreter of a venv that has that framework
 (bench/README.md §8; an exporter whose interpreter is missing is skipped), converts each model
 to float16 for ort-cuda and tensorrt and to bfloat16 for openvino, and prints per conversion:
 the share of float nodes converted, the normalizations fused, the checker, and the worst output
 error against the FP32 export (16-bit numerics emulated in FP32, as a GPU rounds them) on the
-inputs saved beside a model (`<model>.npy`: the data it was fit on, at its own scale) or
+inputs saved beside a model (`<model>.npz` by input name, or `<model>.npy` for its one input:
+the data it was fit on, a diffusion timestep; at their own scale) or
 generated ones, at their usual scale and, for float inputs, 1000 times it (activations of a
 residual stream: squares leave float16's range there); integer outputs (labels) count the
 elements that differ. Outputs of any type compare as arrays (a classifier's per-class
@@ -38,6 +40,9 @@ _SHORT = {"float16": "fp16", "bfloat16": "bf16"}
 
 
 def _feeds(model: onnx.ModelProto, scale: float, saved: Path, seed: int = 0) -> dict[str, np.ndarray]:
+    if saved.suffix == ".npz":
+        with np.load(saved) as inputs:
+            return {name: (inputs[name] * scale).astype(np.float32) for name in inputs.files}
     if saved.is_file():
         return {model.graph.input[0].name: (np.load(saved) * scale).astype(np.float32)}
     rng = np.random.default_rng(seed)
@@ -81,11 +86,12 @@ def main() -> None:
     parser.add_argument("--jax-python", default="bench/out/jax-venv/bin/python")
     parser.add_argument("--keras-python", default="bench/out/keras-venv/bin/python")
     parser.add_argument("--sklearn-python", default="bench/out/sklearn-venv/bin/python")
+    parser.add_argument("--diffusers-python", default="bench/out/diffusers-venv/bin/python")
     parser.add_argument("--out", type=Path, default=Path("bench/out/exporters"))
     args = parser.parse_args()
     exporters = (
         ("export_jax.py", args.jax_python), ("export_keras.py", args.keras_python),
-        ("export_sklearn.py", args.sklearn_python),
+        ("export_sklearn.py", args.sklearn_python), ("export_diffusers.py", args.diffusers_python),
     )
     for script, python in exporters:
         if not Path(python).exists():
@@ -110,7 +116,7 @@ def main() -> None:
             fused = next((note.split()[1] for note in report.notes if note.startswith("fused ")), "0")
             errors = []
             for scale in (1.0, 1000.0):
-                saved = path.with_suffix(".npy")
+                saved = next((p for p in (path.with_suffix(".npz"), path.with_suffix(".npy")) if p.is_file()), path.with_suffix(".npy"))
                 no_float_input = all(v.type.tensor_type.elem_type != onnx.TensorProto.FLOAT for v in source.graph.input)
                 if scale != 1.0 and (no_float_input or saved.is_file()):  # real inputs: their own scale
                     errors.append("-")
