@@ -292,6 +292,19 @@ def specs():
                                 conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
                                 squeeze_factor=2, num_conv_pos_embeddings=16,
                                 num_conv_pos_embedding_groups=4, **L)),
+        # detectors: a ViT with detection tokens, and DETR on a ResNet backbone (no timm)
+        "yolos": ("vision", *_text(t, "YolosForObjectDetection", "YolosConfig", "image",
+                                   image_size=[IMG, IMG], patch_size=8, hidden_size=32,
+                                   num_detection_tokens=5, num_labels=5, **L)),
+        "detr": ("vision", *_text(t, "DetrForObjectDetection", "DetrConfig", "image",
+                                  use_timm_backbone=False, use_pretrained_backbone=False,
+                                  backbone_config=dict(model_type="resnet", embedding_size=16,
+                                                       hidden_sizes=[16, 32], depths=[1, 1],
+                                                       out_features=["stage2"]),
+                                  d_model=32, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=4, decoder_attention_heads=4,
+                                  encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=10,
+                                  num_labels=5)),
         "encodec": ("audio", *_text(t, "EncodecModel", "EncodecConfig", "codec",
                                     target_bandwidths=[1.5], sampling_rate=24000,
                                     audio_channels=1, hidden_size=32, num_filters=8,
@@ -308,7 +321,7 @@ NAMES = ["bert", "roberta", "distilbert", "albert", "deberta_v2", "electra", "xl
          "xlnet", "funnel", "convbert", "squeezebert", "mobilebert", "fnet", "longformer",
          "modernbert", "esm", "mamba", "rwkv", "gpt_bigcode", "mixtral", "phi3", "pegasus",
          "m2m100", "beit", "dinov2", "segformer", "mobilevit", "efficientnet", "regnet",
-         "convnextv2", "siglip", "speech2text", "sew", "encodec"]
+         "convnextv2", "siglip", "speech2text", "sew", "yolos", "detr", "encodec"]
 
 
 # ---------------------------------------------------------------------------------------------
