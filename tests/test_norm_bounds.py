@@ -23,25 +23,34 @@ F32 = TensorProto.FLOAT
 _C, _G, _HW = 16, 4, 8
 
 
-def _group_norm_block(gamma: float = 1.0, opset: int = 18) -> onnx.ModelProto:
+def _group_norm_block(
+    gamma: float = 1.0, beta: float = 0.1, batch: int | str = 1, tail: list[onnx.NodeProto] | None = None,
+    opset: int = 18,
+) -> onnx.ModelProto:
     """Conv -> GroupNorm as exported (Reshape, InstanceNormalization of unit scale and zero bias,
-    Reshape, Mul gamma, Add beta) -> SiLU -> Conv."""
+    Reshape, Mul gamma, Add beta) -> SiLU -> Conv; `tail` replaces what follows the
+    normalization's Reshape back (reading "r2", writing "y")."""
     rng = np.random.default_rng(0)
     inits = [
         onnx.numpy_helper.from_array(rng.standard_normal((_C, _C, 3, 3)).astype(np.float32) * 0.2, "w1"),
         onnx.numpy_helper.from_array(rng.standard_normal((_C, _C, 3, 3)).astype(np.float32) * 0.2, "w2"),
         onnx.numpy_helper.from_array(np.array([0, _G, -1], np.int64), "grouped"),
-        onnx.numpy_helper.from_array(np.array([1, _C, _HW, _HW], np.int64), "back"),
+        onnx.numpy_helper.from_array(np.array([-1, _C, _HW, _HW], np.int64), "back"),
         onnx.numpy_helper.from_array(np.ones(_G, np.float32), "ones"),
         onnx.numpy_helper.from_array(np.zeros(_G, np.float32), "zeros"),
         onnx.numpy_helper.from_array(np.full((_C, 1, 1), gamma, np.float32), "gamma"),
-        onnx.numpy_helper.from_array(np.full((_C, 1, 1), 0.1, np.float32), "beta"),
+        onnx.numpy_helper.from_array(np.full((_C, 1, 1), beta, np.float32), "beta"),
+        onnx.numpy_helper.from_array(np.array(1e-4, np.float32), "small"),
+        onnx.numpy_helper.from_array(np.array(6e4, np.float32), "large"),
+        onnx.numpy_helper.from_array(np.array(2.0, np.float32), "two"),
     ]
     nodes = [
         oh.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
         oh.make_node("Reshape", ["c1", "grouped"], ["r1"], name="group"),
         oh.make_node("InstanceNormalization", ["r1", "ones", "zeros"], ["n"], epsilon=1e-5, name="norm"),
         oh.make_node("Reshape", ["n", "back"], ["r2"], name="ungroup"),
+    ]
+    nodes += tail if tail is not None else [
         oh.make_node("Mul", ["r2", "gamma"], ["scaled"], name="scale"),
         oh.make_node("Add", ["scaled", "beta"], ["shifted"], name="shift"),
         oh.make_node("Sigmoid", ["shifted"], ["gate"], name="gate"),
@@ -49,8 +58,8 @@ def _group_norm_block(gamma: float = 1.0, opset: int = 18) -> onnx.ModelProto:
         oh.make_node("Conv", ["silu", "w2"], ["y"], pads=[1, 1, 1, 1], name="conv2"),
     ]
     graph = oh.make_graph(
-        nodes, "gn", [oh.make_tensor_value_info("x", F32, [1, _C, _HW, _HW])],
-        [oh.make_tensor_value_info("y", F32, [1, _C, _HW, _HW])], inits,
+        nodes, "gn", [oh.make_tensor_value_info("x", F32, [batch, _C, _HW, _HW])],
+        [oh.make_tensor_value_info("y", F32, [batch, _C, _HW, _HW])], inits,
     )
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", opset)])
     model.ir_version = 8
@@ -86,6 +95,40 @@ def test_a_scale_that_could_overflow_keeps_what_follows_fp32() -> None:
     assert {"norm", "ungroup", "scale"} <= {k.name for k in result.report.kept_fp32}
     result, _ = convert(_group_norm_block(gamma=5000.0), target_dtype="bfloat16", runtime="ort-cuda")
     assert {k.name for k in result.report.kept_fp32} == {"norm"}
+
+
+def test_a_symbolic_batch_leaves_the_group_size_known() -> None:
+    result, _ = convert(_group_norm_block(gamma=100.0, batch="N"), target_dtype="float16", runtime="ort-cuda")
+    assert {k.name for k in result.report.kept_fp32} == {"norm"}
+
+
+def test_the_shift_after_the_scale_counts() -> None:
+    """16 * 4000 = 64,000 fits float16; plus a beta of 2000 it does not."""
+    result, _ = convert(_group_norm_block(gamma=4000.0, beta=10.0), target_dtype="float16", runtime="ort-cuda")
+    assert {k.name for k in result.report.kept_fp32} == {"norm"}
+    result, _ = convert(_group_norm_block(gamma=4000.0, beta=2000.0), target_dtype="float16", runtime="ort-cuda")
+    assert "scale" in {k.name for k in result.report.kept_fp32}
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        # a division by a small constant: nothing is known of the quotient
+        [oh.make_node("Div", ["r2", "small"], ["q"], name="divide"), oh.make_node("Relu", ["q"], ["y"], name="after")],
+        # a selection (by a mask the model is given) beside a large constant, then doubled: 120,000
+        [
+            oh.make_node("Where", ["mask", "r2", "large"], ["w"], name="select"),
+            oh.make_node("Mul", ["w", "two"], ["y"], name="double"),
+        ],
+    ],
+    ids=["div", "where"],
+)
+def test_what_the_chain_cannot_bound_keeps_the_normalization_unmarked(tail: list[onnx.NodeProto]) -> None:
+    model = _group_norm_block(tail=tail)
+    model.graph.input.append(oh.make_tensor_value_info("mask", TensorProto.BOOL, [1, _C, _HW, _HW]))
+    result, _ = convert(model, target_dtype="float16", runtime="ort-cuda")
+    reasons = {k.name: k.reason for k in result.report.kept_fp32}
+    assert reasons["ungroup"] == "follows FP32 input 'n'"
 
 
 def _node(op: str, shape: list[int | str] | None, **attributes: object) -> ir.Node:

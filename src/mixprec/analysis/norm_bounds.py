@@ -8,7 +8,9 @@ square. Over a group of N elements no element lies more than sqrt(N) of those fr
 shapes do not tell counts as 2^31 elements (sqrt: 46,341), more than one tensor holds in
 practice. Which elements form a group is the op fact `normalizes` (policy/tables/opfacts.toml).
 The bound follows the output through what moves, scales or shifts it by constants next (an
-exported GroupNorm's affine: Reshape, Mul by gamma, Add of beta).
+exported GroupNorm's affine: Reshape, Mul by gamma, Add of beta). It holds for exact
+arithmetic: a kernel that takes the variance as E[x^2] - E[x]^2 in one pass can exceed it where
+the mean dwarfs the spread.
 """
 
 from __future__ import annotations
@@ -25,13 +27,19 @@ __all__ = ["MAX_GROUP_ELEMENTS", "affine_bound", "group_size", "output_bound"]
 MAX_GROUP_ELEMENTS = 1 << 31
 
 
-def _dims(node: ir.Node) -> list[int] | None:
-    """The static dimensions of the normalized input (None where the shape is not static)."""
+def _dims(node: ir.Node) -> list[int | None] | None:
+    """The dimensions of the normalized input, None for each one that is not static (None
+    where its rank is unknown)."""
     x = node.inputs[0] if node.inputs else None
     shape = x.shape if x is not None else None
-    if shape is None or not all(isinstance(d, int) for d in shape.dims):
+    if shape is None:
         return None
-    return [int(d) for d in shape.dims]
+    return [int(d) if isinstance(d, int) else None for d in shape.dims]
+
+
+def _product(dims: list[int | None]) -> int | None:
+    """The product of static dimensions (None where one is not static)."""
+    return None if any(d is None for d in dims) else math.prod(dims)  # type: ignore[arg-type]
 
 
 def _int_attribute(node: ir.Node, name: str, default: int) -> int:
@@ -39,25 +47,28 @@ def _int_attribute(node: ir.Node, name: str, default: int) -> int:
     return attr.as_int() if attr is not None and attr.type is ir.AttributeType.INT else default
 
 
-def _from_axis(node: ir.Node, dims: list[int]) -> int | None:
+def _from_axis(node: ir.Node, dims: list[int | None]) -> int | None:
     """The axes from `axis` (default -1) to the last (LayerNormalization, RMSNormalization)."""
     axis = _int_attribute(node, "axis", -1)
     axis = axis + len(dims) if axis < 0 else axis
-    return math.prod(dims[axis:]) if 0 <= axis < len(dims) else None
+    return _product(dims[axis:]) if 0 <= axis < len(dims) else None
 
 
-def _spatial(node: ir.Node, dims: list[int]) -> int | None:
+def _spatial(node: ir.Node, dims: list[int | None]) -> int | None:
     """The axes after batch and channel (InstanceNormalization)."""
-    return math.prod(dims[2:]) if len(dims) > 2 else None
+    return _product(dims[2:]) if len(dims) > 2 else None
 
 
-def _groups(node: ir.Node, dims: list[int]) -> int | None:
+def _groups(node: ir.Node, dims: list[int | None]) -> int | None:
     """A group of channels with the spatial axes (GroupNormalization)."""
     groups = _int_attribute(node, "num_groups", 0)
-    return math.prod(dims[1:]) // groups if len(dims) > 1 and groups > 0 and dims[1] % groups == 0 else None
+    size = _product(dims[1:]) if len(dims) > 1 else None
+    if size is None or groups <= 0 or dims[1] % groups:  # type: ignore[operator]
+        return None
+    return size // groups
 
 
-_GROUPS: dict[str, Callable[[ir.Node, list[int]], int | None]] = {
+_GROUPS: dict[str, Callable[[ir.Node, list[int | None]], int | None]] = {
     "from_axis": _from_axis, "spatial": _spatial, "groups": _groups,
 }
 
@@ -92,8 +103,11 @@ def output_bound(node: ir.Node, facts: OpFacts, absmax: Callable[[ir.Value], flo
 
 def affine_bound(value: ir.Value, bound: float, absmax: Callable[[ir.Value], float | None]) -> float:
     """The largest magnitude along the chain of sole readers of `value` (at most `bound` in
-    magnitude) that move it (value-preserving ops), scale it by constants or shift it by
-    constants; the chain ends at a value read more than once or by anything else."""
+    magnitude) that move it (value-preserving ops: a float constant beside it counts too),
+    multiply it by a constant or add a constant to it. The chain ends at a value read more than
+    once, at a product or sum with a value that is not constant, and at a matrix product or
+    convolution (16-bit compute like any other); at any other op that reads a float constant
+    (a Div, a Pow) nothing is known: infinity."""
     worst = bound
     while not value.is_graph_output():
         uses = value.uses()
@@ -101,19 +115,28 @@ def affine_bound(value: ir.Value, bound: float, absmax: Callable[[ir.Value], flo
             break
         node, index = uses[0].node, uses[0].idx
         fact = op_facts(node.domain, node.op_type)
-        others = [(i, v) for i, v in enumerate(node.inputs) if i != index and v is not None]
-        if not fact.value_preserving:
-            magnitudes = [absmax(v) for _, v in others]
-            if any(m is None for m in magnitudes):
+        others = [v for i, v in enumerate(node.inputs) if i != index and v is not None and v.dtype == ir.DataType.FLOAT]
+        magnitudes = [absmax(v) for v in others]
+        known = all(m is not None for m in magnitudes)
+        if fact.value_preserving or fact.interval in _ELEMENTWISE:
+            if not known:
                 break
-            if fact.scales(index) and all(fact.scales(i) for i, _ in others):
+            if fact.interval == "mul":
                 bound *= math.prod(magnitudes)  # type: ignore[arg-type]
-            elif fact.adds(index) and all(fact.adds(i) for i, _ in others):
+            elif fact.interval in ("add", "sub"):
                 bound += sum(magnitudes)  # type: ignore[arg-type]
             else:
-                break
+                bound = max([bound, *magnitudes])  # type: ignore[list-item]
+        elif fact.flops is not None or not any(m is not None for m in magnitudes):
+            break
+        else:
+            return math.inf
         if not node.outputs:
             break
         value = node.outputs[0]
         worst = max(worst, bound)
     return worst
+
+
+# The interval rules (op facts) of the elementwise ops the chain goes through.
+_ELEMENTWISE = frozenset({"mul", "add", "sub"})
