@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import onnx_ir as ir
 
+from mixprec.analysis.value_bounds import attr_int
 from mixprec.policy.opfacts import OpFacts, op_facts
 
 __all__ = ["MAX_GROUP_ELEMENTS", "affine_bound", "group_size", "output_bound"]
@@ -42,14 +43,9 @@ def _product(dims: list[int | None]) -> int | None:
     return None if any(d is None for d in dims) else math.prod(dims)  # type: ignore[arg-type]
 
 
-def _int_attribute(node: ir.Node, name: str, default: int) -> int:
-    attr = node.attributes.get(name)
-    return attr.as_int() if attr is not None and attr.type is ir.AttributeType.INT else default
-
-
 def _from_axis(node: ir.Node, dims: list[int | None]) -> int | None:
     """The axes from `axis` (default -1) to the last (LayerNormalization, RMSNormalization)."""
-    axis = _int_attribute(node, "axis", -1)
+    axis = attr_int(node, "axis", -1)
     axis = axis + len(dims) if axis < 0 else axis
     return _product(dims[axis:]) if 0 <= axis < len(dims) else None
 
@@ -61,7 +57,7 @@ def _spatial(node: ir.Node, dims: list[int | None]) -> int | None:
 
 def _groups(node: ir.Node, dims: list[int | None]) -> int | None:
     """A group of channels with the spatial axes (GroupNormalization)."""
-    groups = _int_attribute(node, "num_groups", 0)
+    groups = attr_int(node, "num_groups", 0)
     size = _product(dims[1:]) if len(dims) > 1 else None
     if size is None or groups <= 0 or dims[1] % groups:  # type: ignore[operator]
         return None
