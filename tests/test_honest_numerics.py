@@ -10,6 +10,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 import mixprec
+from helpers import run
+from mixprec.validate.emulate import emulate_low_precision
 from mixprec.cli import EXIT_UNCHECKED, main
 
 
@@ -78,3 +80,73 @@ def test_unchecked_numerics_are_said_in_text_json_and_exit_status(tmp_path: Path
     # With data the model fits, the check runs and the exit status is 0.
     np.savez(tmp_path / "d.npz", x=np.random.default_rng(1).normal(size=35).astype(np.float32))
     assert main(["convert", str(source), str(tmp_path / "o2.onnx"), "--data", str(tmp_path / "d.npz")]) == 0
+
+
+def _summing_model(path: Path, width: int = 64, op: str = "MatMul") -> Path:
+    """y = x @ ones: the sum of `width` inputs, so y grows with the inputs' magnitude."""
+    ones = numpy_helper.from_array(np.ones((width, 4), dtype=np.float32), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["s"], name="sum"), helper.make_node(op, ["s"], ["y"], name="act")]
+    graph = helper.make_graph(
+        nodes, "summing",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        [ones],
+    )
+    return _save(graph, path)
+
+
+def test_generated_inputs_are_scaled_up_to_show_where_the_converted_model_overflows(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A sum of 64 inputs stays within float16 for pixel-sized inputs and overflows for audio-
+    sized ones: the report says so and names the node; with data of that size the node stays
+    FP32 and no scaled run is made."""
+    source = _summing_model(tmp_path / "m.onnx", op="Relu")
+    report = tmp_path / "r.json"
+    assert main(["convert", str(source), str(tmp_path / "o.onnx"), "--report", str(report)]) == 0
+    scales = json.loads(report.read_text())["validation"]["input_scales"]
+    assert [(s["magnitude"], s["finite"]) for s in scales] == [(255.0, True), (32767.0, False)]
+    assert "'sum'" in scales[1]["origin"], scales[1]["origin"]
+    text = capsys.readouterr().out
+    assert "to 32767 (16-bit audio samples): inf/NaN where FP32 is finite" in text
+    assert "pass --data" in text.split("input scale:")[1]
+
+    # The converted model does overflow there (emulated: a float16 runtime rounds each value),
+    # where the sum passes float16's 65504.
+    loud = np.full((2, 64), 32767 / 64 * 4, dtype=np.float32)  # sums to 131068
+    assert not np.isfinite(run(emulate_low_precision(onnx.load(str(tmp_path / "o.onnx"))), {"x": loud})[0]).all()
+
+    # With data that large, the sum stays FP32 and the data are the check: no scaled runs.
+    np.savez(tmp_path / "d.npz", x=loud)
+    result = mixprec.convert(source, tmp_path / "o2.onnx", target_dtype="fp16", data=tmp_path / "d.npz")
+    assert result.report.validation.input_scales == []
+    assert np.isfinite(run(emulate_low_precision(onnx.load(str(tmp_path / "o2.onnx"))), {"x": loud})[0]).all()
+
+
+def test_a_model_finite_at_every_scale_or_without_float_inputs_says_so(tmp_path: Path) -> None:
+    # Sigmoid after a sum over 4 inputs: finite at both magnitudes (65504 is not reached).
+    result = mixprec.convert(_summing_model(tmp_path / "m.onnx", width=1, op="Sigmoid"), tmp_path / "o.onnx")
+    scales = result.report.validation.input_scales
+    assert [(s.magnitude, s.finite) for s in scales] == [(255.0, True), (32767.0, True)]
+    assert "input scale: generated inputs scaled to |x| up to 255 (8-bit pixel values): finite; to 32767" in result.report.format_text()
+    assert "inf/NaN" not in result.report.format_text()
+
+    # Exp of the inputs: FP32 itself overflows at 255, so nothing is judged beyond it.
+    graph = helper.make_graph(
+        [helper.make_node("Exp", ["x"], ["e"]), helper.make_node("MatMul", ["e", "w"], ["y"])], "exp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [numpy_helper.from_array(np.eye(3, dtype=np.float32), "w")],
+    )
+    result = mixprec.convert(_save(graph, tmp_path / "e.onnx"), tmp_path / "eo.onnx")
+    assert [(s.magnitude, s.finite) for s in result.report.validation.input_scales] == [(255.0, None)]
+
+    # Integer inputs only (token ids): nothing to scale.
+    table = numpy_helper.from_array(np.random.default_rng(0).normal(size=(10, 4)).astype(np.float32), "table")
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["g"]), helper.make_node("Relu", ["g"], ["y"])], "ids",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4])],
+        [table],
+    )
+    result = mixprec.convert(_save(graph, tmp_path / "i.onnx"), tmp_path / "io.onnx")
+    assert result.report.validation.numerics.startswith("checked")
+    assert result.report.validation.input_scales == []

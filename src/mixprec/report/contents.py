@@ -18,7 +18,7 @@ import onnx_ir as ir
 from mixprec.analysis.cost_model import CAST_BYTES_PER_ELEMENT, SYMBOLIC_DIM
 from mixprec.plan.estimate import estimate_plan
 from mixprec.report.quantized import QuantizedSummary, quantized_summary
-from mixprec.validate.results import OutputError, Validation
+from mixprec.validate.results import InputScale, OutputError, Validation
 from mixprec.graphs import has_subgraphs, walk_nodes
 from mixprec.passes.rewrite import CastRecord, RewriteStats
 from mixprec.passes.opset import first_opset_admitting
@@ -249,6 +249,9 @@ class Report:
             )
         if v.speed_ratio is not None:
             lines.append(f"    latency on {v.real_runtime}: {v.speed_ratio:.2f}x the FP32 model's")
+        if v.input_scales:
+            lines.append(f"  input scale: {_input_scale_text(v.input_scales, self.target)}")
+            lines.extend(f"    {check.origin}" for check in v.input_scales if check.origin)
         return lines
 
     def _closing_lines(self) -> list[str]:
@@ -260,6 +263,23 @@ class Report:
         if self.type_inference_warning:
             lines.append(f"  warning: type inference incomplete: {self.type_inference_warning}")
         return lines
+
+
+def _input_scale_text(checks: Sequence[InputScale], target: str) -> str:
+    """E.g. "generated inputs scaled to |x| up to 255 (8-bit pixel values): finite; to 32767
+    (16-bit audio samples): inf/NaN where FP32 is finite; ..." """
+    parts = []
+    for index, check in enumerate(checks):
+        size = f"{'generated inputs scaled to |x| up to ' if index == 0 else 'to '}{check.magnitude:g} ({check.meaning})"
+        outcome = {True: "finite", False: "inf/NaN where FP32 is finite", None: "not judged (FP32 is not finite or does not run)"}
+        parts.append(f"{size}: {outcome[check.finite]}")
+    text = "; ".join(parts)
+    if any(check.finite is False for check in checks):
+        text += (
+            f"; if real inputs are that large, pass --data with them: values beyond the {target} "
+            "range then stay FP32"
+        )
+    return text
 
 
 class _PendingGraph:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["OutputError", "Validation"]
+__all__ = ["InputScale", "OutputError", "Validation"]
 
 
 @dataclass
@@ -20,6 +20,17 @@ class OutputError:
     new_nonfinite: int
     within_tolerance: bool | None = None
     scaled_error: float | None = None  # max |diff| / max |reference|
+
+
+@dataclass
+class InputScale:
+    """The converted model on generated inputs scaled up to a magnitude that real, unnormalized
+    inputs have (pixel values, audio samples): whether it stays finite where the FP32 model does."""
+
+    magnitude: float  # largest |x| of every float input
+    meaning: str  # what inputs have that magnitude, e.g. "8-bit pixel values"
+    finite: bool | None  # None: not judged (the FP32 model is not finite there, or does not run)
+    origin: str | None = None  # where non-finite values start, when not finite
 
 
 @dataclass
@@ -42,3 +53,5 @@ class Validation:
     # itself (export and conversion together), on the example inputs and data.
     module_outputs: list[OutputError] = field(default_factory=list)
     module_batches: int = 0
+    # Generated inputs only: the converted model at larger input magnitudes (see `InputScale`).
+    input_scales: list[InputScale] = field(default_factory=list)

@@ -31,7 +31,7 @@ from mixprec.host import host_cpu
 from mixprec.io import graph_only_proto, uses_external_data, without_staging
 from mixprec.io.onnx_file import FileChecks
 from mixprec.policy.quantized_groups import quantized_groups
-from mixprec.validate.results import OutputError, Validation
+from mixprec.validate.results import InputScale, OutputError, Validation
 from mixprec.validate import compare
 from mixprec.runtime import sessions
 from mixprec.runtime import data as data_mod
@@ -51,6 +51,10 @@ _GENERATED_BATCH = 2
 _PASS_DATA = "pass --data"
 # Seconds of timed runs per model for the latency ratio on a real runtime (at least 3 runs).
 _LATENCY_BUDGET_S = 2.0
+# Magnitudes of inputs that models commonly take unnormalized. Generated inputs are standard
+# normal; after the numeric check they are scaled to each of these in turn (largest |x| of
+# every float input), to show whether the converted model stays finite where the FP32 one does.
+_INPUT_MAGNITUDES = ((255.0, "8-bit pixel values"), (32767.0, "16-bit audio samples"))
 
 
 class RuntimeRejection(ValidationFailure):
@@ -183,7 +187,7 @@ def _run_check(
     runtime: str = "onnx",
     model: ir.Model | None = None,
 ) -> None:
-    batches = _reference_batches_or_check(path, reference, target, data, max_batches, result)
+    batches, reference_session = _reference_batches_or_check(path, reference, target, data, max_batches, result)
     if not batches or reference is None:  # no batches without a reference model
         return
     quantized = _quantized(model)
@@ -217,6 +221,8 @@ def _run_check(
     if nonfinite_feeds is not None:
         origin = _nan_origin_note(reference, path, nonfinite_feeds, target)
         result.notes.append(origin)
+    elif data is None:
+        result.input_scales = _input_scales(reference_session, candidate, batches[0][0], reference, path, target)
     if tolerance is not None:
         _raise_beyond_tolerance(result, tolerance, origin)
     else:
@@ -305,25 +311,26 @@ def _reference_batches_or_check(
     data: str | os.PathLike | Iterable[Batch] | None,
     max_batches: int,
     result: Validation,
-) -> list[tuple[Batch, dict[str, np.ndarray]]]:
-    """The batches with the FP32 model's outputs; when there are none (no reference model, it
-    does not load, no data), run only the runtime check, record why and return []."""
+) -> tuple[list[tuple[Batch, dict[str, np.ndarray]]], object]:
+    """The batches with the FP32 model's outputs, and the FP32 model's session; when there are
+    no batches (no reference model, it does not load, no data), run only the runtime check,
+    record why and return no batches."""
     if reference is None:
         if _runtime_check(path, reference, target, result).ok:
             result.runtime = "loaded"
         _unchecked(result, f"not checked: no FP32 reference model; {_PASS_DATA}")
-        return []
+        return [], None
     try:
         reference_session = sessions.make_session(reference, graph_optimization="disable")
     except RunError as e:
         _runtime_check(path, reference, target, result)
         result.runtime = "reference-fails"
         _unchecked(result, f"not checked: the FP32 model does not load in onnxruntime ({e})")
-        return []
+        return [], None
     batches = list(_reference_batches(data, reference, reference_session, max_batches, result))
     if not batches:
         _runtime_check(path, reference, target, result)
-    return batches
+    return batches, reference_session
 
 
 def _emulated_session(path: Path, target: LowPrecision, model: ir.Model | None, result: Validation) -> object:
@@ -362,6 +369,58 @@ def _compare_emulated(
         merged = comparison if merged is None else compare.merge(merged, comparison)
         result.batches += 1
     return merged or [], nonfinite_feeds
+
+
+def _input_scales(
+    reference_session: object, candidate: object, feeds: Batch, reference: Path, path: Path, target: LowPrecision
+) -> list[InputScale]:
+    """Generated `feeds` scaled to each of :data:`_INPUT_MAGNITUDES` in turn, run by the FP32 and
+    the emulated converted model, until the converted one is not finite where the FP32 one is
+    (then where that starts) or the FP32 one stops being finite itself. Empty when the model
+    has no float input."""
+    checks: list[InputScale] = []
+    for magnitude, meaning in _INPUT_MAGNITUDES:
+        scaled = _scaled_float_inputs(feeds, magnitude)
+        if scaled is None:
+            break
+        try:
+            expected = sessions.run_session(reference_session, scaled)  # type: ignore[arg-type]
+            actual = sessions.run_session(candidate, scaled)  # type: ignore[arg-type]
+            comparison = compare.compare_outputs(expected, actual)
+        except RunError:
+            checks.append(InputScale(magnitude, meaning, None))
+            break
+        if not _all_finite(expected):
+            checks.append(InputScale(magnitude, meaning, None))  # the FP32 model overflows too
+            break
+        if any(c.new_nonfinite for c in comparison):
+            checks.append(InputScale(magnitude, meaning, False, _nan_origin_note(reference, path, scaled, target)))
+            break
+        checks.append(InputScale(magnitude, meaning, True))
+    return checks
+
+
+def _all_finite(outputs: Mapping[str, np.ndarray]) -> bool:
+    """Whether every float output holds finite values only."""
+    return all(
+        bool(np.isfinite(array).all())
+        for array in map(np.asarray, outputs.values())
+        if array.dtype.kind in "fc"
+    )
+
+
+def _scaled_float_inputs(feeds: Batch, magnitude: float) -> dict[str, np.ndarray] | None:
+    """`feeds` with every float input scaled so that its largest |x| is `magnitude` (None when
+    no input is a float tensor)."""
+    scaled = dict(feeds)
+    found = False
+    for name, array in feeds.items():
+        if isinstance(array, np.ndarray) and array.dtype.kind == "f" and array.size:
+            peak = float(np.max(np.abs(array.astype(np.float32))))
+            if peak > 0 and math.isfinite(peak):
+                scaled[name] = (array.astype(np.float32) * (magnitude / peak)).astype(array.dtype)
+                found = True
+    return scaled if found else None
 
 
 def _raise_beyond_tolerance(result: Validation, tolerance: tuple[float, float], origin: str | None) -> None:
