@@ -24,7 +24,12 @@ and runtime, `mixprec.convert(src, out, target_dtype=..., runtime=...)` with def
   with each op in the graph's own element type (bfloat16 arithmetic on AVX512-BF16/AMX);
 - heavy 16/all: MatMul/Gemm/Conv/ConvTranspose/Attention/LSTM/GRU/RNN/Einsum/... nodes
   converted to 16 bits against all such nodes of the model (subgraphs included);
-- casts: Cast nodes the conversion added; s: conversion wall seconds.
+- casts: Cast nodes the conversion added;
+- finite to: mixprec's own probe of generated inputs scaled to |x| 255 and 32767: the largest at
+  which the converted model stayed finite where the FP32 model did (`<255`: not even there; the
+  corpus converts without --data, so a model fed raw pixels or samples can fail its task here
+  while its report said so);
+- s: conversion wall seconds.
 
 The markdown table goes to stdout, then every failure with a command that reproduces it.
 """
@@ -137,6 +142,7 @@ def one(name: str, src: Path, target: str, runtime: str, samples: list[Any], ref
     row["heavy_16"] = sum(v for k, v in report.low_by_op.items() if k.split("::")[-1] in HEAVY)
     row["casts"] = report.casts_inserted
     row["notes"] = list(report.notes)
+    row["finite_to"] = _finite_to(report.validation.input_scales)
     try:
         onnx.checker.check_model(str(out), full_check=True)
         row["checker"] = "ok"
@@ -173,9 +179,21 @@ def one(name: str, src: Path, target: str, runtime: str, samples: list[Any], ref
     return row
 
 
+def _finite_to(scales: list[Any]) -> str:
+    """The largest generated-input magnitude at which the converted model stayed finite where
+    the FP32 model did ("<255" when none; "-" when not probed)."""
+    if not scales:
+        return "-"
+    finite = [s.magnitude for s in scales if s.finite]
+    judged = [s for s in scales if s.finite is not None]
+    if not judged:
+        return "-"
+    return f"{max(finite):g}" if finite else f"<{judged[0].magnitude:g}"
+
+
 def fmt_table(rows: list[dict[str, Any]], fp32: dict[str, str]) -> str:
-    head = ("| model | target | runtime | convert | checker | ORT load | agree | OV bf16 | heavy 16/all | casts | s |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| model | target | runtime | convert | checker | ORT load | agree | OV bf16 | heavy 16/all | casts | finite to | s |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         conv = r["convert"]
@@ -185,7 +203,8 @@ def fmt_table(rows: list[dict[str, Any]], fp32: dict[str, str]) -> str:
         lines.append(
             f"| {r['model']} | {r['target']} | {r['runtime']} | {conv} | {r.get('checker', '—')} | "
             f"{r.get('ort_load', '—')} | {agree} | {r.get('ov', '—')} | "
-            f"{r.get('heavy_16', '—')}/{r['heavy_total']} | {r.get('casts', '—')} | {r['seconds']:.1f} |"
+            f"{r.get('heavy_16', '—')}/{r['heavy_total']} | {r.get('casts', '—')} | {r.get('finite_to', '—')} | "
+            f"{r['seconds']:.1f} |"
         )
     return "\n".join(lines)
 

@@ -106,12 +106,15 @@ WHEELS: dict[str, Wheel] = {
               "581cea9f295ef059861f4917e5403d436ded8b038ec17287fa6d68fa2e632081", 22089433),
         Wheel("pipecat-ai", "1.14.0", "pipecat_ai-1.14.0-py3-none-any.whl",
               "0352f504b44e78bdf524e45af4bc759601c835b9b7dc195efe5e03384b974a44", 12109725),
+        Wheel("openwakeword", "0.4.0", "openwakeword-0.4.0-py3-none-any.whl",
+              "2c353f49a35d384507403efde3db439353d8281a52d08a0e42a5b493e5145075", 9285483),
     )
 }
 
 _ROCR = "rapidocr_onnxruntime-1.4.4-py3-none-any.whl"
 _ROCR3 = "rapidocr-3.10.0-py3-none-any.whl"
 _SILERO = "silero_vad-6.2.3-py3-none-any.whl"
+_OWW = "openwakeword-0.4.0-py3-none-any.whl"
 
 MODELS: dict[str, ModelEntry] = {
     m.name: m
@@ -161,6 +164,15 @@ MODELS: dict[str, ModelEntry] = {
                    "pipecat/audio/turn/smart_turn/data/smart-turn-v3.2-cpu.onnx",
                    "PyTorch, quantized by onnxruntime (QDQ, INT8)", 18, "turn_end",
                    "Smart Turn v3.2: Whisper-tiny encoder end-of-turn classifier, INT8 QDQ as shipped"),
+        ModelEntry("oww_melspectrogram", _OWW, "openwakeword/resources/models/melspectrogram.onnx",
+                   "PyTorch 1.11 (TorchScript)", 13, "oww_mel",
+                   "openWakeWord front end: STFT as Conv, mel MatMul, log power in dB, on raw 16-bit samples"),
+        ModelEntry("oww_embedding", _OWW, "openwakeword/resources/models/embedding_model.onnx",
+                   "tf2onnx 1.9 (TensorFlow)", 13, "oww_embed", "Google's speech embedding: Conv, LeakyRelu, Max"),
+        ModelEntry("oww_hey_mycroft", _OWW, "openwakeword/resources/models/hey_mycroft_v0.1.onnx",
+                   "tf2onnx 1.10 (Keras)", 13, "oww_wake", "wake-word classifier: bidirectional LSTM over 16 embeddings"),
+        ModelEntry("oww_hey_jarvis", _OWW, "openwakeword/resources/models/hey_jarvis_v0.1.onnx",
+                   "PyTorch 1.12 (TorchScript)", 13, "oww_wake", "wake-word classifier: Gemm, decomposed LayerNorm, If"),
         ModelEntry("ppocr_v4_rec_extdata", _ROCR, "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx",
                    "Paddle2ONNX", 12, "ocr_rec",
                    "ppocr_v4_rec re-saved by the build with external data (onnx_ir)",
@@ -327,6 +339,8 @@ def openvino_runner(model: str | os.PathLike[str]) -> Runner:
         return {k: v.astype(np.float32) if v.dtype.kind == "f" or str(v.dtype) == "bfloat16" else v
                 for k, v in zip(names, values)}
 
+    run.input_names = list(sess.input_names)  # type: ignore[attr-defined]
+
     run.input_names = sess.input_names  # type: ignore[attr-defined]
     return run
 
@@ -448,20 +462,9 @@ def synth_speech(seed: int, sr: int = 16000) -> np.ndarray:
         "Seven silver swans swam silently seaward.",
     ]
     parts: list[np.ndarray] = [np.zeros(int(sr * 0.6), np.float32)]
-    espeak = shutil.which("espeak-ng") or shutil.which("espeak")
     for k in range(2):
         text = sentences[(seed + k) % len(sentences)]
-        voiced = None
-        if espeak:
-            proc = subprocess.run([espeak, "-v", "en", "-s", "150", "--stdout", text], capture_output=True)
-            if proc.returncode == 0 and proc.stdout:
-                with wave.open(io.BytesIO(proc.stdout)) as wf:
-                    raw = np.frombuffer(wf.readframes(wf.getnframes()), np.int16).astype(np.float32) / 32768
-                    rate = wf.getframerate()
-                from scipy.signal import resample_poly
-
-                g = math.gcd(sr, rate)
-                voiced = resample_poly(raw, sr // g, rate // g).astype(np.float32)
+        voiced = espeak(text, sr)
         if voiced is None:
             voiced = _synthetic_voice(rng, sr, 1.8)
         parts.append(voiced * 0.8)
@@ -469,6 +472,23 @@ def synth_speech(seed: int, sr: int = 16000) -> np.ndarray:
     audio = np.concatenate(parts)
     audio += rng.normal(0, 0.003, audio.shape).astype(np.float32)
     return audio.astype(np.float32)
+
+
+def espeak(text: str, sr: int = 16000, voice: str = "en", speed: int = 150) -> np.ndarray | None:
+    """`text` spoken by espeak-ng at `sr` Hz, in [-1, 1]; None when espeak is not installed."""
+    program = shutil.which("espeak-ng") or shutil.which("espeak")
+    if not program:
+        return None
+    proc = subprocess.run([program, "-v", voice, "-s", str(speed), "--stdout", text], capture_output=True)
+    if proc.returncode != 0 or not proc.stdout:
+        return None
+    with wave.open(io.BytesIO(proc.stdout)) as wf:
+        raw = np.frombuffer(wf.readframes(wf.getnframes()), np.int16).astype(np.float32) / 32768
+        rate = wf.getframerate()
+    from scipy.signal import resample_poly
+
+    g = math.gcd(sr, rate)
+    return resample_poly(raw, sr // g, rate // g).astype(np.float32)
 
 
 def _synthetic_voice(rng: np.random.Generator, sr: int, seconds: float) -> np.ndarray:
@@ -745,6 +765,59 @@ def _turn_decode(run: Runner, audio: np.ndarray, sr: int = 16000) -> list[float]
     return probs
 
 
+# --- openWakeWord ---------------------------------------------------------------------------
+
+
+def _oww_speech() -> list[np.ndarray]:
+    """Speech with both wake phrases, in two voices, as openWakeWord reads it: 16 kHz 16-bit
+    samples as float32 (no scaling). Without espeak-ng, the synthetic speech (no wake word)."""
+    out = []
+    for seed, voice in enumerate(("en-us", "en-us+f3")):
+        audio = synth_speech(seed)
+        phrases = [espeak(p, voice=voice, speed=140) for p in ("hey jarvis", "hey mycroft")]
+        if all(p is not None for p in phrases):
+            gap = np.zeros(12000, np.float32)
+            audio = np.concatenate([gap, phrases[0], gap, audio, phrases[1], gap])  # type: ignore[list-item]
+        out.append(np.round(np.clip(audio, -1, 1) * 32767).astype(np.float32))
+    return out
+
+
+def _oww_mel_decode(run: Runner, audio: np.ndarray) -> list[np.ndarray]:
+    mel = next(iter(run({"input": audio[None]}).values()))
+    return [np.asarray(mel, np.float64).reshape(-1)]
+
+
+def _oww_features(audio: np.ndarray) -> np.ndarray:
+    """The package's mel features of `audio` from the FP32 front end: dB / 10 + 2, [frames, 32]."""
+    mel = next(iter(ort_runner(model_path("oww_melspectrogram"))({"input": audio[None]}).values()))
+    return np.squeeze(mel).astype(np.float32) / 10 + 2
+
+
+def _oww_embed_samples() -> list[Any]:
+    """Windows of 76 mel frames every 8 frames, as the package feeds its embedding model."""
+    out = []
+    for audio in _oww_speech():
+        mel = _oww_features(audio)
+        windows = [mel[i:i + 76] for i in range(0, len(mel) - 75, 8)]
+        out.append({"input_1": np.stack(windows)[..., None]})
+    return out
+
+
+def _oww_wake_samples() -> list[Any]:
+    """Sequences of speech embeddings from the FP32 front end and embedding model."""
+    embed = ort_runner(model_path("oww_embedding"))
+    return [np.asarray(next(iter(embed(s).values())), np.float32).reshape(-1, 96) for s in _oww_embed_samples()]
+
+
+def _oww_wake_decode(run: Runner, embeddings: np.ndarray) -> list[float]:
+    """The wake-word score over each 16 consecutive embeddings."""
+    scores = []
+    for end in range(16, len(embeddings) + 1):
+        feeds = {name: embeddings[None, end - 16:end] for name in run.input_names}  # type: ignore[attr-defined]
+        scores.append(float(np.asarray(next(iter(run(feeds).values()))).reshape(-1)[0]))
+    return scores
+
+
 # --- magika ----------------------------------------------------------------------------------
 
 
@@ -1017,6 +1090,11 @@ TASKS: dict[str, Task] = {
     "saliency": Task("map (cosine >= 0.999)", _saliency_samples, _map_decode, _cosine_agree),
     "open_nsfw": Task("classifier (label at 0.5)", _nsfw_samples, _nsfw_decode, _same),
     "turn_end": Task("end-of-turn decisions at 0.5, every half second", _vad_samples, _turn_decode, _vad_agree),
+    "oww_mel": Task("log-mel features of 16-bit speech (cosine >= 0.999)", _oww_speech, _oww_mel_decode,
+                    _cosine_agree),
+    "oww_embed": Task("speech embeddings (cosine >= 0.999)", _oww_embed_samples, _map_decode, _cosine_agree),
+    "oww_wake": Task("wake-word decisions at 0.5 over 16 embeddings", _oww_wake_samples, _oww_wake_decode,
+                     _vad_agree),
 }
 
 

@@ -97,6 +97,40 @@ def _pooling_model(path: Path) -> None:
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
 
 
+def _rank2_if_model(path: Path) -> None:
+    """An If on a [1, 1] condition, as PyTorch 1.12 exported openWakeWord's classifiers:
+    onnxruntime runs it, OpenVINO cannot read it (its If takes a condition of rank 0 or 1)."""
+    weight = numpy_helper.from_array(np.random.default_rng(0).normal(size=(4, 4)).astype(np.float32), "w")
+    branch = lambda name, op: helper.make_graph(  # noqa: E731
+        [helper.make_node(op, ["m"], [f"{name}_out"])], name, [],
+        [helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, [1, 4])],
+    )
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["m"]),
+            helper.make_node("ReduceMax", ["m"], ["peak"], keepdims=1),
+            helper.make_node("Greater", ["peak", "zero"], ["cond"]),
+            helper.make_node("If", ["cond"], ["y"], then_branch=branch("then", "Relu"), else_branch=branch("else", "Neg")),
+        ],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        [weight, numpy_helper.from_array(np.zeros((), np.float32), "zero")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
+
+
+@pytest.mark.skipif(not openvino_available(), reason="openvino is not installed")
+def test_reference_openvino_cannot_load_is_unchecked_without_asking_for_data(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    source, out = tmp_path / "if.onnx", tmp_path / "out.onnx"
+    _rank2_if_model(source)
+    assert main(["convert", str(source), str(out), "--to", "bf16", "--runtime", "openvino"]) == 5
+    err = capsys.readouterr().err
+    assert "not on OpenVINO: OpenVINO cannot load the FP32 model either" in err
+    assert "If" in err and "pass --data" not in err  # data would not help
+
+
 @pytest.mark.skipif(not openvino_available(), reason="openvino is not installed")
 def test_reference_openvino_cannot_run_is_unchecked_not_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     source, out = tmp_path / "pool.onnx", tmp_path / "out.onnx"

@@ -210,7 +210,7 @@ def _run_check(
     real = f" and for real on {result.real_runtime}{executed}" if result.real_outputs else ""
     result.numerics = f"checked on {result.batches} batch(es) (emulated {target.value}{real})"
     if not_on_openvino is not None:
-        _unchecked(result, f"{result.numerics}; not on OpenVINO: {not_on_openvino}; {_PASS_DATA}")
+        _unchecked(result, f"{result.numerics}; not on OpenVINO: {not_on_openvino}")
     result.outputs = output_errors(merged, tolerance)
     for c in merged:
         if c.new_nonfinite:
@@ -481,10 +481,13 @@ def _openvino_check(
         return None
     try:
         fp32 = openvino_runner.OpenVinoSession(reference, precision="f32")
+    except MixprecError as e:
+        return f"OpenVINO cannot load the FP32 model either ({e})"
+    try:
         expected = [fp32.run(feeds) for feeds, _ in batches]
     except MixprecError as e:
         where = "on generated inputs " if generated else ""
-        return f"OpenVINO cannot run the FP32 model {where}({e})"
+        return f"OpenVINO cannot run the FP32 model {where}({e}); {_PASS_DATA}"
     try:
         converted = _openvino_session(openvino_runner, path, result, quantized=quantized)
         merged = None
