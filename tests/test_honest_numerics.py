@@ -150,3 +150,22 @@ def test_a_model_finite_at_every_scale_or_without_float_inputs_says_so(tmp_path:
     result = mixprec.convert(_save(graph, tmp_path / "i.onnx"), tmp_path / "io.onnx")
     assert result.report.validation.numerics.startswith("checked")
     assert result.report.validation.input_scales == []
+
+
+def test_a_batch_tied_to_a_fixed_size_is_generated_as_1(tmp_path: Path) -> None:
+    """A symbolic batch joined with a state of batch 1 (as a recurrent model's initial state is)
+    runs only at batch 1: the generated inputs fall back to it, and the numerics are checked."""
+    weight = numpy_helper.from_array(np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Concat", ["x", "state"], ["joined"], axis=1), helper.make_node("MatMul", ["joined", "w"], ["y"])],
+        "tied",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4]),
+         helper.make_tensor_value_info("state", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+        [weight],
+    )
+    result = mixprec.convert(_save(graph, tmp_path / "m.onnx"), tmp_path / "o.onnx")
+    validation = result.report.validation
+    assert validation.numerics.startswith("checked"), validation.numerics
+    assert any("(1 for leading ones; with 2 the FP32 model fails)" in n for n in validation.notes), validation.notes
+    assert validation.outputs[0].max_abs_error < 1e-2

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -586,39 +586,52 @@ def _data_batches(
 
 def _generated_batch(reference: Path, session: object, result: Validation) -> Iterator[tuple[Batch, dict[str, np.ndarray]]]:
     """One generated batch and its FP32 outputs: symbolic dimensions grow along the ladder until
-    the FP32 model runs (memory bounded; stops when three sizes in a row fail the same way)."""
+    the FP32 model runs (memory bounded; stops when three sizes in a row fail the same way).
+    Leading dimensions take 2; when no size runs that way, the ladder is climbed again with 1
+    (a model whose batch must match a fixed size elsewhere, e.g. a recurrent state of batch 1)."""
     proto = onnx.load(str(reference), load_external_data=False)
     specs = with_index_limits(data_mod.input_specs(proto), proto)
     del proto
-    errors: list[str] = []
-    for size in _DIM_LADDER:
-        batch = min(size, _GENERATED_BATCH)
-        try:
-            shapes = data_mod.generated_shapes(specs, dim_value=size, batch_value=batch)
-        except InputError as e:
-            _unchecked(result, f"not checked: {e}; {_PASS_DATA}")
+    first_climb: list[str] = []  # the failures with the usual batch, told when both climbs fail
+    for largest_batch in (_GENERATED_BATCH, 1):
+        errors: list[str] = []
+        for size in _DIM_LADDER:
+            batch = min(size, largest_batch)
+            try:
+                shapes = data_mod.generated_shapes(specs, dim_value=size, batch_value=batch)
+            except InputError as e:
+                _unchecked(result, f"not checked: {e}; {_PASS_DATA}")
+                return
+            if sum(math.prod(shape) for shape in shapes.values()) > _MAX_GENERATED_ELEMENTS:
+                break  # checked before allocating: memory stays bounded
+            feeds = data_mod.generate_inputs(specs, seed=0, dim_value=size, batch_value=batch)
+            try:
+                expected = sessions.run_session(session, feeds)  # type: ignore[arg-type]
+            except (RunError, InputError) as e:
+                errors.append(f"{size}: {e}")
+                recent = {error.split(": ", 1)[1] for error in errors[-_SAME_FAILURES:]}
+                if len(errors) >= _SAME_FAILURES and len(recent) == 1:
+                    break  # the same failure at that many sizes: larger inputs will not help
+                continue
+            if size != _DIM_LADDER[0] or largest_batch != _GENERATED_BATCH:
+                result.notes.append(
+                    f"generated inputs use {size} for symbolic dimensions ({batch} for leading ones; "
+                    + ("smaller ones fail in the FP32 model)" if largest_batch == _GENERATED_BATCH
+                       else f"with {_GENERATED_BATCH} the FP32 model fails)")
+                )
+            yield feeds, expected
             return
-        if sum(math.prod(shape) for shape in shapes.values()) > _MAX_GENERATED_ELEMENTS:
-            break  # checked before allocating: memory stays bounded
-        feeds = data_mod.generate_inputs(specs, seed=0, dim_value=size, batch_value=batch)
-        try:
-            expected = sessions.run_session(session, feeds)  # type: ignore[arg-type]
-        except (RunError, InputError) as e:
-            errors.append(f"{size}: {e}")
-            recent = {error.split(": ", 1)[1] for error in errors[-_SAME_FAILURES:]}
-            if len(errors) >= _SAME_FAILURES and len(recent) == 1:
-                break  # the same failure at that many sizes: larger inputs will not help
-            continue
-        if size != _DIM_LADDER[0]:
-            result.notes.append(
-                f"generated inputs use {size} for symbolic dimensions ({batch} for leading ones; smaller "
-                "ones fail in the FP32 model)"
-            )
-        yield feeds, expected
-        return
+        first_climb = first_climb or errors
+        if not _batch_sized(specs):
+            break  # no leading dimension to shrink: a second climb would repeat the first
     result.runtime = "reference-fails"
-    why = errors[-1].split(": ", 1)[1] if errors else "inputs too large to generate"
+    why = first_climb[-1].split(": ", 1)[1] if first_climb else "inputs too large to generate"
     _unchecked(result, f"not checked: the FP32 model fails on generated inputs ({why}); {_PASS_DATA}")
+
+
+def _batch_sized(specs: Sequence[data_mod.InputSpec]) -> bool:
+    """Whether a generated input has a leading dimension that takes the batch size."""
+    return any(len(s.shape or ()) >= 2 and not (isinstance(s.shape[0], int) and s.shape[0] >= 0) for s in specs)
 
 
 def _nan_origin_note(reference: Path, converted: Path, feeds: Batch, target: LowPrecision) -> str:
