@@ -98,3 +98,57 @@ def test_weight_free_copy_keeps_the_model_when_external_data_is_gone(tmp_path: P
     with pytest.raises(ModelLoadError, match="initializer 'w'"):
         weight_free_proto(model)
     assert list(model.graph.initializers) == ["w"] and [v.name for v in model.graph.inputs] == ["x"]
+
+
+def _hard_swish_cnn(path: Path, opset: int = 11) -> Path:
+    """Conv -> hard-swish written with Clip (x * Clip(x + 3, 0, 6) / 6), as opset-11 exports of
+    MobileNetV3-style networks write it -> pooling -> Gemm."""
+    rng = np.random.default_rng(0)
+    consts = [
+        numpy_helper.from_array(rng.normal(0, 0.3, (8, 3, 3, 3)).astype(np.float32), "w"),
+        numpy_helper.from_array(rng.normal(0, 0.3, (8, 4)).astype(np.float32), "fc"),
+        *(numpy_helper.from_array(np.array(v, np.float32), n) for n, v in (("three", 3), ("zero", 0), ("six", 6))),
+    ]
+    graph = helper.make_graph(
+        [
+            helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+            helper.make_node("Add", ["c", "three"], ["shifted"], name="shift"),
+            helper.make_node("Clip", ["shifted", "zero", "six"], ["gate"], name="relu6"),
+            helper.make_node("Mul", ["c", "gate"], ["gated"], name="gated"),
+            helper.make_node("Div", ["gated", "six"], ["hs"], name="hswish"),
+            helper.make_node("GlobalAveragePool", ["hs"], ["p"], name="pool"),
+            helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
+            helper.make_node("Gemm", ["f", "fc"], ["y"], name="fc"),
+        ],
+        "hswish",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])],
+        consts,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
+    return path
+
+
+def test_an_op_whose_runtime_kernel_takes_float16_only_at_a_newer_opset_upgrades_the_model(tmp_path: Path) -> None:
+    """ONNX Runtime CUDA registers Clip-11 for float only and Clip-12 for float16 too: an opset-11
+    hard-swish network goes to opset 12 for ort-cuda, so its Clips convert; pinned at 11 they stay
+    FP32 for that reason, and a runtime without that gap keeps opset 11."""
+    source = _hard_swish_cnn(tmp_path / "m.onnx")
+    out = tmp_path / "o.onnx"
+    result = mixprec.convert(source, out, target_dtype="fp16", runtime="ort-cuda")
+    assert "opset upgraded from 11 to 12: CUDAExecutionProvider runs Clip in float16 from opset 12" in "\n".join(
+        result.report.notes
+    ), result.report.notes
+    assert result.report.low_by_op.get("Clip") == 1 and not result.report.kept_fp32
+    converted = onnx.load(str(out))
+    assert converted.opset_import[0].version == 12
+    x = np.random.default_rng(1).normal(size=(2, 3, 8, 8)).astype(np.float32)
+    np.testing.assert_allclose(_run(converted, x), _run(source, x), atol=1e-2, rtol=1e-2)
+
+    pinned = mixprec.convert(source, tmp_path / "p.onnx", target_dtype="fp16", runtime="ort-cuda", opset=11)
+    reasons = {k.name: k.reason for k in pinned.report.kept_fp32}
+    assert "no float16 kernel for Clip(11)" in reasons["relu6"], reasons
+
+    other = mixprec.convert(source, tmp_path / "t.onnx", target_dtype="fp16", runtime="tensorrt")
+    assert not any(n.startswith("opset upgraded") for n in other.report.notes)
+    assert other.report.low_by_op.get("Clip") == 1

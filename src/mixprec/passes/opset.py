@@ -52,8 +52,11 @@ def required_opset(
     current = default_opset(model)
     if current is None:
         return None
-    needed, ops = _first_opsets(_heavy_ops(model, policy, target.type_str, runtime), current, target.type_str)
-    return (needed, ops) if needed > current else None
+    ops = _heavy_ops(model, policy, target.type_str, runtime) | _kernel_gap_ops(
+        model, policy, target.type_str, runtime, current
+    )
+    needed, ops_needing = _first_opsets(ops, current, target.type_str, runtime)
+    return (needed, ops_needing) if needed > current else None
 
 
 def _runs(runtime: RuntimeProfile | None, op_type: str, type_str: str) -> bool:
@@ -94,18 +97,53 @@ def _heavy_ops(model: ir.Model, policy: Policy, type_str: str, runtime: RuntimeP
     return heavy
 
 
-def _first_opsets(heavy: set[str], current: int, type_str: str) -> tuple[int, list[str]]:
-    """The lowest opset at which every op of `heavy` admits `type_str` (those that never do
-    aside), with the ops that need more than `current`."""
-    needed, ops = current, []
-    for op_type in sorted(heavy):
-        if admits(op_type, current, type_str):
+def _kernel_gap_ops(
+    model: ir.Model, policy: Policy, type_str: str, runtime: RuntimeProfile | None, current: int
+) -> set[str]:
+    """Default-domain ops the policy would run in `type_str` (low or follow) whose runtime kernel
+    at the model's opset lacks it while a newer kernel has it (ONNX Runtime CUDA's float16
+    Clip from opset 12: Clip-11 is float only there, so ReLU6 and hard-swish of opset-11 exports
+    would stay FP32)."""
+    if runtime is None or not runtime.has_table:
+        return set()
+    gaps = set()
+    for op_type in {node.op_type for node in all_nodes(model) if normalize_domain(node.domain) == ""}:
+        rule = policy.rule_for("", op_type)
+        if rule is None or rule.op_class not in (OpClass.LOW, OpClass.FOLLOW):
             continue
-        first = first_opset_admitting(op_type, current, type_str)
+        if not _kernel_admits(runtime, op_type, current, type_str) and runtime.runs_in("", op_type, type_str):
+            gaps.add(op_type)
+    return gaps
+
+
+def _kernel_admits(runtime: RuntimeProfile | None, op_type: str, version: int, type_str: str) -> bool:
+    """Whether the runtime's kernel of the default-domain op at opset `version` admits
+    `type_str` (no table, or a table that does not list the op: the schema decides)."""
+    if runtime is None or not runtime.knows("", op_type):
+        return True
+    kernel = runtime.kernel("", op_type, version)
+    return kernel is not None and any(type_str in types for types in kernel.types.values())
+
+
+def _first_opsets(
+    ops: set[str], current: int, type_str: str, runtime: RuntimeProfile | None = None
+) -> tuple[int, list[str]]:
+    """The lowest opset at which every op of `ops` admits `type_str`, in its schema and in the
+    runtime's kernel (those that never do aside), with the ops that need more than `current`."""
+    needed, needing = current, []
+    newest = onnx.defs.onnx_opset_version()
+    for op_type in sorted(ops):
+        if admits(op_type, current, type_str) and _kernel_admits(runtime, op_type, current, type_str):
+            continue
+        first = next(
+            (v for v in range(current + 1, newest + 1)
+             if admits(op_type, v, type_str) and _kernel_admits(runtime, op_type, v, type_str)),
+            None,
+        )
         if first is not None:
             needed = max(needed, first)
-            ops.append(op_type)
-    return needed, ops
+            needing.append(op_type)
+    return needed, needing
 
 
 def upgrade_opset(model: ir.Model, opset: int, skip: frozenset[ir.Node] = frozenset()) -> ir.Model:
@@ -370,9 +408,15 @@ def upgrade_for_target(
     except InputError as e:
         notes.append(f"{', '.join(ops)} need opset {version} for {target.value} but {e}; they stay FP32")
         return None
+    by_schema = [op for op in ops if not admits(op, current, target.type_str)]
+    by_kernel = [op for op in ops if op not in by_schema]
+    reasons = []
+    if by_schema:
+        reasons.append(f"{', '.join(by_schema)} {'admits' if len(by_schema) == 1 else 'admit'} {target.value}")
+    if by_kernel:
+        reasons.append(f"{profile.provider or profile.name} runs {', '.join(by_kernel)} in {target.value}")
     notes.append(
-        f"opset upgraded from {current} to {version}: {', '.join(ops)} "
-        f"{'admits' if len(ops) == 1 else 'admit'} {target.value} from "
+        f"opset upgraded from {current} to {version}: {' and '.join(reasons)} from "
         f"opset {version} (pin a version with --opset)"
     )
     if profile.opset_range is not None and version > profile.opset_range[1]:

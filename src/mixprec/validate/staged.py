@@ -612,6 +612,8 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
                 recent = {error.split(": ", 1)[1] for error in errors[-_SAME_FAILURES:]}
                 if len(errors) >= _SAME_FAILURES and len(recent) == 1:
                     break  # the same failure at that many sizes: larger inputs will not help
+                if first_climb and str(e) == first_climb[-1].split(": ", 1)[1]:
+                    break  # batch 1 fails as batch 2 did: the batch is not the cause
                 continue
             if size != _DIM_LADDER[0] or largest_batch != _GENERATED_BATCH:
                 result.notes.append(
