@@ -67,6 +67,7 @@ def test_both_exporters_failing_is_one_line_with_each_error_once(
     assert not (tmp_path / "m.onnx").exists()
 
 
+@pytest.mark.slow
 def test_t5_encoder_converts_through_the_torchscript_fallback() -> None:
     """transformers' T5 encoder: the dynamo exporter fails on it (a view of a transposed
     tensor); the TorchScript exporter traces it (warning about shape comparisons in the mask
