@@ -152,3 +152,11 @@ def test_an_op_whose_runtime_kernel_takes_float16_only_at_a_newer_opset_upgrades
     other = mixprec.convert(source, tmp_path / "t.onnx", target_dtype="fp16", runtime="tensorrt")
     assert not any(n.startswith("opset upgraded") for n in other.report.notes)
     assert other.report.low_by_op.get("Clip") == 1
+
+
+def test_no_upgrade_for_ops_around_nothing_worth_converting(tmp_path: Path) -> None:
+    """ONNX Runtime's CPU provider has float16 Clip from opset 12 but no float16 Conv or Gemm:
+    the hard-swish network stays at opset 11 there, its Clips FP32 with the rest."""
+    result = mixprec.convert(_hard_swish_cnn(tmp_path / "m.onnx"), tmp_path / "o.onnx", runtime="ort-cpu")
+    assert not any(n.startswith("opset upgraded") for n in result.report.notes), result.report.notes
+    assert result.report.casts_inserted == 0 and "Clip" not in result.report.low_by_op

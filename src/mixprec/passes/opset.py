@@ -52,9 +52,9 @@ def required_opset(
     current = default_opset(model)
     if current is None:
         return None
-    ops = _heavy_ops(model, policy, target.type_str, runtime) | _kernel_gap_ops(
-        model, policy, target.type_str, runtime, current
-    )
+    ops = _heavy_ops(model, policy, target.type_str, runtime)
+    if ops:  # something worth converting: the ops around it count too
+        ops |= _kernel_gap_ops(model, policy, target.type_str, runtime, current)
     needed, ops_needing = _first_opsets(ops, current, target.type_str, runtime)
     return (needed, ops_needing) if needed > current else None
 
@@ -100,10 +100,10 @@ def _heavy_ops(model: ir.Model, policy: Policy, type_str: str, runtime: RuntimeP
 def _kernel_gap_ops(
     model: ir.Model, policy: Policy, type_str: str, runtime: RuntimeProfile | None, current: int
 ) -> set[str]:
-    """Default-domain ops the policy would run in `type_str` (low or follow) whose runtime kernel
-    at the model's opset lacks it while a newer kernel has it (ONNX Runtime CUDA's float16
-    Clip from opset 12: Clip-11 is float only there, so ReLU6 and hard-swish of opset-11 exports
-    would stay FP32)."""
+    """Default-domain ops the policy would run in `type_str` (low or follow; quantization ends
+    aside) whose runtime kernel at the model's opset lacks it while a newer kernel has it
+    (ONNX Runtime CUDA's float16 Clip from opset 12: Clip-11 is float only there, so ReLU6 and
+    hard-swish of opset-11 exports would stay FP32)."""
     if runtime is None or not runtime.has_table:
         return set()
     gaps = set()
@@ -111,6 +111,8 @@ def _kernel_gap_ops(
         rule = policy.rule_for("", op_type)
         if rule is None or rule.op_class not in (OpClass.LOW, OpClass.FOLLOW):
             continue
+        if op_facts("", op_type).quantization is not None:
+            continue  # quantization ends count with the compute ops they wrap (`_heavy_ops`)
         if not _kernel_admits(runtime, op_type, current, type_str) and runtime.runs_in("", op_type, type_str):
             gaps.add(op_type)
     return gaps
