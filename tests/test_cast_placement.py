@@ -290,3 +290,38 @@ agraph (float[16,4] x) => (float[16,4] y, float[16,4] z)
     assert decisions["z"].category.value == "policy" and "square" in decisions["z"].reason
     assert sigs_of(out, "Mul") == [NodeSig("Mul", (F, F), (F,))] * 2
     assert_matches_fp32(model, out, random_feeds(model))
+
+
+def _gemm_norm_gemm() -> onnx.ModelProto:
+    """Gemm -> LayerNormalization -> Gemm, as wake-word and ViT blocks have them."""
+    rng = np.random.default_rng(0)
+    consts = [numpy_helper.from_array(a.astype(np.float32), n) for n, a in (
+        ("w1", rng.normal(0, 0.3, (16, 32))), ("w2", rng.normal(0, 0.3, (32, 8))),
+        ("g", rng.uniform(0.5, 1.5, 32)), ("b", rng.uniform(-0.1, 0.1, 32)),
+    )]
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Gemm", ["x", "w1"], ["h"], name="fc1"),
+            onnx.helper.make_node("LayerNormalization", ["h", "g", "b"], ["n"], axis=-1, name="norm"),
+            onnx.helper.make_node("Gemm", ["n", "w2"], ["y"], name="fc2"),
+        ],
+        "gng", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 16])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, 8])], consts,
+    )
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+
+def test_a_normalization_between_fp32_products_stays_fp32_instead_of_two_casts() -> None:
+    """onnxruntime's CPU provider has no float16 Gemm: a float16 LayerNormalization between the
+    two FP32 Gemms would cost two Casts and save less traffic than they move, so it stays FP32
+    with the cast placement's reason. Where the Gemms convert, so does the normalization."""
+    model = _gemm_norm_gemm()
+    result, out = convert(model, runtime="ort-cpu")
+    assert _category(result, "LayerNormalization") == "placed by cast cost"
+    assert result.report.casts_runtime == 0 and not [n for n in out.graph.node if n.op_type == "Cast"]
+    (kept,) = [k for k in result.report.kept_fp32 if k.op_type == "LayerNormalization"]
+    assert "2 -> 0 casts" in kept.reason, kept.reason
+
+    result, out = convert(model, runtime="ort-cuda")
+    assert result.report.low_by_op.get("LayerNormalization") == 1 and result.report.low_by_op.get("Gemm") == 2
+    assert_matches_fp32(model, out, random_feeds(model), target="float16")

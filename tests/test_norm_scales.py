@@ -58,6 +58,12 @@ def _initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
 
 
+def _assert_unfolded(stored: np.ndarray, original: np.ndarray, name: str = "") -> None:
+    """The stored scale is the original one in its stored type (16-bit where the normalization
+    converts, FP32 where the cast placement keeps it FP32): nothing was multiplied out of it."""
+    np.testing.assert_array_equal(stored, original.astype(stored.dtype), err_msg=name)
+
+
 def _error(original: onnx.ModelProto, converted: onnx.ModelProto, seeds: int = 16) -> float:
     """Root-mean-square error of the emulated 16-bit model's outputs relative to the FP32
     outputs' root mean square, averaged over outputs and input batches."""
@@ -100,7 +106,7 @@ def test_no_fold_where_another_node_reads_the_normalized_value() -> None:
     weights = _weights()
     model = _rms_into_products(weights, [onnx.helper.make_node("Add", ["y", "x"], ["r"])], ("r",))
     result, out = convert(model)
-    np.testing.assert_array_equal(_initializers(out)["g"], weights["g"].astype(np.float16))
+    _assert_unfolded(_initializers(out)["g"], weights["g"])
     assert not any("folded the scales" in n for n in result.report.notes)
 
 
@@ -209,7 +215,7 @@ def test_no_fold_where_the_identity_does_not_hold() -> None:
     for name, model in cases.items():
         result, out = convert(model)
         assert not any("folded the scales" in n for n in result.report.notes), name
-        np.testing.assert_array_equal(_initializers(out)["g"].astype(np.float32), g.astype(np.float16).astype(np.float32), err_msg=name)
+        _assert_unfolded(_initializers(out)["g"], g, name)
     # A normalization kept FP32 keeps its FP32 scale: nothing rounds it.
     _, excluded = convert(_rms_then([onnx.helper.make_node("MatMul", ["y", "wq"], ["q"])], ["q"], {"g": g, "wq": wq}), exclude_nodes=["norm"])
     stored = _initializers(excluded)
@@ -242,20 +248,18 @@ def test_skip_simplified_layer_normalization_folds_its_gamma() -> None:
 
 
 def test_folded_model_runs_in_onnxruntime_as_users_run_it() -> None:
-    # onnxruntime's CPU provider runs RMSNormalization in float16 and MatMul/Gemm in FP32: the
-    # scale is stored in float16 and folds into the FP32 weights. The validation runs the result
-    # with default session options in a child process and compares it with the FP32 model.
+    # The scale folds into the float16 weights; the validation runs the result with default
+    # session options in a child process and compares it with the FP32 model.
     import mixprec  # noqa: PLC0415
 
     weights = _weights()
     model = _rms_into_products(weights)
     data = [{"x": np.random.default_rng(s).standard_normal((8, HIDDEN)).astype(np.float32)} for s in range(3)]
-    result = mixprec.convert(model, runtime="ort-cpu", validate="run", data=data, calibrate=False)
+    result = mixprec.convert(model, runtime="ort-cuda", validate="run", data=data, calibrate=False)
     assert any("folded the scales of 1 normalization(s)" in n for n in result.report.notes)
     validation = result.report.validation
     assert validation.runtime.startswith("ran") and validation.batches == 3
     real = validation.real_outputs
     assert [o.name for o in real] == ["q", "k"] and all(o.nan_count == 0 and o.inf_count == 0 for o in real)
-    # Scale stored as ones, FP32 weights holding it: only the normalization's float16 input and
-    # output round (measured 2e-4 of max |FP32|).
+    # Scale stored as ones, the float16 weights holding it (measured 3.6e-4 of max |FP32|).
     assert max(o.scaled_error for o in real) < 2e-3

@@ -39,6 +39,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import numpy_helper
 
+from mixprec.plan.model import Category
 from mixprec.policy.opfacts import op_facts
 from mixprec.validate.emulate import emulate_low_precision
 
@@ -407,8 +408,11 @@ def test_random_graphs(recipe: Recipe) -> None:
             n_original = sum(1 for n in iter_nodes(model) if n.op_type == "Cast")
             assert n_casts == n_original - report.casts_removed + report.casts_runtime, where
             if not built.has_special:
+                categories = {n.name: d.category for n, d in result.plan.decisions.items() if n.name}
                 for node in model.graph.node:
-                    if node.op_type in ("MatMul", "LayerNormalization"):
+                    # A normalization (memory-bound) may stay FP32 where that saves casts.
+                    placed = node.op_type == "LayerNormalization" and categories[node.name] is Category.CAST_COST
+                    if node.op_type in ("MatMul", "LayerNormalization") and not placed:
                         assert decisions[node.name] == "low", f"{where} {node.name} not converted"
             # Converting the result again changes nothing.
             again_result, again = convert(out, target_dtype=target, keep_io_types=keep)

@@ -2,7 +2,9 @@
 
 The planner's passes decide a follow-class node from its neighbours ("widest input", then "what
 the consumers need"), which puts every Cast next to the node that forced it. Here the nodes whose
-precision only those rules decided ("free" nodes) are decided again, together, by cost:
+precision only those rules decided ("free" nodes) are decided again, together, by cost; so are
+the low-class ops the policy lowered that are not compute-bound (normalizations), which only
+save traffic in 16 bits:
 
 * a Cast costs the bytes it reads and writes (elements x (4 + 2)) plus a kernel launch on the
   runtime's device (`mixprec.policy.costs`); one Cast per (value, type) serves every consumer,
@@ -308,8 +310,11 @@ class _Islands:
         free, low, touched, parent = self.free, self.low, self.touched, self.parent
         for node in planner.plan.order:
             decision = decisions[node]
-            if decision.category not in _FREE_CATEGORIES or decision.precision is Precision.NONE:
-                continue  # not decided by the follow rules alone
+            if decision.precision is Precision.NONE or not (
+                decision.category in _FREE_CATEGORIES
+                or (decision.category is Category.POLICY and decision.precision is Precision.LOW)
+            ):
+                continue  # not decided by the follow rules alone, nor lowered by the policy
             fact = facts[node]
             found = self._free_node_values(node, fact)
             if found is None:
@@ -328,13 +333,15 @@ class _Islands:
     def _free_node_values(
         self, node: ir.Node, fact: NodeFacts
     ) -> tuple[list[ir.Value], list[ir.Value]] | None:
-        """The FP32 inputs and outputs (:func:`_free_values`) of a node the follow rules alone
-        decided when it is a free node: a lowerable follow-class op without a dtype attribute, no
-        part of a Q/DQ group and not kept for its weight; None otherwise."""
+        """The FP32 inputs and outputs (:func:`_free_values`) of a free node: a lowerable
+        follow-class op the follow rules alone decided, or a low-class op that is not
+        compute-bound (a normalization: in 16 bits between FP32 neighbours it saves less traffic
+        than its two casts move), without a dtype attribute, no part of a Q/DQ group and not kept
+        for its weight; None otherwise."""
         rule = fact.rule
         if (
-            rule is None or rule.op_class is not OpClass.FOLLOW or rule.dtype_attribute is not None
-            or fact.sig is None or not fact.lowerable
+            rule is None or rule.dtype_attribute is not None or fact.sig is None or not fact.lowerable
+            or not (rule.op_class is OpClass.FOLLOW or (rule.op_class is OpClass.LOW and not rule.compute_bound))
         ):
             return None
         if self.quantized and (qdq_role(node) is not None or _next_to_qdq(node)):

@@ -517,12 +517,13 @@ class Planner:
         )
 
     def _place_casts(self) -> None:
-        """Re-decide the follow-class nodes of each FP32 island by cast cost (minimum cut)."""
+        """Re-decide the follow-class nodes and normalizations of each island by cast cost
+        (minimum cut)."""
         changed = False
         for island, assignment, before, after in min_cut_islands(self._placement_view()):
             anchor = self.keys.get(island.nodes[0]) or island.nodes[0].op_type
             why = (
-                f"the cheapest cast placement for the {len(island.nodes)} follow node(s) around "
+                f"the cheapest cast placement for the {len(island.nodes)} node(s) around "
                 f"{anchor!r}: {before[0]} -> {after[0]} casts, {before[1]:,} -> {after[1]:,} bytes per inference"
             )
             for node in island.nodes:
