@@ -100,8 +100,10 @@ def test_generated_inputs_are_scaled_up_to_show_where_the_converted_model_overfl
     sized ones: the report says so and names the node; with data of that size the node stays
     FP32 and no scaled run is made."""
     source = _summing_model(tmp_path / "m.onnx", op="Relu")
-    report = tmp_path / "r.json"
-    assert main(["convert", str(source), str(tmp_path / "o.onnx"), "--report", str(report)]) == 0
+    report, page = tmp_path / "r.json", tmp_path / "r.html"
+    assert main(["convert", str(source), str(tmp_path / "o.onnx"), "--report", str(report), "--html", str(page)]) == 0
+    html = page.read_text()
+    assert '<p class="warn" id="input-scale">Input scale: generated inputs scaled to |x| up to 255' in html
     scales = json.loads(report.read_text())["validation"]["input_scales"]
     assert [(s["magnitude"], s["finite"]) for s in scales] == [(255.0, True), (32767.0, False)]
     assert "'sum'" in scales[1]["origin"], scales[1]["origin"]

@@ -250,7 +250,7 @@ class Report:
         if v.speed_ratio is not None:
             lines.append(f"    latency on {v.real_runtime}: {v.speed_ratio:.2f}x the FP32 model's")
         if v.input_scales:
-            lines.append(f"  input scale: {_input_scale_text(v.input_scales, self.target)}")
+            lines.append(f"  input scale: {input_scale_text(v.input_scales, self.target)}")
             lines.extend(f"    {check.origin}" for check in v.input_scales if check.origin)
         return lines
 
@@ -265,7 +265,7 @@ class Report:
         return lines
 
 
-def _input_scale_text(checks: Sequence[InputScale], target: str) -> str:
+def input_scale_text(checks: Sequence[InputScale], target: str) -> str:
     """E.g. "generated inputs scaled to |x| up to 255 (8-bit pixel values): finite; to 32767
     (16-bit audio samples): inf/NaN where FP32 is finite; ..." """
     parts = []

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mixprec.io import write_text_atomic
-from mixprec.report.contents import Report
+from mixprec.report.contents import Report, input_scale_text
 from mixprec.report.svg import (
     MAX_ERROR_BARS,
     Page,
@@ -293,8 +293,16 @@ def _outputs_section(report: Report) -> str:
         )
     out.append(
         f'</tbody></table><p class="note">{v.batches} batch{"es" if v.batches != 1 else ""}; '
-        f"runtime {esc(v.runtime)}.</p></section>"
+        f"runtime {esc(v.runtime)}.</p>"
     )
+    if v.input_scales:
+        overflows = any(check.finite is False for check in v.input_scales)
+        out.append(
+            f'<p class="{"warn" if overflows else "note"}" id="input-scale">Input scale: '
+            f"{esc(input_scale_text(v.input_scales, report.target))}</p>"
+        )
+        out.extend(f'<p class="note">{esc(check.origin)}</p>' for check in v.input_scales if check.origin)
+    out.append("</section>")
     return "".join(out)
 
 
