@@ -346,8 +346,6 @@ def openvino_runner(model: str | os.PathLike[str]) -> Runner:
         return {k: v.astype(np.float32) if v.dtype.kind == "f" or str(v.dtype) == "bfloat16" else v
                 for k, v in zip(names, values)}
 
-    run.input_names = list(sess.input_names)  # type: ignore[attr-defined]
-
     run.input_names = sess.input_names  # type: ignore[attr-defined]
     return run
 

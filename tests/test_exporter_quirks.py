@@ -95,6 +95,9 @@ def test_normalization_over_a_symbolic_width_fuses(tmp_path) -> None:
     assert "normalization block" not in result.report.fp32_by_category
     converted = onnx.load(str(tmp_path / "out.onnx"))
     assert [n.op_type for n in converted.graph.node].count("LayerNormalization") == 2
+    # The one between the two products converts; the one reading the graph input may stay FP32
+    # where that moves fewer cast bytes.
+    assert result.report.low_by_op.get("LayerNormalization", 0) >= 1
     x = np.random.default_rng(1).normal(size=(2, 5, 16)).astype(np.float32)
     expected = run(model, {"x": x})[0]
     np.testing.assert_allclose(run_low(converted, {"x": x}, "bfloat16")[0], expected, atol=0.05 * np.abs(expected).max(), rtol=0)

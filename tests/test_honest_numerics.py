@@ -103,7 +103,7 @@ def test_generated_inputs_are_scaled_up_to_show_where_the_converted_model_overfl
     report, page = tmp_path / "r.json", tmp_path / "r.html"
     assert main(["convert", str(source), str(tmp_path / "o.onnx"), "--report", str(report), "--html", str(page)]) == 0
     html = page.read_text()
-    assert '<p class="warn" id="input-scale">Input scale: generated inputs scaled to |x| up to 255' in html
+    assert '<p class="warn" id="input-scale">Input scale: generated inputs (x) scaled to |x| up to 255' in html
     scales = json.loads(report.read_text())["validation"]["input_scales"]
     assert [(s["magnitude"], s["finite"]) for s in scales] == [(255.0, True), (32767.0, False)]
     assert "'sum'" in scales[1]["origin"], scales[1]["origin"]
@@ -124,11 +124,11 @@ def test_generated_inputs_are_scaled_up_to_show_where_the_converted_model_overfl
 
 
 def test_a_model_finite_at_every_scale_or_without_float_inputs_says_so(tmp_path: Path) -> None:
-    # Sigmoid after a sum over 4 inputs: finite at both magnitudes (65504 is not reached).
+    # Sigmoid of one input (width 1: no sum): finite at both magnitudes (65504 is not reached).
     result = mixprec.convert(_summing_model(tmp_path / "m.onnx", width=1, op="Sigmoid"), tmp_path / "o.onnx")
     scales = result.report.validation.input_scales
     assert [(s.magnitude, s.finite) for s in scales] == [(255.0, True), (32767.0, True)]
-    assert "input scale: generated inputs scaled to |x| up to 255 (8-bit pixel values): finite; to 32767" in result.report.format_text()
+    assert "input scale: generated inputs (x) scaled to |x| up to 255 (8-bit pixel values): finite; to 32767" in result.report.format_text()
     assert "inf/NaN" not in result.report.format_text()
 
     # Exp of the inputs: FP32 itself overflows at 255, so nothing is judged beyond it.
@@ -140,6 +140,18 @@ def test_a_model_finite_at_every_scale_or_without_float_inputs_says_so(tmp_path:
     )
     result = mixprec.convert(_save(graph, tmp_path / "e.onnx"), tmp_path / "eo.onnx")
     assert [(s.magnitude, s.finite) for s in result.report.validation.input_scales] == [(255.0, None)]
+
+    # An output that holds -inf by design (a masked logit) is judged by its other positions.
+    bias = np.zeros(3, np.float32)
+    bias[1] = -np.inf
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "mask"], ["y"])], "masked",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [numpy_helper.from_array(np.eye(3, dtype=np.float32), "w"), numpy_helper.from_array(bias, "mask")],
+    )
+    result = mixprec.convert(_save(graph, tmp_path / "k.onnx"), tmp_path / "ko.onnx")
+    assert [(s.magnitude, s.finite) for s in result.report.validation.input_scales] == [(255.0, True), (32767.0, True)]
 
     # Integer inputs only (token ids): nothing to scale.
     table = numpy_helper.from_array(np.random.default_rng(0).normal(size=(10, 4)).astype(np.float32), "table")

@@ -263,3 +263,25 @@ def test_folded_model_runs_in_onnxruntime_as_users_run_it() -> None:
     assert [o.name for o in real] == ["q", "k"] and all(o.nan_count == 0 and o.inf_count == 0 for o in real)
     # Scale stored as ones, the float16 weights holding it (measured 3.6e-4 of max |FP32|).
     assert max(o.scaled_error for o in real) < 2e-3
+
+
+def test_scale_folds_into_fp32_weights_of_products_kept_fp32() -> None:
+    """A float16 normalization (its input comes from a float16 product) whose readers are kept
+    FP32: its scale folds into their FP32 weights, multiplied in FP32 and not rounded."""
+    weights = _weights()
+    w0 = (np.random.default_rng(7).standard_normal((HIDDEN, HIDDEN)) * 0.1).astype(np.float32)
+    body = [
+        onnx.helper.make_node("MatMul", ["x", "w0"], ["x0"], name="pre"),
+        onnx.helper.make_node("RMSNormalization", ["x0", "g"], ["y"], axis=-1, epsilon=1e-5, stash_type=1, name="norm"),
+        onnx.helper.make_node("MatMul", ["y", "wq"], ["q"], name="q"),
+        onnx.helper.make_node("Gemm", ["y", "wk"], ["k"], transB=1, name="k"),
+    ]
+    model = _model(body, ["q", "k"], {"w0": w0, "g": weights["g"], "wq": weights["wq"], "wk": weights["wk"]})
+    result, out = convert(model, exclude_nodes=["q", "k"])
+    assert any("folded the scales of 1 normalization(s)" in n for n in result.report.notes)
+    stored = _initializers(out)
+    assert stored["g"].dtype == np.float16 and np.all(stored["g"] == 1)
+    assert stored["wq"].dtype == np.float32 and stored["wk"].dtype == np.float32
+    np.testing.assert_array_equal(stored["wq"], weights["g"][:, None] * weights["wq"])
+    np.testing.assert_array_equal(stored["wk"], weights["wk"] * weights["g"][None, :])
+    check_full(out)

@@ -160,3 +160,24 @@ def test_no_upgrade_for_ops_around_nothing_worth_converting(tmp_path: Path) -> N
     result = mixprec.convert(_hard_swish_cnn(tmp_path / "m.onnx"), tmp_path / "o.onnx", runtime="ort-cpu")
     assert not any(n.startswith("opset upgraded") for n in result.report.notes), result.report.notes
     assert result.report.casts_inserted == 0 and "Clip" not in result.report.low_by_op
+
+
+def test_an_op_whose_schema_takes_float16_only_later_does_not_raise_the_opset(tmp_path: Path) -> None:
+    """IsInf admits float16 only from opset 20 in its schema: beside a float16 MatMul of an
+    opset-13 model it stays FP32 instead of taking the whole model through the version converter."""
+    weight = numpy_helper.from_array(np.random.default_rng(0).normal(size=(8, 8)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+            helper.make_node("IsInf", ["m"], ["inf"], name="isinf"),
+            helper.make_node("Where", ["inf", "x", "m"], ["y"], name="pick"),
+        ],
+        "isinf", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])], [weight],
+    )
+    source = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(source))
+    result = mixprec.convert(source, tmp_path / "o.onnx", target_dtype="fp16", runtime="ort-cuda")
+    assert not any(n.startswith("opset upgraded") for n in result.report.notes), result.report.notes
+    assert result.report.low_by_op.get("MatMul") == 1
+    assert onnx.load(str(tmp_path / "o.onnx")).opset_import[0].version == 13

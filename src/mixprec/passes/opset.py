@@ -44,16 +44,19 @@ def first_opset_admitting(op_type: str, after: int, type_str: str) -> int | None
 
 
 def required_opset(
-    model: ir.Model, policy: Policy, target: LowPrecision, runtime: RuntimeProfile | None = None
+    model: ir.Model, policy: Policy, target: LowPrecision, runtime: RuntimeProfile | None = None,
+    *, kernel_gaps: bool = True,
 ) -> tuple[int, list[str]] | None:
-    """The lowest default-domain opset at which the model's compute-bound ops admit `target`,
-    when that is above the model's own; with the ops that need it. None: no upgrade would
-    convert more (ops the runtime has no 16-bit kernel for do not count)."""
+    """The lowest default-domain opset at which the model's compute-bound ops admit `target`
+    (in their schema and the runtime's kernel) and, with `kernel_gaps`, at which the runtime has
+    a 16-bit kernel of the ops around them whose schema already admits it; when that is above
+    the model's own, with the ops that need it. None: no upgrade would convert more (ops the
+    runtime has no 16-bit kernel for at any opset do not count)."""
     current = default_opset(model)
     if current is None:
         return None
     ops = _heavy_ops(model, policy, target.type_str, runtime)
-    if ops:  # something worth converting: the ops around it count too
+    if ops and kernel_gaps:  # something worth converting: the ops around it count too
         ops |= _kernel_gap_ops(model, policy, target.type_str, runtime, current)
     needed, ops_needing = _first_opsets(ops, current, target.type_str, runtime)
     return (needed, ops_needing) if needed > current else None
@@ -86,8 +89,8 @@ def _is_quantization_end(node: ir.Node, type_str: str, runtime: RuntimeProfile |
 
 
 def _heavy_ops(model: ir.Model, policy: Policy, type_str: str, runtime: RuntimeProfile | None) -> set[str]:
-    """The op types whose opset decides the upgrade: the compute-bound ones and, where there are
-    any, the quantization ends (each kind of node looked at once)."""
+    """The compute-bound op types whose opset decides the upgrade and, where there are any, the
+    quantization ends (each kind of node looked at once)."""
     kinds = {(node.domain, node.op_type): node for node in all_nodes(model)}.values()
     heavy = {node.op_type for node in kinds if _is_heavy(node, policy, type_str, runtime)}
     if heavy:
@@ -101,9 +104,10 @@ def _kernel_gap_ops(
     model: ir.Model, policy: Policy, type_str: str, runtime: RuntimeProfile | None, current: int
 ) -> set[str]:
     """Default-domain ops the policy would run in `type_str` (low or follow; quantization ends
-    aside) whose runtime kernel at the model's opset lacks it while a newer kernel has it
-    (ONNX Runtime CUDA's float16 Clip from opset 12: Clip-11 is float only there, so ReLU6 and
-    hard-swish of opset-11 exports would stay FP32)."""
+    aside) whose schema admits it at the model's opset but whose runtime kernel there does not,
+    while a newer kernel does (ONNX Runtime CUDA's float16 Clip from opset 12: Clip-11 is float
+    only there, so ReLU6 and hard-swish of opset-11 exports would stay FP32). An op whose
+    schema itself admits the type only later (IsInf: 20) does not raise the opset."""
     if runtime is None or not runtime.has_table:
         return set()
     gaps = set()
@@ -113,7 +117,11 @@ def _kernel_gap_ops(
             continue
         if op_facts("", op_type).quantization is not None:
             continue  # quantization ends count with the compute ops they wrap (`_heavy_ops`)
-        if not _kernel_admits(runtime, op_type, current, type_str) and runtime.runs_in("", op_type, type_str):
+        if (
+            admits(op_type, current, type_str)
+            and not _kernel_admits(runtime, op_type, current, type_str)
+            and runtime.runs_in("", op_type, type_str)
+        ):
             gaps.add(op_type)
     return gaps
 
@@ -394,7 +402,8 @@ def upgrade_for_target(
     notes: list[str],
 ) -> ir.Model | None:
     """Upgrade the model's opset when asked (`opset`), or when its compute-bound ops admit the
-    target type only at a newer opset; None when the model stays as it is."""
+    target type only at a newer opset, or the runtime has 16-bit kernels of the ops around them
+    only there (`required_opset`); None when the model stays as it is."""
     current = default_opset(model)
     if opset is not None:
         if current is None or current >= opset:
@@ -408,8 +417,18 @@ def upgrade_for_target(
     try:
         upgraded = upgrade_opset(model, version)
     except InputError as e:
-        notes.append(f"{', '.join(ops)} need opset {version} for {target.value} but {e}; they stay FP32")
-        return None
+        # The ops around the compute-bound ones may have asked for more than those need.
+        lower = required_opset(model, policy, target, profile, kernel_gaps=False)
+        if lower is None or lower[0] >= version:
+            notes.append(f"{', '.join(ops)} need opset {version} for {target.value} but {e}; they stay FP32")
+            return None
+        notes.append(f"{', '.join(op for op in ops if op not in lower[1])} stay FP32: opset {version} {e}")
+        version, ops = lower
+        try:
+            upgraded = upgrade_opset(model, version)
+        except InputError as again:
+            notes.append(f"{', '.join(ops)} need opset {version} for {target.value} but {again}; they stay FP32")
+            return None
     by_schema = [op for op in ops if not admits(op, current, target.type_str)]
     by_kernel = [op for op in ops if op not in by_schema]
     reasons = []

@@ -1,4 +1,4 @@
-"""Cast placement by cost: a minimum cut over the follow-class nodes between fixed-precision ones.
+"""Cast placement by cost: a minimum cut over the free nodes between fixed-precision ones.
 
 The planner's passes decide a follow-class node from its neighbours ("widest input", then "what
 the consumers need"), which puts every Cast next to the node that forced it. Here the nodes whose

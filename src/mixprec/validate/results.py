@@ -29,8 +29,10 @@ class InputScale:
 
     magnitude: float  # largest |x| of every float input
     meaning: str  # what inputs have that magnitude, e.g. "8-bit pixel values"
-    finite: bool | None  # None: not judged (the FP32 model is not finite there, or does not run)
-    origin: str | None = None  # where non-finite values start, when not finite
+    finite: bool | None  # None: not judged (the FP32 model overflows there too, or does not run)
+    origin: str | None = None  # where non-finite values start (or why it did not run), when not finite
+    inputs: tuple[str, ...] = ()  # the inputs scaled
+    ran: bool = True  # False: the emulated converted model failed to run there (FP32 ran)
 
 
 @dataclass

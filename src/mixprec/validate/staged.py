@@ -222,7 +222,7 @@ def _run_check(
         origin = _nan_origin_note(reference, path, nonfinite_feeds, target)
         result.notes.append(origin)
     elif data is None:
-        result.input_scales = _input_scales(reference_session, candidate, batches[0][0], reference, path, target)
+        result.input_scales = _input_scales(reference_session, candidate, batches[0], reference, path, target)
     if tolerance is not None:
         _raise_beyond_tolerance(result, tolerance, origin)
     else:
@@ -372,55 +372,63 @@ def _compare_emulated(
 
 
 def _input_scales(
-    reference_session: object, candidate: object, feeds: Batch, reference: Path, path: Path, target: LowPrecision
+    reference_session: object, candidate: object, batch: tuple[Batch, dict[str, np.ndarray]],
+    reference: Path, path: Path, target: LowPrecision,
 ) -> list[InputScale]:
-    """Generated `feeds` scaled to each of :data:`_INPUT_MAGNITUDES` in turn, run by the FP32 and
-    the emulated converted model, until the converted one is not finite where the FP32 one is
-    (then where that starts) or the FP32 one stops being finite itself. Empty when the model
-    has no float input."""
+    """The generated `batch` (feeds, FP32 outputs) scaled to each of :data:`_INPUT_MAGNITUDES`
+    in turn, run by the FP32 and the emulated converted model, until the converted one is not
+    finite where the FP32 one is (then where that starts) or the FP32 one gains non-finite
+    values itself (not judged). Empty when the model has no float input."""
+    feeds, unscaled = batch
+    baseline = _nonfinite(unscaled)
     checks: list[InputScale] = []
     for magnitude, meaning in _INPUT_MAGNITUDES:
-        scaled = _scaled_float_inputs(feeds, magnitude)
-        if scaled is None:
+        scaled, names = _scaled_float_inputs(feeds, magnitude)
+        if not names:
             break
         try:
             expected = sessions.run_session(reference_session, scaled)  # type: ignore[arg-type]
-            actual = sessions.run_session(candidate, scaled)  # type: ignore[arg-type]
-            comparison = compare.compare_outputs(expected, actual)
         except RunError:
-            checks.append(InputScale(magnitude, meaning, None))
+            checks.append(InputScale(magnitude, meaning, None, inputs=names))
             break
-        if not _all_finite(expected):
-            checks.append(InputScale(magnitude, meaning, None))  # the FP32 model overflows too
+        if _nonfinite(expected) > baseline:  # the FP32 model overflows there too
+            checks.append(InputScale(magnitude, meaning, None, inputs=names))
             break
-        if any(c.new_nonfinite for c in comparison):
-            checks.append(InputScale(magnitude, meaning, False, _nan_origin_note(reference, path, scaled, target)))
+        try:
+            actual = sessions.run_session(candidate, scaled)  # type: ignore[arg-type]
+        except RunError as e:
+            origin = f"the emulated converted model does not run there: {e}"
+            checks.append(InputScale(magnitude, meaning, False, origin, inputs=names, ran=False))
             break
-        checks.append(InputScale(magnitude, meaning, True))
+        if any(c.new_nonfinite for c in compare.compare_outputs(expected, actual)):
+            origin = _nan_origin_note(reference, path, scaled, target)
+            checks.append(InputScale(magnitude, meaning, False, origin, inputs=names))
+            break
+        checks.append(InputScale(magnitude, meaning, True, inputs=names))
     return checks
 
 
-def _all_finite(outputs: Mapping[str, np.ndarray]) -> bool:
-    """Whether every float output holds finite values only."""
-    return all(
-        bool(np.isfinite(array).all())
+def _nonfinite(outputs: Mapping[str, np.ndarray]) -> int:
+    """Non-finite elements of the float outputs."""
+    return sum(
+        int(array.size - np.count_nonzero(np.isfinite(array)))
         for array in map(np.asarray, outputs.values())
         if array.dtype.kind in "fc"
     )
 
 
-def _scaled_float_inputs(feeds: Batch, magnitude: float) -> dict[str, np.ndarray] | None:
-    """`feeds` with every float input scaled so that its largest |x| is `magnitude` (None when
-    no input is a float tensor)."""
+def _scaled_float_inputs(feeds: Batch, magnitude: float) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
+    """`feeds` with every float input scaled so that its largest |x| is `magnitude`, and the
+    names of the inputs scaled (none: no input is a float tensor with a non-zero value)."""
     scaled = dict(feeds)
-    found = False
+    names = []
     for name, array in feeds.items():
         if isinstance(array, np.ndarray) and array.dtype.kind == "f" and array.size:
             peak = float(np.max(np.abs(array.astype(np.float32))))
             if peak > 0 and math.isfinite(peak):
                 scaled[name] = (array.astype(np.float32) * (magnitude / peak)).astype(array.dtype)
-                found = True
-    return scaled if found else None
+                names.append(name)
+    return scaled, tuple(names)
 
 
 def _raise_beyond_tolerance(result: Validation, tolerance: tuple[float, float], origin: str | None) -> None:
@@ -482,12 +490,13 @@ def _openvino_check(
     try:
         fp32 = openvino_runner.OpenVinoSession(reference, precision="f32")
     except MixprecError as e:
-        return f"OpenVINO cannot load the FP32 model either ({e})"
+        return f"OpenVINO cannot load the FP32 model ({e}), so the converted one was not run there"
     try:
         expected = [fp32.run(feeds) for feeds, _ in batches]
     except MixprecError as e:
-        where = "on generated inputs " if generated else ""
-        return f"OpenVINO cannot run the FP32 model {where}({e}); {_PASS_DATA}"
+        if generated:
+            return f"OpenVINO cannot run the FP32 model on generated inputs ({e}); {_PASS_DATA}"
+        return f"OpenVINO cannot run the FP32 model on the data ({e})"
     try:
         converted = _openvino_session(openvino_runner, path, result, quantized=quantized)
         merged = None
@@ -627,7 +636,8 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
         if not _batch_sized(specs):
             break  # no leading dimension to shrink: a second climb would repeat the first
     result.runtime = "reference-fails"
-    why = first_climb[-1].split(": ", 1)[1] if first_climb else "inputs too large to generate"
+    told = first_climb or errors  # the usual batch's failure; batch 1's when that one had none
+    why = told[-1].split(": ", 1)[1] if told else "inputs too large to generate"
     _unchecked(result, f"not checked: the FP32 model fails on generated inputs ({why}); {_PASS_DATA}")
 
 
