@@ -183,3 +183,20 @@ def test_a_batch_tied_to_a_fixed_size_is_generated_as_1(tmp_path: Path) -> None:
     assert validation.numerics.startswith("checked"), validation.numerics
     assert any("(1 for leading ones; with 2 the FP32 model fails)" in n for n in validation.notes), validation.notes
     assert validation.outputs[0].max_abs_error < 1e-2
+
+
+def test_the_overflow_origin_is_located_only_in_small_graphs(tmp_path: Path) -> None:
+    """Locating where non-finite values start runs the model once per chunk of intermediate
+    values: beyond 200 nodes the probe says at which magnitude the model overflows, not where."""
+    ones = numpy_helper.from_array(np.ones((64, 4), dtype=np.float32), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["r0"], name="sum")]
+    nodes += [helper.make_node("Relu", [f"r{i}"], [f"r{i + 1}"], name=f"relu{i}") for i in range(210)]
+    graph = helper.make_graph(
+        nodes, "long",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+        [helper.make_tensor_value_info("r210", TensorProto.FLOAT, [2, 4])], [ones],
+    )
+    result = mixprec.convert(_save(graph, tmp_path / "m.onnx"), tmp_path / "o.onnx")
+    scales = result.report.validation.input_scales
+    assert [(s.magnitude, s.finite, s.origin) for s in scales] == [(255.0, True, None), (32767.0, False, None)]
+    assert "to 32767 (16-bit audio samples): inf/NaN where FP32 is finite" in result.report.format_text()
