@@ -312,7 +312,17 @@ def _tensor_bytes(tensor: Any) -> bytes | None:  # noqa: ANN401 - an onnx_ir ten
     if head is None:
         return None
     name = _TAGS[_TENSOR_NAME] + _field_bytes(tensor.name.encode()) if tensor.name else b""
-    return head + name + _TAGS[_TENSOR_RAW_DATA] + _field_bytes(tensor.tobytes())
+    return head + name + _TAGS[_TENSOR_RAW_DATA] + _field_bytes(_raw_bytes(tensor))
+
+
+def _raw_bytes(tensor: Any) -> bytes:  # noqa: ANN401 - an onnx_ir tensor
+    """`tensor.tobytes()`; for a lazy tensor whose function gives its bytes itself (mixprec's
+    16-bit copies), from that function, without the tensor object in between."""
+    if type(tensor) is ir.LazyTensor:
+        direct = getattr(getattr(tensor, "_func", None), "tobytes", None)
+        if direct is not None:
+            return direct()
+    return tensor.tobytes()
 
 
 def _dims_and_type(tensor: Any) -> bytes | None:  # noqa: ANN401 - an onnx_ir tensor

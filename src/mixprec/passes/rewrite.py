@@ -94,6 +94,16 @@ class _CastLoad:
         self.tensor, self.target, self.saturate, self.shape, self.name = tensor, target, saturate, shape, name
 
     def __call__(self) -> ir.TensorProtocol:
+        return ir.Tensor(self.array(), name=self.name)
+
+    def tobytes(self) -> bytes:
+        """The 16-bit copy's bytes, as its tensor's `tobytes` gives them (a writer's fast path:
+        no tensor object for each of tens of thousands of small weights)."""
+        array = self.array()
+        return (array if array.dtype.byteorder != ">" else array.byteswap()).tobytes()
+
+    def array(self) -> np.ndarray:
+        """The 16-bit copy as an array."""
         limit = self.target.limits.max
         if math.prod(self.shape) <= _WHOLE_ELEMENTS:  # the common small weight: one read, one cast
             tensor = self.tensor
@@ -101,7 +111,7 @@ class _CastLoad:
             whole = float32_values(tensor) if inline_float else read_array(tensor)
             if self.saturate:
                 whole = np.clip(whole, -limit, limit)
-            return ir.Tensor(whole.astype(self.target.numpy_dtype).reshape(self.shape), name=self.name)
+            return whole.astype(self.target.numpy_dtype).reshape(self.shape)
         out = np.empty(math.prod(self.shape), dtype=self.target.numpy_dtype)
         offset = 0
         for chunk in iter_chunks(self.tensor):
@@ -109,7 +119,7 @@ class _CastLoad:
                 chunk = np.clip(chunk, -limit, limit)
             out[offset : offset + chunk.size] = chunk.astype(out.dtype)
             offset += chunk.size
-        return ir.Tensor(out.reshape(self.shape), name=self.name)
+        return out.reshape(self.shape)
 
 
 class _Rewriter:
