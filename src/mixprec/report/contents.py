@@ -266,19 +266,15 @@ class Report:
 
 
 def input_scale_text(checks: Sequence[InputScale], target: str) -> str:
-    """E.g. "generated inputs scaled to |x| up to 255 (8-bit pixel values): finite; to 32767
-    (16-bit audio samples): inf/NaN where FP32 is finite; ..." """
-    parts = []
+    """E.g. "generated inputs (x) scaled to |x| up to 255 (8-bit pixel values): finite; to 32767
+    (16-bit audio samples): inf/NaN where FP32 is finite; if real inputs ..." """
     names = checks[0].inputs
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    for index, check in enumerate(checks):
-        size = f"{f'generated inputs ({shown}) scaled to |x| up to ' if index == 0 else 'to '}{check.magnitude:g} ({check.meaning})"
-        outcome = {
-            True: "finite",
-            False: "inf/NaN where FP32 is finite" if check.ran else "the converted model fails where FP32 runs",
-            None: "not judged (FP32 overflows there too, or does not run)",
-        }
-        parts.append(f"{size}: {outcome[check.finite]}")
+    parts = [
+        f"{f'generated inputs ({shown}) scaled to |x| up to ' if index == 0 else 'to '}"
+        f"{check.magnitude:g} ({check.meaning}): {_scale_outcome(check)}"
+        for index, check in enumerate(checks)
+    ]
     text = "; ".join(parts)
     if any(check.finite is False for check in checks):
         text += (
@@ -286,6 +282,14 @@ def input_scale_text(checks: Sequence[InputScale], target: str) -> str:
             "range then stay FP32"
         )
     return text
+
+
+def _scale_outcome(check: InputScale) -> str:
+    if check.finite is None:
+        return "not judged (FP32 overflows there too, or does not run)"
+    if check.finite:
+        return "finite"
+    return "inf/NaN where FP32 is finite" if check.ran else "the converted model fails where FP32 runs"
 
 
 class _PendingGraph:

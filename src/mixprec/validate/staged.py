@@ -609,33 +609,18 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
     del proto
     first_climb: list[str] = []  # the failures with the usual batch, told when both climbs fail
     for largest_batch in (_GENERATED_BATCH, 1):
-        errors: list[str] = []
-        for size in _DIM_LADDER:
-            batch = min(size, largest_batch)
-            try:
-                shapes = data_mod.generated_shapes(specs, dim_value=size, batch_value=batch)
-            except InputError as e:
-                _unchecked(result, f"not checked: {e}; {_PASS_DATA}")
-                return
-            if sum(math.prod(shape) for shape in shapes.values()) > _MAX_GENERATED_ELEMENTS:
-                break  # checked before allocating: memory stays bounded
-            feeds = data_mod.generate_inputs(specs, seed=0, dim_value=size, batch_value=batch)
-            try:
-                expected = sessions.run_session(session, feeds)  # type: ignore[arg-type]
-            except (RunError, InputError) as e:
-                errors.append(f"{size}: {e}")
-                recent = {error.split(": ", 1)[1] for error in errors[-_SAME_FAILURES:]}
-                if len(errors) >= _SAME_FAILURES and len(recent) == 1:
-                    break  # the same failure at that many sizes: larger inputs will not help
-                if first_climb and str(e) == first_climb[-1].split(": ", 1)[1]:
-                    break  # batch 1 fails as batch 2 did: the batch is not the cause
-                continue
+        try:
+            found, errors = _climb(specs, session, largest_batch, stop_at=first_climb[-1:])
+        except InputError as e:
+            _unchecked(result, f"not checked: {e}; {_PASS_DATA}")
+            return
+        if found is not None:
+            feeds, expected, size, batch = found
             if size != _DIM_LADDER[0] or largest_batch != _GENERATED_BATCH:
-                result.notes.append(
-                    f"generated inputs use {size} for symbolic dimensions ({batch} for leading ones; "
-                    + ("smaller ones fail in the FP32 model)" if largest_batch == _GENERATED_BATCH
-                       else f"with {_GENERATED_BATCH} the FP32 model fails)")
+                why = "smaller ones fail in the FP32 model" if largest_batch == _GENERATED_BATCH else (
+                    f"with {_GENERATED_BATCH} the FP32 model fails"
                 )
+                result.notes.append(f"generated inputs use {size} for symbolic dimensions ({batch} for leading ones; {why})")
             yield feeds, expected
             return
         first_climb = first_climb or errors
@@ -645,6 +630,33 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
     told = first_climb or errors  # the usual batch's failure; batch 1's when that one had none
     why = told[-1].split(": ", 1)[1] if told else "inputs too large to generate"
     _unchecked(result, f"not checked: the FP32 model fails on generated inputs ({why}); {_PASS_DATA}")
+
+
+def _climb(
+    specs: Sequence[data_mod.InputSpec], session: object, largest_batch: int, stop_at: Sequence[str]
+) -> tuple[tuple[Batch, dict[str, np.ndarray], int, int] | None, list[str]]:
+    """Generated inputs of growing sizes, leading dimensions at most `largest_batch`, until the
+    FP32 model runs: (feeds, FP32 outputs, size, batch), or None, and the failures ("size:
+    error") met on the way. Stops when a failure repeats at three sizes, when one equals the
+    error of `stop_at` (the same failure as another batch: the batch is not the cause), or
+    before inputs above the element cap. Raises InputError when inputs cannot be generated."""
+    errors: list[str] = []
+    stop = {error.split(": ", 1)[1] for error in stop_at}
+    for size in _DIM_LADDER:
+        batch = min(size, largest_batch)
+        shapes = data_mod.generated_shapes(specs, dim_value=size, batch_value=batch)
+        if sum(math.prod(shape) for shape in shapes.values()) > _MAX_GENERATED_ELEMENTS:
+            break  # checked before allocating: memory stays bounded
+        feeds = data_mod.generate_inputs(specs, seed=0, dim_value=size, batch_value=batch)
+        try:
+            return (feeds, sessions.run_session(session, feeds), size, batch), errors  # type: ignore[arg-type]
+        except (RunError, InputError) as e:
+            message = str(e)
+        errors.append(f"{size}: {message}")
+        recent = {error.split(": ", 1)[1] for error in errors[-_SAME_FAILURES:]}
+        if (len(errors) >= _SAME_FAILURES and len(recent) == 1) or message in stop:
+            break  # larger inputs will not help
+    return None, errors
 
 
 def _batch_sized(specs: Sequence[data_mod.InputSpec]) -> bool:
