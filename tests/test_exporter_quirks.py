@@ -164,7 +164,7 @@ def _repair_with_a_fusion_failure(
     import mixprec.validate.staged  # noqa: PLC0415
     from mixprec.runtime.isolated import RuntimeOutcome  # noqa: PLC0415
 
-    def fake_runtime(path, feeds=None):  # type: ignore[no-untyped-def]
+    def fake_runtime(path, feeds=None, **_options):  # type: ignore[no-untyped-def]
         converted = onnx.load(str(path), load_external_data=False)
         declared_types.append(len(converted.graph.value_info))
         weights = {i.name: i.data_type for i in converted.graph.initializer}

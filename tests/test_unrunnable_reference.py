@@ -5,6 +5,8 @@ DequantizeLinear scale of the wrong rank): the conversion ends with "numerics no
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -56,10 +58,10 @@ def test_reference_that_cannot_run_is_unchecked_with_bounded_inputs(
     err = capsys.readouterr().err
     assert "numerics not checked: the FP32 model fails on generated inputs" in err
     assert "scale must be 1D" in err and "/onnxruntime_src/" not in err
-    # The failure does not depend on the input size: the retry stops after it repeats at three
-    # sizes, then one try at batch 1 fails alike and ends it; the batch dimension never grows,
-    # and no try allocates more than the cap.
-    assert [shapes["x"][0] for shapes in generated] == [2, 2, 2, 1], generated
+    # The failure does not depend on the input size: every size up to the element cap fails
+    # (each tried first in the child process), then one try at batch 1 fails alike and ends it;
+    # the batch dimension never grows, and no try allocates more than the cap.
+    assert [shapes["x"][0] for shapes in generated] == [2, 2, 2, 2, 1], generated
     assert all(math.prod(shapes["x"]) <= 1 << 23 for shapes in generated)
 
 
@@ -105,3 +107,52 @@ def test_generated_sizes_grow_past_a_failure_small_inputs_share(tmp_path: Path) 
     v = result.report.validation
     assert v.runtime != "reference-fails" and v.outputs, v.notes
     assert any("generated inputs use 128 for symbolic dimensions" in note for note in v.notes)
+
+
+def _framing_model(path: Path) -> None:
+    """An audio front end that frames samples with a Scan (64 samples carried, 64 new per frame),
+    as onnx_asr's feature extractors do, then a projection: onnxruntime dies with SIGFPE on a
+    signal shorter than one frame (a Scan over a zero-length axis)."""
+    c = lambda name, value: numpy_helper.from_array(np.array(value, np.int64), name)  # noqa: E731
+    body = helper.make_graph(
+        [
+            helper.make_node("Concat", ["prev", "curr"], ["frame"], axis=-1),
+            helper.make_node("Slice", ["frame", "hop", "big", "one"], ["next"]),
+        ],
+        "body",
+        [helper.make_tensor_value_info("prev", TensorProto.FLOAT, [2, 64]),
+         helper.make_tensor_value_info("curr", TensorProto.FLOAT, [2, 64])],
+        [helper.make_tensor_value_info("next", TensorProto.FLOAT, [2, 64]),
+         helper.make_tensor_value_info("frame", TensorProto.FLOAT, [2, 128])],
+        [c("hop", [64]), c("big", [1 << 62]), c("one", [1])],
+    )
+    weight = numpy_helper.from_array(np.random.default_rng(0).normal(0, 0.05, (128, 8)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Slice", ["x", "zero", "w0", "axis1"], ["x0"]),
+            helper.make_node("Slice", ["x", "w0", "end", "axis1"], ["rest"]),
+            helper.make_node("Reshape", ["rest", "shape"], ["chunks"]),
+            helper.make_node("Scan", ["x0", "chunks"], ["last", "frames"], body=body, num_scan_inputs=1,
+                             scan_input_axes=[1], scan_output_axes=[1]),
+            helper.make_node("MatMul", ["frames", "w"], ["y"], name="project"),
+        ],
+        "framing", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, "N"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, "F", 8])],
+        [c("zero", [0]), c("w0", [64]), c("end", [1 << 62]), c("axis1", [1]), c("shape", [0, -1, 64]), weight],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+def test_generated_inputs_that_crash_the_fp32_model_are_a_failed_size_not_the_end(tmp_path: Path) -> None:
+    """onnxruntime crashes (SIGFPE) on the FP32 model for the small generated sizes: each size
+    is tried in the child process first, so the conversion goes on to the size that runs and
+    checks the numerics there. Run as a command, so a regression fails this test only."""
+    source = tmp_path / "framing.onnx"
+    _framing_model(source)
+    done = subprocess.run(
+        [sys.executable, "-m", "mixprec", "convert", str(source), str(tmp_path / "out.onnx")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "generated inputs use 128 for symbolic dimensions" in done.stdout, done.stdout
+    assert "numerics: checked on 1 batch(es)" in done.stdout

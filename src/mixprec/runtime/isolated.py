@@ -6,7 +6,8 @@ created in a child Python process with onnxruntime's default options; a crash co
 outcome naming the signal instead of killing the converter.
 
 The child (`python -m mixprec.runtime.isolated`) lives on between checks and answers one JSON
-request per line: `[MODEL]` or `[MODEL, FEEDS.npz, OUT.npz]` (`""` for both: load only),
+request per line: `[MODEL]` or `[MODEL, FEEDS.npz, OUT.npz]` (`""` for both: load only; `""` for
+OUT.npz: run without sending the outputs back),
 optionally followed by session config entries (`{"session.disable_quant_qdq": "1"}`) for a
 diagnosis beside the default run.
 """
@@ -122,9 +123,11 @@ def run_isolated(
     *,
     timeout: float = _TIMEOUT_S,
     config: Mapping[str, str] | None = None,
+    keep_outputs: bool = True,
 ) -> RuntimeOutcome:
     """Create an onnxruntime CPU session for `model_path` in a child process, with default
-    options plus the session `config` entries, and with `feeds` run it once."""
+    options plus the session `config` entries, and with `feeds` run it once (its outputs come
+    back unless `keep_outputs` is False: whether it runs is the question)."""
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="mixprec-child-") as tmp:
         arguments: list[str | dict[str, str]] = [str(Path(model_path).resolve())]
@@ -132,7 +135,7 @@ def run_isolated(
         if feeds is not None:
             feeds_path = Path(tmp) / "feeds.npz"
             np.savez(feeds_path, **{k: np.asarray(v) for k, v in feeds.items()})
-            arguments += [str(feeds_path), str(out_path)]
+            arguments += [str(feeds_path), str(out_path) if keep_outputs else ""]
         else:
             arguments += ["", ""]
         if config:
@@ -176,7 +179,7 @@ def _child(argv: list[str | dict[str, str]]) -> dict:
         return status
     status["loaded"] = True
     if len(paths) < 3 or not paths[1]:
-        return status
+        return status  # load only
     with np.load(paths[1]) as archive:
         feeds = {name: archive[name] for name in archive.files}
     try:
@@ -184,7 +187,8 @@ def _child(argv: list[str | dict[str, str]]) -> dict:
     except MixprecError as e:
         status["error"] = str(e)
         return status
-    np.savez(paths[2], **{k: _savable(v) for k, v in outputs.items()})
+    if paths[2]:
+        np.savez(paths[2], **{k: _savable(v) for k, v in outputs.items()})
     status["ran"] = True
     return status
 

@@ -43,9 +43,6 @@ Batch = Mapping[str, np.ndarray]
 _DIM_LADDER = (2, 16, 128, 1024, 4096)
 # A generated input larger than this is not tried.
 _MAX_GENERATED_ELEMENTS = 1 << 23  # all generated inputs of one try together
-# The ladder stops when this many sizes in a row fail the same way: two do not suffice, since a
-# detector whose feature maps must halve five times fails alike at 2 and 16 and runs at 128.
-_SAME_FAILURES = 3
 # Leading (batch) dimensions of generated inputs stay this small while the others grow.
 _GENERATED_BATCH = 2
 _PASS_DATA = "pass --data"
@@ -601,7 +598,7 @@ def _data_batches(
 
 def _generated_batch(reference: Path, session: object, result: Validation) -> Iterator[tuple[Batch, dict[str, np.ndarray]]]:
     """One generated batch and its FP32 outputs: symbolic dimensions grow along the ladder until
-    the FP32 model runs (memory bounded; stops when three sizes in a row fail the same way).
+    the FP32 model runs (memory bounded; see `_climb`).
     Leading dimensions take 2; when no size runs that way, the ladder is climbed again with 1
     (a model whose batch must match a fixed size elsewhere, e.g. a recurrent state of batch 1)."""
     proto = onnx.load(str(reference), load_external_data=False)
@@ -610,7 +607,7 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
     first_climb: list[str] = []  # the failures with the usual batch, told when both climbs fail
     for largest_batch in (_GENERATED_BATCH, 1):
         try:
-            found, errors = _climb(specs, session, largest_batch, stop_at=first_climb[-1:])
+            found, errors = _climb(specs, reference, session, largest_batch, stop_at=first_climb[-1:])
         except InputError as e:
             _unchecked(result, f"not checked: {e}; {_PASS_DATA}")
             return
@@ -633,13 +630,15 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
 
 
 def _climb(
-    specs: Sequence[data_mod.InputSpec], session: object, largest_batch: int, stop_at: Sequence[str]
+    specs: Sequence[data_mod.InputSpec], reference: Path, session: object, largest_batch: int, stop_at: Sequence[str]
 ) -> tuple[tuple[Batch, dict[str, np.ndarray], int, int] | None, list[str]]:
     """Generated inputs of growing sizes, leading dimensions at most `largest_batch`, until the
     FP32 model runs: (feeds, FP32 outputs, size, batch), or None, and the failures ("size:
-    error") met on the way. Stops when a failure repeats at three sizes, when one equals the
-    error of `stop_at` (the same failure as another batch: the batch is not the cause), or
-    before inputs above the element cap. Raises InputError when inputs cannot be generated."""
+    error") met on the way. Each size is tried first in the child process (`run_isolated`): a
+    generated length of 0 or 1 can make the FP32 model itself crash (an integer division by
+    zero); only feeds it ran on are run in this process. A size failing with the error of
+    `stop_at` ends the climb (the same failure as another batch: the batch is not the cause), as
+    do inputs above the element cap. Raises InputError when inputs cannot be generated."""
     errors: list[str] = []
     stop = {error.split(": ", 1)[1] for error in stop_at}
     for size in _DIM_LADDER:
@@ -648,13 +647,15 @@ def _climb(
         if sum(math.prod(shape) for shape in shapes.values()) > _MAX_GENERATED_ELEMENTS:
             break  # checked before allocating: memory stays bounded
         feeds = data_mod.generate_inputs(specs, seed=0, dim_value=size, batch_value=batch)
+        trial = run_isolated(reference, feeds, keep_outputs=False)
         try:
+            if trial.crashed:
+                raise RunError(f"onnxruntime crashes on the FP32 model: {trial.error}")
             return (feeds, sessions.run_session(session, feeds), size, batch), errors  # type: ignore[arg-type]
         except (RunError, InputError) as e:
             message = str(e)
         errors.append(f"{size}: {message}")
-        recent = {error.split(": ", 1)[1] for error in errors[-_SAME_FAILURES:]}
-        if (len(errors) >= _SAME_FAILURES and len(recent) == 1) or message in stop:
+        if message in stop:
             break  # larger inputs will not help
     return None, errors
 
