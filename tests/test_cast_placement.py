@@ -325,3 +325,28 @@ def test_a_normalization_between_fp32_products_stays_fp32_instead_of_two_casts()
     result, out = convert(model, runtime="ort-cuda")
     assert result.report.low_by_op.get("LayerNormalization") == 1 and result.report.low_by_op.get("Gemm") == 2
     assert_matches_fp32(model, out, random_feeds(model), target="float16")
+
+
+def test_a_dead_cast_of_the_model_does_not_become_a_normalization_input() -> None:
+    """A model's own Cast whose output nothing reads is not taken as the FP32 copy of its input
+    for a normalization the placement keeps FP32: it would become that normalization's input,
+    and converting the result again would decide the normalization differently."""
+    model = parse(f"""{HEADER}
+agraph (float[4,4] x) => (float[4,4] h, float[4,4] n)
+<float[4,4] w = {W44}, float[4] g = {{1, 0.5, 2, 1}}, float[4] b = {{0, 0.1, 0, -0.1}}>
+{{
+  m = MatMul(x, w)
+  h = Relu(m)
+  n = LayerNormalization<axis = -1>(h, g, b)
+  dead = Cast<to = 1>(h)
+}}
+""")
+    result, out = convert(model)
+    assert _category(result, "LayerNormalization") == "placed by cast cost"
+    (norm,) = [n for n in out.graph.node if n.op_type == "LayerNormalization"]
+    assert norm.input[0] != "dead"
+    again_result, again = convert(out)
+    assert [(n.op_type, list(n.input), list(n.output)) for n in again.graph.node] == [
+        (n.op_type, list(n.input), list(n.output)) for n in out.graph.node
+    ]
+    assert_matches_fp32(model, out, random_feeds(model), target="float16")

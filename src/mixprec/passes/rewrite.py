@@ -257,11 +257,15 @@ class _Rewriter:
 
     def _seed_cache_with_existing_casts(self) -> None:
         """The model's own Casts between FP32 and the 16-bit type (as they stand after
-        retargeting) serve as the shared Cast of their input to that type."""
+        retargeting) serve as the shared Cast of their input to that type; not one whose output
+        nothing reads (it would become the input of nodes that never read it, and converting
+        the result again would decide them differently)."""
         for node in self.plan.order:
             if node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or not node.inputs:
                 continue
             source, out = node.inputs[0], node.outputs[0]
+            if not out.uses() and not out.is_graph_output():
+                continue
             to = node.attributes.get("to")
             if source is None or to is None or source not in self.fp32:
                 continue
