@@ -200,3 +200,38 @@ def test_the_overflow_origin_is_located_only_in_small_graphs(tmp_path: Path) -> 
     scales = result.report.validation.input_scales
     assert [(s.magnitude, s.finite, s.origin) for s in scales] == [(255.0, True, None), (32767.0, False, None)]
     assert "to 32767 (16-bit audio samples): inf/NaN where FP32 is finite" in result.report.format_text()
+
+
+def test_a_string_input_is_generated_and_checked_through_the_child_process(tmp_path: Path) -> None:
+    """The child process that first tries each generated size reads string inputs (object
+    arrays) too, so a model with one is checked as before."""
+    weight = numpy_helper.from_array(np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Identity", ["tag"], ["tag_out"])],
+        "tagged",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+         helper.make_tensor_value_info("tag", TensorProto.STRING, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3]),
+         helper.make_tensor_value_info("tag_out", TensorProto.STRING, [2])],
+        [weight],
+    )
+    result = mixprec.convert(_save(graph, tmp_path / "m.onnx"), tmp_path / "o.onnx")
+    assert result.report.validation.numerics.startswith("checked"), result.report.validation.numerics
+    assert result.report.low_by_op.get("MatMul") == 1
+
+
+def test_a_child_process_that_cannot_start_leaves_the_check_in_process(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Where no child process can be started (an embedded interpreter), the generated sizes run
+    in this process as before; the report says the runtime load was not checked there."""
+    from mixprec.runtime import isolated  # noqa: PLC0415
+
+    monkeypatch.setattr(isolated.sys, "executable", str(tmp_path / "no-python-here"))
+    isolated._WORKER.stop()
+    try:
+        result = mixprec.convert(_summing_model(tmp_path / "m.onnx", op="Relu"), tmp_path / "o.onnx")
+    finally:
+        isolated._WORKER.stop()
+    validation = result.report.validation
+    assert validation.numerics.startswith("checked"), validation.numerics
+    assert validation.outputs and validation.outputs[0].nan_count == 0
+    assert any("cannot be started" in n and "was not checked" in n for n in validation.notes), validation.notes

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -317,12 +318,16 @@ def _tensor_bytes(tensor: Any) -> bytes | None:  # noqa: ANN401 - an onnx_ir ten
 
 def _raw_bytes(tensor: Any) -> bytes:  # noqa: ANN401 - an onnx_ir tensor
     """`tensor.tobytes()`; for a lazy tensor whose function gives its bytes itself (mixprec's
-    16-bit copies), from that function, without the tensor object in between."""
-    if type(tensor) is ir.LazyTensor:
-        direct = getattr(getattr(tensor, "_func", None), "tobytes", None)
+    16-bit copies) on a little-endian machine (ONNX's order), from that function, without
+    the tensor object in between."""
+    if type(tensor) is ir.LazyTensor and _LITTLE_ENDIAN:
+        direct = getattr(tensor.raw, "tobytes", None)
         if direct is not None:
             return direct()
     return tensor.tobytes()
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def _dims_and_type(tensor: Any) -> bytes | None:  # noqa: ANN401 - an onnx_ir tensor

@@ -97,10 +97,9 @@ class _CastLoad:
         return ir.Tensor(self.array(), name=self.name)
 
     def tobytes(self) -> bytes:
-        """The 16-bit copy's bytes, as its tensor's `tobytes` gives them (a writer's fast path:
-        no tensor object for each of tens of thousands of small weights)."""
-        array = self.array()
-        return (array if array.dtype.byteorder != ">" else array.byteswap()).tobytes()
+        """The 16-bit copy's bytes in this machine's order (a writer's fast path on
+        little-endian machines: no tensor object for each of tens of thousands of small weights)."""
+        return self.array().tobytes()
 
     def array(self) -> np.ndarray:
         """The 16-bit copy as an array."""

@@ -46,6 +46,8 @@ class RuntimeOutcome:
         crashed: The child died from a signal (segfault, abort) or hung.
         outputs: The outputs by name when it ran (bfloat16 as float32).
         seconds: Wall time of the child, Python start included.
+        death: How the child ended when `crashed`: "signal", "hung", "exit" (it exited without
+            answering) or "start" (it could not be started).
     """
 
     loaded: bool
@@ -54,6 +56,7 @@ class RuntimeOutcome:
     crashed: bool
     outputs: dict[str, np.ndarray] | None
     seconds: float
+    death: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -89,9 +92,12 @@ class _Worker:
             self.process.wait()
         self.process = None
 
-    def request(self, arguments: list[str | dict[str, str]], timeout: float) -> dict | str:
-        """The child's JSON answer, or how it died."""
-        process = self._start()
+    def request(self, arguments: list[str | dict[str, str]], timeout: float) -> dict | tuple[str, str]:
+        """The child's JSON answer, or how it died: (message, "signal" | "hung" | "exit" | "start")."""
+        try:
+            process = self._start()
+        except OSError as e:
+            return f"the onnxruntime child process cannot be started ({e})", "start"
         assert process.stdin is not None and process.stdout is not None
         try:
             process.stdin.write(json.dumps(arguments) + "\n")
@@ -105,12 +111,12 @@ class _Worker:
             return answer
         if not ready:
             self.stop()
-            return f"onnxruntime hung (no answer in {timeout:.0f} s)"
+            return f"onnxruntime hung (no answer in {timeout:.0f} s)", "hung"
         code = process.wait()
         self.process = None
         if code < 0:
-            return f"onnxruntime crashed ({signal.Signals(-code).name})"
-        return f"onnxruntime child exited with code {code}"
+            return f"onnxruntime crashed ({signal.Signals(-code).name})", "signal"
+        return f"onnxruntime child exited with code {code}", "exit"
 
 
 _WORKER = _Worker()
@@ -142,11 +148,13 @@ def run_isolated(
             arguments.append(dict(config))
         answer = _WORKER.request(arguments, timeout)
         seconds = time.perf_counter() - start
-        if isinstance(answer, str):
-            return RuntimeOutcome(False, False, answer, True, None, seconds)
+        if isinstance(answer, tuple):
+            message, death = answer
+            return RuntimeOutcome(False, False, message, True, None, seconds, death)
         outputs = None
         if answer.get("ran") and out_path.is_file():
-            with np.load(out_path) as archive:
+            # String outputs are object arrays; the file is this process's own.
+            with np.load(out_path, allow_pickle=True) as archive:
                 outputs = {name: archive[name] for name in archive.files}
         return RuntimeOutcome(
             bool(answer.get("loaded")), bool(answer.get("ran")), answer.get("error"), False, outputs, seconds
@@ -180,8 +188,12 @@ def _child(argv: list[str | dict[str, str]]) -> dict:
     status["loaded"] = True
     if len(paths) < 3 or not paths[1]:
         return status  # load only
-    with np.load(paths[1]) as archive:
-        feeds = {name: archive[name] for name in archive.files}
+    try:
+        with np.load(paths[1], allow_pickle=True) as archive:  # string inputs are object arrays
+            feeds = {name: archive[name] for name in archive.files}
+    except (OSError, ValueError) as e:
+        status["error"] = f"the feeds cannot be read: {e}"
+        return status
     try:
         outputs = sessions.run_session(session, feeds)
     except MixprecError as e:

@@ -158,6 +158,9 @@ def _runtime_check(
     )
     if outcome.ok:
         return outcome
+    if outcome.death == "start":
+        result.notes.append(f"{outcome.error}: the load with onnxruntime's default options was not checked")
+        return outcome
     if loads_as_validated(outcome, target):
         result.runtime = "no cpu kernels"
         result.notes.append(
@@ -629,34 +632,47 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
     _unchecked(result, f"not checked: the FP32 model fails on generated inputs ({why}); {_PASS_DATA}")
 
 
+# How a failed size of generated inputs reads when onnxruntime crashed on the FP32 model.
+_CRASH = "onnxruntime crashes on the FP32 model"
+
+
 def _climb(
     specs: Sequence[data_mod.InputSpec], reference: Path, session: object, largest_batch: int, stop_at: Sequence[str]
 ) -> tuple[tuple[Batch, dict[str, np.ndarray], int, int] | None, list[str]]:
     """Generated inputs of growing sizes, leading dimensions at most `largest_batch`, until the
     FP32 model runs: (feeds, FP32 outputs, size, batch), or None, and the failures ("size:
-    error") met on the way. Each size is tried first in the child process (`run_isolated`): a
-    generated length of 0 or 1 can make the FP32 model itself crash (an integer division by
-    zero); only feeds it ran on are run in this process. A size failing with the error of
-    `stop_at` ends the climb (the same failure as another batch: the batch is not the cause), as
-    do inputs above the element cap. Raises InputError when inputs cannot be generated."""
+    error") met on the way. Each size is run first in the child process (`run_isolated`): a
+    generated length of 0 or 1 can make onnxruntime itself die on the FP32 model (SIGFPE), and
+    a size it dies or hangs on is a failed size (after a hang, the last); otherwise the size
+    runs in this process. A size failing with the error of `stop_at` (the same failure as
+    another batch, a crash aside) ends the climb, as do inputs above the element cap; sizes
+    that give the same shapes as the last are skipped. Raises InputError when inputs cannot be
+    generated."""
     errors: list[str] = []
-    stop = {error.split(": ", 1)[1] for error in stop_at}
+    stop = {error.split(": ", 1)[1] for error in stop_at if not error.split(": ", 1)[1].startswith(_CRASH)}
+    tried: dict[str, tuple[int, ...]] | None = None
     for size in _DIM_LADDER:
         batch = min(size, largest_batch)
         shapes = data_mod.generated_shapes(specs, dim_value=size, batch_value=batch)
+        if shapes == tried:
+            continue  # no symbolic dimension grows: the same inputs again
+        tried = shapes
         if sum(math.prod(shape) for shape in shapes.values()) > _MAX_GENERATED_ELEMENTS:
             break  # checked before allocating: memory stays bounded
         feeds = data_mod.generate_inputs(specs, seed=0, dim_value=size, batch_value=batch)
         trial = run_isolated(reference, feeds, keep_outputs=False)
+        if trial.death in ("signal", "hung"):
+            errors.append(f"{size}: {_CRASH}: {trial.error}")
+            if trial.death == "hung":
+                break
+            continue
         try:
-            if trial.crashed:
-                raise RunError(f"onnxruntime crashes on the FP32 model: {trial.error}")
             return (feeds, sessions.run_session(session, feeds), size, batch), errors  # type: ignore[arg-type]
         except (RunError, InputError) as e:
             message = str(e)
         errors.append(f"{size}: {message}")
         if message in stop:
-            break  # larger inputs will not help
+            break  # the batch is not the cause
     return None, errors
 
 
