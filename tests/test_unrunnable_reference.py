@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from mixprec.cli import main
 from mixprec.runtime import data as data_mod
+from mixprec.runtime.isolated import run_isolated
 
 
 def _bad_per_axis_scale(path: Path) -> None:
@@ -156,3 +157,31 @@ def test_generated_inputs_that_crash_the_fp32_model_are_a_failed_size_not_the_en
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert "generated inputs use 128 for symbolic dimensions" in done.stdout, done.stdout
     assert "numerics: checked on 1 batch(es)" in done.stdout
+
+
+def test_the_child_runs_a_model_at_the_optimization_level_asked(tmp_path: Path) -> None:
+    """A DequantizeLinear -> Concat -> QuantizeLinear group with float16 scales: onnxruntime's
+    default options fuse it into QLinearConcat, which takes float scales only, and refuse it;
+    with optimizations off (the level of mixprec's in-process reference) it runs."""
+    scale = lambda name, value: numpy_helper.from_array(np.array(value, np.float16), name)  # noqa: E731
+    zero = lambda name: numpy_helper.from_array(np.array(0, np.uint8), name)  # noqa: E731
+    graph = helper.make_graph(
+        [
+            helper.make_node("DequantizeLinear", ["a", "sa", "za"], ["fa"]),
+            helper.make_node("DequantizeLinear", ["b", "sb", "zb"], ["fb"]),
+            helper.make_node("Concat", ["fa", "fb"], ["c"], axis=1),
+            helper.make_node("QuantizeLinear", ["c", "sc", "zc"], ["y"]),
+        ],
+        "qconcat",
+        [helper.make_tensor_value_info(n, TensorProto.UINT8, [1, 4]) for n in ("a", "b")],
+        [helper.make_tensor_value_info("y", TensorProto.UINT8, [1, 8])],
+        [scale("sa", 0.5), zero("za"), scale("sb", 0.25), zero("zb"), scale("sc", 0.5), zero("zc")],
+    )
+    path = tmp_path / "qconcat.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), str(path))
+    feeds = {"a": np.arange(4, dtype=np.uint8)[None], "b": np.arange(4, dtype=np.uint8)[None]}
+    default = run_isolated(path, feeds)
+    assert not default.ok and "QLinearConcat" in (default.error or "")
+    unoptimized = run_isolated(path, feeds, graph_optimization="disable")
+    assert unoptimized.ok and unoptimized.outputs is not None
+    np.testing.assert_array_equal(unoptimized.outputs["y"], [[0, 1, 2, 3, 0, 0, 1, 2]])

@@ -9,7 +9,8 @@ The child (`python -m mixprec.runtime.isolated`) lives on between checks and ans
 request per line: `[MODEL]` or `[MODEL, FEEDS.npz, OUT.npz]` (`""` for both: load only; `""` for
 OUT.npz: run without sending the outputs back),
 optionally followed by session config entries (`{"session.disable_quant_qdq": "1"}`) for a
-diagnosis beside the default run.
+diagnosis beside the default run, and `mixprec.graph_optimization` for another level than the
+default one.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
+# The request's config entry that sets the graph optimization level (taken out before the
+# entries reach onnxruntime).
+_LEVEL_KEY = "mixprec.graph_optimization"
 # A session that takes longer than this to create and run once counts as hung.
 _TIMEOUT_S = 600.0
 # onnxruntime's wording when no kernel matches a node's types (not a type error in the graph).
@@ -130,10 +134,12 @@ def run_isolated(
     timeout: float = _TIMEOUT_S,
     config: Mapping[str, str] | None = None,
     keep_outputs: bool = True,
+    graph_optimization: str = "all",
 ) -> RuntimeOutcome:
     """Create an onnxruntime CPU session for `model_path` in a child process, with default
     options plus the session `config` entries, and with `feeds` run it once (its outputs come
-    back unless `keep_outputs` is False: whether it runs is the question)."""
+    back unless `keep_outputs` is False: whether it runs is the question). `graph_optimization`
+    other than "all" (the default options) mirrors a session of that level in this process."""
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="mixprec-child-") as tmp:
         arguments: list[str | dict[str, str]] = [str(Path(model_path).resolve())]
@@ -144,8 +150,11 @@ def run_isolated(
             arguments += [str(feeds_path), str(out_path) if keep_outputs else ""]
         else:
             arguments += ["", ""]
-        if config:
-            arguments.append(dict(config))
+        entries = dict(config or {})
+        if graph_optimization != "all":
+            entries[_LEVEL_KEY] = graph_optimization
+        if entries:
+            arguments.append(entries)
         answer = _WORKER.request(arguments, timeout)
         seconds = time.perf_counter() - start
         if isinstance(answer, tuple):
@@ -178,10 +187,10 @@ def _child(argv: list[str | dict[str, str]]) -> dict:
 
     status: dict = {"loaded": False, "ran": False, "error": None}
     paths = [a for a in argv if isinstance(a, str)]
-    config = next((a for a in argv if isinstance(a, dict)), None)
+    config = dict(next((a for a in argv if isinstance(a, dict)), {}))
+    level = config.pop(_LEVEL_KEY, "all")  # "all": onnxruntime's default options
     try:
-        # onnxruntime's default options
-        session = sessions.make_session(paths[0], graph_optimization="all", config_entries=config)
+        session = sessions.make_session(paths[0], graph_optimization=level, config_entries=config or None)
     except MixprecError as e:
         status["error"] = str(e)
         return status

@@ -644,7 +644,7 @@ def _climb(
     error") met on the way. Each size is run first in the child process (`run_isolated`): a
     generated length of 0 or 1 can make onnxruntime itself die on the FP32 model (SIGFPE), and
     a size it dies or hangs on is a failed size (after a hang, the last); otherwise the size
-    runs in this process. A size failing with the error of `stop_at` (the same failure as
+    runs in this process, in a session of the same optimization level. A size failing with the error of `stop_at` (the same failure as
     another batch, a crash aside) ends the climb, as do inputs above the element cap; sizes
     that give the same shapes as the last are skipped. Raises InputError when inputs cannot be
     generated."""
@@ -660,7 +660,7 @@ def _climb(
         if sum(math.prod(shape) for shape in shapes.values()) > _MAX_GENERATED_ELEMENTS:
             break  # checked before allocating: memory stays bounded
         feeds = data_mod.generate_inputs(specs, seed=0, dim_value=size, batch_value=batch)
-        trial = run_isolated(reference, feeds, keep_outputs=False)
+        trial = run_isolated(reference, feeds, keep_outputs=False, graph_optimization="disable")
         if trial.death in ("signal", "hung"):
             errors.append(f"{size}: {_CRASH}: {trial.error}")
             if trial.death == "hung":
