@@ -55,9 +55,10 @@ def required_opset(
     current = default_opset(model)
     if current is None:
         return None
-    ops = _heavy_ops(model, policy, target.type_str, runtime)
+    kinds = list({(node.domain, node.op_type): node for node in all_nodes(model)}.values())  # one node per kind
+    ops = _heavy_ops(kinds, policy, target.type_str, runtime)
     if ops and kernel_gaps:  # something worth converting: the ops around it count too
-        ops |= _kernel_gap_ops(model, policy, target.type_str, runtime, current)
+        ops |= _kernel_gap_ops(kinds, policy, target.type_str, runtime, current)
     needed, ops_needing = _first_opsets(ops, current, target.type_str, runtime)
     return (needed, ops_needing) if needed > current else None
 
@@ -88,10 +89,9 @@ def _is_quantization_end(node: ir.Node, type_str: str, runtime: RuntimeProfile |
     )
 
 
-def _heavy_ops(model: ir.Model, policy: Policy, type_str: str, runtime: RuntimeProfile | None) -> set[str]:
+def _heavy_ops(kinds: list[ir.Node], policy: Policy, type_str: str, runtime: RuntimeProfile | None) -> set[str]:
     """The compute-bound op types whose opset decides the upgrade and, where there are any, the
-    quantization ends (each kind of node looked at once)."""
-    kinds = {(node.domain, node.op_type): node for node in all_nodes(model)}.values()
+    quantization ends (`kinds`: one node of each kind of the model)."""
     heavy = {node.op_type for node in kinds if _is_heavy(node, policy, type_str, runtime)}
     if heavy:
         # A QDQ model's compute ops convert only with their DequantizeLinear/QuantizeLinear
@@ -101,7 +101,7 @@ def _heavy_ops(model: ir.Model, policy: Policy, type_str: str, runtime: RuntimeP
 
 
 def _kernel_gap_ops(
-    model: ir.Model, policy: Policy, type_str: str, runtime: RuntimeProfile | None, current: int
+    kinds: list[ir.Node], policy: Policy, type_str: str, runtime: RuntimeProfile | None, current: int
 ) -> set[str]:
     """Default-domain ops the policy would run in `type_str` (low or follow; quantization ends
     aside) whose schema admits it at the model's opset but whose runtime kernel there does not,
@@ -111,7 +111,7 @@ def _kernel_gap_ops(
     if runtime is None or not runtime.has_table:
         return set()
     gaps = set()
-    for op_type in {node.op_type for node in all_nodes(model) if normalize_domain(node.domain) == ""}:
+    for op_type in {node.op_type for node in kinds if normalize_domain(node.domain) == ""}:
         rule = policy.rule_for("", op_type)
         if rule is None or rule.op_class not in (OpClass.LOW, OpClass.FOLLOW):
             continue

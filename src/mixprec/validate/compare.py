@@ -318,6 +318,14 @@ def _is_inexact(dtype: np.dtype) -> bool:
     return np.issubdtype(dtype, np.complexfloating) or is_float_dtype(dtype)
 
 
+def nonfinite_count(array: np.ndarray) -> int:
+    """NaN and infinite elements of a float or complex array (0 for other types)."""
+    if not _is_inexact(array.dtype):
+        return 0
+    nan, inf = _nonfinite_counts(array)
+    return nan + inf
+
+
 def _nonfinite_counts(array: np.ndarray) -> tuple[int, int]:
     wide = array.astype(np.complex128 if np.iscomplexobj(array) else np.float64)
     return int(np.count_nonzero(np.isnan(wide))), int(np.count_nonzero(np.isinf(wide)))

@@ -25,7 +25,7 @@ import onnx_ir as ir
 
 from mixprec.analysis.input_indices import with_index_limits
 from mixprec.analysis.qdq import has_qdq
-from mixprec.dtypes import LowPrecision
+from mixprec.dtypes import LowPrecision, is_float_dtype
 from mixprec.errors import InputError, MixprecError, RunError, ValidationFailure
 from mixprec.host import host_cpu
 from mixprec.io import graph_only_proto, uses_external_data, without_staging
@@ -416,11 +416,7 @@ def _input_scales(
 
 def _nonfinite(outputs: Mapping[str, np.ndarray]) -> int:
     """Non-finite elements of the float outputs."""
-    return sum(
-        int(array.size - np.count_nonzero(np.isfinite(array)))
-        for array in map(np.asarray, outputs.values())
-        if array.dtype.kind in "fc"
-    )
+    return sum(compare.nonfinite_count(np.asarray(array)) for array in outputs.values())
 
 
 def _scaled_float_inputs(feeds: Batch, magnitude: float) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
@@ -429,7 +425,7 @@ def _scaled_float_inputs(feeds: Batch, magnitude: float) -> tuple[dict[str, np.n
     scaled = dict(feeds)
     names = []
     for name, array in feeds.items():
-        if isinstance(array, np.ndarray) and array.dtype.kind == "f" and array.size:
+        if isinstance(array, np.ndarray) and is_float_dtype(array.dtype) and array.size:
             peak = float(np.max(np.abs(array.astype(np.float32))))
             if peak > 0 and math.isfinite(peak):
                 scaled[name] = (array.astype(np.float32) * (magnitude / peak)).astype(array.dtype)
