@@ -585,6 +585,58 @@ def test_validation_judges_a_float_dequantizing_runtime_without_the_cpu_provider
     assert cpu.report.validation.real_runtime == "onnxruntime CPU (batch 1)"
 
 
+def tie_conv() -> onnx.ModelProto:
+    """DQ(x) -> Conv(DQ(w), float bias) -> Q -> DQ y, where x + bias lands just beside half an
+    output step: 15.6 and 16.4 units of x scale x w scale, both 16 once the CPU provider's
+    rewriting quantizes the bias with that scale, so its integer kernel rounds exact halves."""
+    unit = 1 / 256
+    initializers = [
+        nh.from_array(np.array(1 / 16, np.float32), "xs"), nh.from_array(np.array(0, np.int8), "xz"),
+        nh.from_array(np.full((2, 1, 1, 1), 16, np.int8), "wq"), nh.from_array(np.array(1 / 16, np.float32), "ws"),
+        nh.from_array(np.array(0, np.int8), "wz"), nh.from_array(np.array([15.6 * unit, 16.4 * unit], np.float32), "b"),
+        nh.from_array(np.array(1 / 8, np.float32), "ys"), nh.from_array(np.array(0, np.int8), "yz"),
+    ]
+    nodes = [
+        oh.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"], name="q_x"),
+        oh.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"], name="dq_x"),
+        oh.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"], name="dq_w"),
+        oh.make_node("Conv", ["xd", "wd", "b"], ["c"], name="conv"),
+        oh.make_node("QuantizeLinear", ["c", "ys", "yz"], ["cq"], name="q_c"),
+        oh.make_node("DequantizeLinear", ["cq", "ys", "yz"], ["y"], name="dq_c"),
+    ]
+    graph = oh.make_graph(
+        nodes, "tie", [oh.make_tensor_value_info("x", FLOAT, [1, 1, 4, 4])],
+        [oh.make_tensor_value_info("y", FLOAT, [1, 2, 4, 4])], initializers,
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 10
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def test_real_figures_compare_with_the_fp32_model_run_the_same_way() -> None:
+    # On values x = k/8 every output of the FP32 model with default options is a whole step (of
+    # five) from its plain run: the CPU provider's rewriting, not the conversion. On ort-cpu
+    # nothing converts (no float16 Conv), so the conversion's real figure is 0, and the report
+    # says how far the runtime moves the FP32 model itself instead of blaming float16.
+    source = tie_conv()
+    x = ((np.arange(16, dtype=np.float32) % 5) / 8).reshape(1, 1, 4, 4)
+    plain = run_unfused(source, {"x": x})[0]
+    optimized = ort.InferenceSession(source.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert np.abs(plain - optimized).max() == pytest.approx(1 / 8)  # the premise: one output step
+    result, _ = convert(source, target_dtype="fp16", runtime="ort-cpu", validate="run", data=[{"x": x}])
+    v = result.report.validation
+    assert v.real_runtime == "onnxruntime CPU (batch 1, against the FP32 model run the same way)"
+    assert [o.max_abs_error for o in v.real_outputs] == [0.0]
+    note = next(n for n in v.notes if "runs the FP32 model itself" in n)
+    assert "with default options runs the FP32 model itself up to 20.00% away from its plain run" in note
+    assert not any("differs from the FP32 model by up to" in n for n in v.notes)
+    # A runtime that dequantizes in float is judged with the rewriting off, on both models.
+    trt, _ = convert(source, target_dtype="fp16", runtime="tensorrt", validate="run", data=[{"x": x}])
+    assert trt.report.validation.real_runtime == "onnxruntime CPU (batch 1, QDQ rewriting off)"
+    assert [o.max_abs_error for o in trt.report.validation.real_outputs] == [0.0]
+
+
 # -- the emulation of every Q/DQ form -----------------------------------------------------------------
 
 
