@@ -310,3 +310,47 @@ def test_tune_starts_from_the_calibrated_plan(files: dict[str, Path]) -> None:
     assert result.report is not None
     kept = {k.name: k.category for k in result.report.kept_fp32}
     assert kept.get("attn/scores") == "range measured on data"
+
+
+def _dynamic_conv_attention(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    """Conv -> SiLU -> self-attention scores (a float MatMul of activations), quantized by
+    onnxruntime's `quantize_dynamic`: the Conv becomes ConvInteger, whose int32 accumulator,
+    cast to float, reaches ~1e5 before it is multiplied by its scale back to ~1."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.1, (32, 16, 3, 3)).astype(np.float32)
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Sigmoid", ["c"], ["s"], name="sigmoid"),
+        helper.make_node("Mul", ["c", "s"], ["a"], name="silu"),
+        helper.make_node("Reshape", ["a", "flat"], ["f"], name="flatten"),
+        helper.make_node("Transpose", ["f"], ["ft"], name="transpose", perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["ft", "f"], ["y"], name="scores"),
+    ]
+    graph = helper.make_graph(
+        nodes, "dynamic", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64, 64])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array([1, 32, 64], np.int64), "flat")],
+    )
+    source, quantized = tmp_path / "float.onnx", tmp_path / "dynamic.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), source)
+    quantize_dynamic(source, quantized, weight_type=QuantType.QUInt8)
+    return quantized, {"x": rng.normal(0, 3, (1, 16, 8, 8)).astype(np.float32)}
+
+
+def test_a_measured_accumulator_does_not_hold_what_its_scale_brings_back_in_range(tmp_path: Path) -> None:
+    # The cast accumulator leaves float16's range on the data, so its Cast and the Mul by its
+    # scale stay FP32; the Mul's output is measured to fit, so the SiLU and the attention
+    # MatMul after it are free to convert (a value measured to fit carries no range on), and
+    # nothing is blamed on an out-of-range constant.
+    model, feeds = _dynamic_conv_attention(tmp_path)
+    assert "ConvInteger" in {n.op_type for n in onnx.load(model).graph.node}
+    result = mixprec.convert(model, tmp_path / "out.onnx", target_dtype="float16", runtime="ort-cuda", data=[feeds])
+    kept = {d.name: d for d in result.report.kept_fp32}
+    by_op = {d.op_type: d.category for d in result.report.kept_fp32}
+    assert by_op.get("Cast") == DATA_RANGE and by_op.get("Mul") == DATA_RANGE
+    assert not {"out-of-range constant", "unknown op"} & {d.category for d in result.report.kept_fp32}
+    assert "scores" not in kept and result.report.low_by_op.get("MatMul") == 1
+    errors = result.report.validation.outputs
+    assert errors and all(o.nan_count == 0 and o.inf_count == 0 and o.scaled_error < 0.01 for o in errors)

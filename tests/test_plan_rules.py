@@ -259,6 +259,22 @@ def test_wide_inputs() -> None:
     assert ruling is not None and ruling.category is Category.CONSTANT_RANGE and ruling.state is State.WIDE
     assert ruling.reason.startswith("c: ") and ruling.carries is not None and ruling.carries.name == "c"
     assert _rule_at(_planner([_add()]), "add", rules.wide_inputs) is None
+    # A bounded op ends the range it reads: its output is an FP32 value that fits.
+    sigmoid = _planner(
+        [_add(b="c", out="a"), oh.make_node("Sigmoid", ["a"], ["z"], name="sigmoid")],
+        inputs=("x",), initializers=[_const("c", 1e5)],
+    )
+    ruling = _rule_at(sigmoid, "sigmoid", rules.wide_inputs)
+    assert ruling is not None and ruling.state is State.HIGH and ruling.carries is None
+    assert ruling.category is Category.CONSTANT_RANGE and ruling.reason.startswith("a: carries 'c'")
+    # So does an op whose output is measured to fit (an accumulator times its scale).
+    scaled = _planner(
+        [_add(b="c", out="a"), oh.make_node("Mul", ["a", "s"], ["z"], name="scale")],
+        inputs=("x",), initializers=[_const("c", 1e5), _const("s", 1e-4)],
+    )
+    scaled.bounded[scaled.model.graph.outputs[0]] = "measured absmax 10"
+    ruling = _rule_at(scaled, "scale", rules.wide_inputs)
+    assert ruling is not None and ruling.state is State.HIGH and ruling.carries is None
 
 
 def test_low_class() -> None:

@@ -122,6 +122,7 @@ class PlanContext(Protocol):
     forced: Mapping[ir.Node, tuple[Category, str]]  # nodes analyses keep FP32 -> (category, evidence)
     wide_values: Mapping[ir.Value, str]  # values measured beyond the 16-bit range -> evidence
     bounded: Mapping[ir.Value, str]  # FP32 values a 16-bit copy holds safely -> evidence
+    carried: Mapping[ir.Value, ir.Value]  # FP32 values that carry a wide value's range -> that value
     fp32: Container[ir.Value]  # the model's FP32 tensor values (read once when planning starts)
 
     def is_control_flow(self, node: ir.Node) -> bool: ...  # the node owns subgraphs
@@ -377,16 +378,27 @@ def wide_inputs(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Ruling
     inputs = context.inputs(node, facts)
     if not inputs.wide or _has_lowered_output(node, inputs.facts):
         return None
-    measured = any(v in context.wide_values for _, v, _ in inputs.wide)
+    measured = any(context.carried.get(v, v) in context.wide_values for _, v, _ in inputs.wide)
     category = Category.DATA_RANGE if measured else Category.CONSTANT_RANGE
     reason = "; ".join(inputs.facts.pinned_evidence)
     fact = op_facts(node.domain, node.op_type)
     wide = [v for _, v, st in inputs.wide if st is State.WIDE]
     if wide and context.classify(node, facts).op_class is OpClass.FOLLOW:
+        if fact.bounded or _outputs_fit(node, context):
+            # What leaves the range ends here (a Sigmoid's output, an integer accumulator times
+            # its scale measured to fit): FP32 values a 16-bit reader may take through a Cast.
+            return _keep(category, reason)
         return _keep(category, reason, State.WIDE, carries=wide[0])
     if not wide and fact.value_preserving:
         return _keep(category, reason, State.TINY, carries=inputs.wide[0][1])
     return _keep(category, reason, scaled=_scaled(inputs, fact, context) if not wide else None)
+
+
+def _outputs_fit(node: ir.Node, context: PlanContext) -> bool:
+    """Whether every FP32 output of the node is known to fit the 16-bit type (measured on data,
+    or bounded), so that nothing it writes carries its inputs' range on."""
+    outputs = [out for out in node.outputs if out is not None and out in context.fp32]
+    return bool(outputs) and all(out in context.bounded for out in outputs)
 
 
 def _scaled(inputs: Inputs, fact: OpFacts, context: PlanContext) -> str | None:
