@@ -304,3 +304,22 @@ def test_every_runtime_is_a_data_file() -> None:
     assert not openvino.has_table and not onnx_only.has_table
     assert openvino.needs_one_type("", "BatchNormalization") and not onnx_only.needs_one_type("", "BatchNormalization")
     assert not load_runtime("ort-cuda").needs_one_type("", "BatchNormalization")
+
+
+def test_ops_a_runtime_cannot_run_at_all_are_named(tmp_path: Path) -> None:
+    # onnxruntime's dynamic quantization writes DynamicQuantizeLinear and ConvInteger, which
+    # TensorRT's parser does not import (operators.md): no conversion makes the model run there,
+    # so the report says so. onnxruntime's providers fall back to its CPU provider: no note.
+    import mixprec  # noqa: PLC0415
+    from mixprec.policy.profiles import load_runtime  # noqa: PLC0415
+    from test_calibration import _dynamic_conv_attention  # noqa: PLC0415
+
+    model, _ = _dynamic_conv_attention(tmp_path)
+    notes = mixprec.convert(model, tmp_path / "trt.onnx", runtime="tensorrt", validate="checker").report.notes
+    refused = [n for n in notes if "cannot run" in n]
+    assert len(refused) == 1 and refused[0].startswith("tensorrt cannot run ConvInteger, DynamicQuantizeLinear (")
+    assert "FP32 or converted" in refused[0]
+    notes = mixprec.convert(model, tmp_path / "cuda.onnx", runtime="ort-cuda", validate="checker").report.notes
+    assert not any("cannot run" in n for n in notes)
+    assert load_runtime("tensorrt").refuses("", "MatMulInteger") and not load_runtime("tensorrt").refuses("", "Constant")
+    assert not load_runtime("ort-cuda").refuses("", "MatMulInteger") and not load_runtime("openvino").refuses("", "X")

@@ -4,7 +4,7 @@ the node choices and the Q/DQ pair rule (also run on copies, by the search and t
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -12,7 +12,7 @@ import onnx_ir as ir
 
 from mixprec.config import Config
 from mixprec.errors import InputError
-from mixprec.graphs import main_values
+from mixprec.graphs import format_op_name, main_values
 from mixprec.plan.model import Category, NodeMatcher, Precision, PrecisionPlan
 from mixprec.plan.planner import plan_precision
 from mixprec.plan.weights_only import weights_only as weights_only_plan
@@ -74,6 +74,7 @@ def make_plan(model: ir.Model, keys: Mapping[ir.Node, str], config: Config, inpu
         result = weights_only_plan(result)
     else:
         notes.extend(_nothing_worth_converting(result, policy, profile))
+    notes.extend(_ops_the_runtime_refuses(model, keys, profile))
     unused = matcher.unused()
     if unused:
         raise InputError(f"--exclude-node pattern {unused[0]!r} matches no node in the model")
@@ -115,4 +116,23 @@ def _nothing_worth_converting(plan: PrecisionPlan, policy: Policy, profile: Runt
         f"nothing worth converting on {profile.name}: it has no {plan.target.value} kernel for "
         f"{', '.join(blocked)}; --weights-only stores the weights in {plan.target.value} (half the "
         "file) and computes in FP32"
+    ]
+
+
+def _ops_the_runtime_refuses(model: ir.Model, nodes: Iterable[ir.Node], profile: RuntimeProfile) -> list[str]:
+    """A note naming the ops of the model that the runtime cannot run at all (see
+    `RuntimeProfile.refuses`): the model does not run there as it is, FP32 or converted."""
+    functions = model.functions
+    refused = sorted({
+        format_op_name(node.domain, node.op_type) for node in nodes
+        if (node.domain, node.op_type, node.overload) not in functions
+        and profile.refuses(node.domain, node.op_type)
+    })
+    if not refused:
+        return []
+    custom = any("::" in op for op in refused)
+    return [
+        f"{profile.name} cannot run {', '.join(refused)} (its table, {profile.source}, has no such op"
+        + ("; an op of another domain needs a plugin registered under its name" if custom else "")
+        + "): the model does not run there as it is, FP32 or converted"
     ]

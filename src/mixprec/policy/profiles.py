@@ -88,6 +88,7 @@ class RuntimeProfile:
         source: Where the table comes from.
         one_type_ops: (domain, op) the runtime accepts only with one element type for all float
             inputs, although the schema allows several.
+        engine: The runtime the table belongs to (`onnxruntime`, `tensorrt`, ...).
     """
 
     name: str
@@ -97,6 +98,7 @@ class RuntimeProfile:
     opset_range: tuple[int, int] | None = None
     source: str | None = None
     one_type_ops: frozenset[tuple[str, str]] = frozenset()
+    engine: str | None = None
 
     @property
     def has_table(self) -> bool:
@@ -125,6 +127,15 @@ class RuntimeProfile:
     def needs_one_type(self, domain: str, op_type: str) -> bool:
         """Whether the runtime rejects the op with float inputs of different element types."""
         return (normalize_domain(domain), op_type) in self.one_type_ops
+
+    def refuses(self, domain: str, op_type: str) -> bool:
+        """Whether the runtime cannot run the op at all: its table lists every op it imports and
+        has no other place to run one it lacks (onnxruntime's providers fall back to its CPU
+        provider; TensorRT's parser refuses the model)."""
+        if self.kernels is None or self.engine in (None, "onnxruntime"):
+            return False
+        key = (normalize_domain(domain), op_type)
+        return key not in self.kernels and key not in _FOLDED_OPS
 
     def knows(self, domain: str, op_type: str) -> bool:
         """Whether the table lists the op at any version."""
@@ -223,6 +234,7 @@ def load_runtime(name: str | None = None) -> RuntimeProfile:
         opset_range=tuple(opsets) if opsets else None,  # type: ignore[arg-type]
         source=data.get("source"),
         one_type_ops=frozenset((normalize_domain(d), op) for d, op in data.get("one_type_ops", ())),
+        engine=data.get("runtime"),
     )
 
 
