@@ -230,6 +230,7 @@ _MEASURE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status and glibc's malloc_trim")
 def test_a_loaded_model_does_not_keep_the_parsed_file_alive(tmp_path: Path) -> None:
     """A few inline tensors kept the whole parsed message (every node) alive: measured as the

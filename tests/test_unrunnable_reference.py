@@ -144,6 +144,7 @@ def _framing_model(path: Path) -> None:
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
 
 
+@pytest.mark.slow
 def test_generated_inputs_that_crash_the_fp32_model_are_a_failed_size_not_the_end(tmp_path: Path) -> None:
     """onnxruntime crashes (SIGFPE) on the FP32 model for the small generated sizes: each size
     is tried in the child process first, so the conversion goes on to the size that runs and
