@@ -37,14 +37,14 @@ def _model(nodes: list[onnx.NodeProto], inputs: list, outputs: list, opset: int 
     return model.SerializeToString()
 
 
-def _copy_model(elements: int) -> bytes:
-    """y = x + 1 over `elements` floats: reads and writes each once."""
-    one = helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])
+def _copy_model(elements: int, elem_type: int = TensorProto.FLOAT) -> bytes:
+    """y = x + 1 over `elements` floats (of `elem_type`): reads and writes each once."""
+    one = helper.make_tensor("one", elem_type, [], [1.0])
     graph_nodes = [helper.make_node("Add", ["x", "one_c"], ["y"]), helper.make_node("Constant", [], ["one_c"], value=one)]
     return _model(
         graph_nodes[::-1],
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [elements])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [elements])],
+        [helper.make_tensor_value_info("x", elem_type, [elements])],
+        [helper.make_tensor_value_info("y", elem_type, [elements])],
     )
 
 
@@ -150,7 +150,13 @@ def main() -> int:
         }
     print(f"{'runtime':<9} {'copy GB/s':>9} {'fp32 GFLOP/s':>12} {'16-bit GFLOP/s':>14} {'op us':>7} "
           f"{'flops_per_byte':>14} {'fp32_flop_cost':>14} {'launch_bytes':>12}")
-    bandwidth = copy_bytes / _median_seconds(_ort(_copy_model(options.elements)), copy_feeds, options.repeats)
+    copy_seconds = _median_seconds(_ort(_copy_model(options.elements)), copy_feeds, options.repeats)
+    bandwidth = copy_bytes / copy_seconds
+    # The same Add in float16 on onnxruntime's CPU provider: its time per element in bytes of
+    # FP32 traffic (the FP32 Add moves 4 per element it reads and writes).
+    half_feeds = {"x": copy_feeds["x"].astype(np.float16)}
+    half_seconds = _median_seconds(_ort(_copy_model(options.elements, TensorProto.FLOAT16)), half_feeds, options.repeats)
+    low_arithmetic_bytes = 4.0 * half_seconds / copy_seconds
     op_seconds = _median_seconds(_ort(_chain_model(options.chain)), chain_feeds, options.repeats) / options.chain
     for name, make in runners.items():
         fp32_rate = flops / _median_seconds(make["fp32"](_matmul_model(options.n)), matmul_feeds, options.repeats)
@@ -158,6 +164,8 @@ def main() -> int:
         print(f"{name:<9} {bandwidth / 1e9:>9.1f} {fp32_rate / 1e9:>12.1f} {low_rate / 1e9:>14.1f} "
               f"{op_seconds * 1e6:>7.2f} {low_rate / bandwidth:>14.1f} {low_rate / fp32_rate:>14.2f} "
               f"{op_seconds * bandwidth:>12.0f}")
+    print(f"ort-cpu low_arithmetic_bytes {low_arithmetic_bytes:.1f} (a float16 Add takes {half_seconds / copy_seconds:.2f}x "
+          "the FP32 one's time)")
     return 0
 
 

@@ -155,10 +155,17 @@ def float_elements(node: ir.Node, symbolic: int | None = SYMBOLIC_DIM, known: di
     return total
 
 
-def node_time(elements: int, flops: float | None, low: bool, cost: RuntimeCost) -> float:
+def node_time(elements: int, flops: float | None, low: bool, cost: RuntimeCost, *, moves: bool = False) -> float:
     """Estimated time of one op (in byte-times of `cost`'s device): the larger of its traffic
-    (`elements` in 16 bits or FP32) and its matrix arithmetic, plus one launch."""
-    traffic = elements * (LOW_BYTES_PER_ELEMENT if low else FP32_BYTES_PER_ELEMENT)
+    (`elements` in 16 bits or FP32; in 16 bits, `cost.low_arithmetic_bytes` per element for an
+    op without matrix FLOPs that computes rather than `moves` values) and its matrix
+    arithmetic, plus one launch."""
+    if low:
+        elementwise = flops is None and not moves
+        per_element = max(LOW_BYTES_PER_ELEMENT, cost.low_arithmetic_bytes) if elementwise else LOW_BYTES_PER_ELEMENT
+    else:
+        per_element = FP32_BYTES_PER_ELEMENT
+    traffic = elements * per_element
     arithmetic = (flops or 0.0) / cost.flops_per_byte * (1.0 if low else cost.fp32_flop_cost)
     return max(float(traffic), arithmetic) + cost.launch_bytes
 

@@ -49,6 +49,7 @@ def estimate_plan(plan: PrecisionPlan, cast_elements: list[int | None], cost: Ru
     converted = fp32 = low_flops = total_flops = 0.0
     known: dict[int, int] = {}  # id(shape) -> elements; the plan's values keep their shapes alive
     formulas: dict[tuple[str, str], bool] = {}
+    movers: dict[tuple[str, str], bool] = {}  # op -> it only moves values (see `node_time`)
     for node in plan.order:
         decision = plan.decisions[node]
         if decision.precision is Precision.NONE or decision.category in BOUNDARIES:
@@ -67,7 +68,10 @@ def estimate_plan(plan: PrecisionPlan, cast_elements: list[int | None], cost: Ru
         elif has_formula:
             flops = flops_of(node, SYMBOLIC_DIM, SYMBOLIC_DIM)
         elements = float_elements(node, SYMBOLIC_DIM, known)
-        converted += node_time(elements, flops, low, cost)
+        moves = movers.get(kind)
+        if moves is None:
+            moves = movers[kind] = op_facts(node.domain, node.op_type).carrier == "movement"
+        converted += node_time(elements, flops, low, cost, moves=moves)
         fp32 += node_time(elements, flops, False, cost)
     converted += sum(cast_time(e or 0, cost) for e in cast_elements)
     return PlanEstimate(low_flops / total_flops if total_flops > 0 else None, converted, fp32)

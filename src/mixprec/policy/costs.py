@@ -18,6 +18,7 @@ from mixprec.policy.toml_tables import runtime_sections, shipped_table
 _SOURCE = "costs.toml"
 _NUMBERS = ("flops_per_byte", "fp32_flop_cost", "launch_bytes")
 _TEXTS = ("device", "source")
+_OPTIONAL_NUMBERS = ("low_arithmetic_bytes",)
 _OPTIONAL_TEXTS = ("measured",)
 _OPTIONAL_FLAGS = ("host_cpu",)
 
@@ -37,6 +38,9 @@ class RuntimeCost:
         host_cpu: The runtime runs on the converting machine's CPU: the figures are taken to
             describe it (see :func:`runtime_cost`).
         limitation: What the host lacks that the figures assumed, if anything.
+        low_arithmetic_bytes: Time, in bytes of traffic, per element an op reads and writes
+            when it computes (not only moves values) in 16 bits: its 16-bit traffic (2) unless
+            the runtime's 16-bit kernels are slower than that.
     """
 
     runtime: str
@@ -48,6 +52,7 @@ class RuntimeCost:
     measured: str | None = None
     host_cpu: bool = False
     limitation: str | None = None
+    low_arithmetic_bytes: float = 2.0
 
 
 def runtime_cost(runtime: str | None, target: str | None = None) -> RuntimeCost:
@@ -84,9 +89,10 @@ def _shipped() -> Mapping[str, RuntimeCost]:
 def parse_costs(document: Mapping[str, Any], source: str) -> dict[str, RuntimeCost]:
     """Build the cost table from a parsed document; `source` names it in errors."""
     table: dict[str, RuntimeCost] = {}
-    for runtime, entry, where in runtime_sections(document, source, (*_NUMBERS, *_TEXTS), (*_OPTIONAL_TEXTS, *_OPTIONAL_FLAGS)):
+    optional = (*_OPTIONAL_NUMBERS, *_OPTIONAL_TEXTS, *_OPTIONAL_FLAGS)
+    for runtime, entry, where in runtime_sections(document, source, (*_NUMBERS, *_TEXTS), optional):
         values: dict[str, Any] = {}
-        for key in _NUMBERS:
+        for key in (*_NUMBERS, *(k for k in _OPTIONAL_NUMBERS if k in entry)):
             number = entry[key]
             if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 < number < math.inf:
                 raise PolicyError(f"{where}: {key!r} must be a positive finite number, got {number!r}")
