@@ -309,3 +309,48 @@ def test_quantized_summary_counts_the_fp32_ops_outside_the_pairs() -> None:
     assert summary.float_fp32 == outside.count(Precision.FP32)
     assert summary.float_low_share == pytest.approx(outside.count(Precision.LOW) / 2)
     assert summary.float_low_share < 1
+
+
+def _qdq_conv_of(activation: int) -> onnx.ModelProto:
+    """x -> Q -> DQ -> Conv(DQ(int8 W)) -> Q -> DQ y, activations quantized to `activation`
+    (an integer TensorProto type) with zero point 0 and scales normal in float16."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.2, (8, 4, 3, 3)).astype(np.float32)
+    w_scale = np.float32(np.abs(w).max() / 127)
+    zero = np.zeros((), onnx.helper.tensor_dtype_to_np_dtype(activation))
+    initializers = [
+        nh.from_array(np.array(0.002, np.float32), "xs"), nh.from_array(zero, "xz"),
+        nh.from_array(np.round(w / w_scale).astype(np.int8), "wq"), nh.from_array(np.array(w_scale), "ws"),
+        nh.from_array(np.array(0, np.int8), "wz"),
+        nh.from_array(np.array(0.004, np.float32), "ys"), nh.from_array(zero.copy(), "yz"),
+    ]
+    nodes = [
+        oh.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"], name="q_x"),
+        oh.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"], name="dq_x"),
+        oh.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"], name="dq_w"),
+        oh.make_node("Conv", ["xd", "wd"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        oh.make_node("QuantizeLinear", ["c", "ys", "yz"], ["cq"], name="q_c"),
+        oh.make_node("DequantizeLinear", ["cq", "ys", "yz"], ["y"], name="dq_c"),
+    ]
+    graph = oh.make_graph(
+        nodes, "qdq_conv", [oh.make_tensor_value_info("x", FLOAT, [1, 4, 8, 8])],
+        [oh.make_tensor_value_info("y", FLOAT, [1, 8, 8, 8])], initializers,
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_activations_quantized_to_16_bit_integers_keep_their_group_fp32(target: str) -> None:
+    # 65,536 steps of 0.002: float16 holds every integer up to 2,048 (bfloat16 256), so a 16-bit
+    # DequantizeLinear output, or the Conv output a 16-bit QuantizeLinear reads, would round
+    # away up to 31 steps (bfloat16: 255); int8 activations convert.
+    x = {"x": np.random.default_rng(1).normal(0, 20, (1, 4, 8, 8)).astype(np.float32)}
+    fine = mixprec.convert(_qdq_conv_of(onnx.TensorProto.UINT16), None, target_dtype=target, runtime="onnx", data=[x])
+    kept = {d.name: d for d in fine.report.kept_fp32}
+    assert {"q_x", "dq_x", "conv", "q_c", "dq_c"} <= set(kept) and not fine.report.low_by_op
+    assert kept["dq_x"].category == Category.QDQ.value and "65,536 integer steps" in kept["dq_x"].reason
+    assert all(o.max_abs_error == 0.0 for o in fine.report.validation.outputs)
+    coarse = mixprec.convert(_qdq_conv_of(onnx.TensorProto.INT8), None, target_dtype=target, runtime="onnx", data=[x])
+    assert coarse.report.low_by_op.get("Conv") == 1

@@ -18,14 +18,17 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 import onnx_ir as ir
 
-from mixprec.analysis.constants import read_array
+from mixprec.analysis.constants import is_constant, read_array
 from mixprec.analysis.qdq import folded_from, has_qdq, requantizes, role
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.plan.model import Category, Decision, PrecisionPlan
 from mixprec.policy.opfacts import op_facts
 from mixprec.policy.quantized_groups import quantized_groups
 
-__all__ = ["broken_pairs", "fp32_quantizers", "fp32_readers", "fp32_requantizations", "keep_pairs", "small_scales"]
+__all__ = [
+    "broken_pairs", "fine_integers", "fp32_quantizers", "fp32_readers", "fp32_requantizations", "keep_pairs",
+    "small_scales",
+]
 
 Forced = dict[ir.Node, tuple[Category, str]]
 
@@ -99,6 +102,33 @@ def small_scales(nodes: list[ir.Node], target: LowPrecision) -> Forced:
     return found
 
 
+def fine_integers(nodes: list[ir.Node], target: LowPrecision) -> Forced:
+    """Q/DQ nodes whose integers have more steps than the target holds exactly (16-bit
+    activations: 65,536 steps, where float16 holds every integer up to 2,048 and bfloat16 up
+    to 256): in 16 bits the dequantized value, and the value a QuantizeLinear reads, would round
+    away the steps those integers were chosen for. A constant's dequantization is a weight (an
+    int32 bias, say): it rounds like any weight stored in 16 bits, and is judged by its scale."""
+    exact = target.limits.exact_int_max
+    found: Forced = {}
+    for node in nodes:
+        kind = role(node)
+        if kind is None:
+            continue
+        values = node.inputs if kind == "dequantize" else node.outputs
+        integer = values[0] if values else None
+        if integer is None or (kind == "dequantize" and is_constant(integer)):
+            continue
+        dtype = integer.dtype
+        if dtype is None or not dtype.is_integer() or 2**dtype.bitwidth - 1 <= exact:
+            continue
+        found[node] = (
+            Category.QDQ,
+            f"{dtype.name.lower()} quantization: {2**dtype.bitwidth:,} integer steps, more than "
+            f"{target.short_name} holds exactly (every integer up to {exact:,}): it stays FP32",
+        )
+    return found
+
+
 def fp32_readers(nodes: list[ir.Node], runtime: str | None) -> Forced:
     """DequantizeLinear nodes read by an op that `runtime` runs only with an FP32 dequantized
     input (`fp32_readers` in `policy/tables/quantized_groups.toml`)."""
@@ -157,8 +187,9 @@ def keep_pairs(
     extra: Forced = dict(forced or {})
     if not has_qdq(nodes):
         return plan(extra)
-    found = (*fp32_quantizers(nodes, runtime, target).items(), *small_scales(nodes, target).items(),
-             *fp32_readers(nodes, runtime).items(), *fp32_requantizations(nodes).items())
+    found = (*fp32_quantizers(nodes, runtime, target).items(), *fine_integers(nodes, target).items(),
+             *small_scales(nodes, target).items(), *fp32_readers(nodes, runtime).items(),
+             *fp32_requantizations(nodes).items())
     for node, finding in found:
         extra.setdefault(node, finding)
     while True:
