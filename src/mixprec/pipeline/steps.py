@@ -311,12 +311,13 @@ def normalize(typed: Typed, profile: RuntimeProfile, policy: Policy, config: Con
                 f"opset upgraded to {version} so that decomposed normalizations fuse into "
                 f"{' and '.join(sorted(blocks.needs_opset))} (pin a version with --opset)"
             )
-            # The upgrade only declared the opset of a model the search left as it was, and every
-            # value has its type (retyping gives types only to values without one; typing gave
-            # each initializer its tensor's): a search would find the same blocks again.
-            same = upgraded is model and not blocks.fused and not untyped
-            model, changed = upgraded, True
-            typeinfo = retype_after_upgrade(model, untyped, typeinfo)
+            # The upgrade only declared the opset of a model the search left as it was, and no
+            # value's type changed (retyping gives types only to values without one, and ran no
+            # inference when none of the others lost theirs; typing gave each initializer its
+            # tensor's): a search would find the same blocks again.
+            retyped = retype_after_upgrade(upgraded, untyped, typeinfo)
+            same = upgraded is model and not blocks.fused and (not untyped or retyped is typeinfo)
+            model, changed, typeinfo = upgraded, True, retyped
             assume_float_outputs(model, policy.user_custom_ops())
             blocks = fuse_norm_blocks(model, blocks.found if same else None, kernels)
     keys = node_keys(model)
