@@ -42,6 +42,15 @@ ORT_PROFILES = {
 TRT_PROFILE = "tensorrt"
 TRT_PROVIDER = "TensorrtExecutionProvider"
 
+# Default-domain ops whose onnxruntime kernels end at an opset the table does not state: it lists
+# them as "1+", yet a session of a one-node model at the next opset finds no kernel (onnxruntime
+# 1.32, CPU provider: the random-number ops' schemas of opset 22, which added bfloat16, are not
+# registered; Bernoulli has no kernel of its own: it runs as its function body, a RandomUniformLike).
+# tests/test_random_ops.py checks each against the installed onnxruntime.
+ORT_LAST_OPSET = {
+    op: 21 for op in ("Multinomial", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike")
+}
+
 # Type spellings used by the onnx-tensorrt matrix -> ONNX type strings.  "INF64" is a typo for
 # INT64 in the pinned table; TensorRT's FP8 is the E4M3 format.
 TRT_TYPES = {
@@ -315,8 +324,17 @@ def ort_profiles(source: Path, sources: dict[str, str]) -> dict[str, Json]:
     for provider, name in ORT_PROFILES.items():
         profile = profile_header(name, "onnxruntime", provider, origin)
         profile["kernels"] = kernels[provider]
+        _end_kernels(profile["kernels"].get("", {}))
         profiles[name] = profile
     return profiles
+
+
+def _end_kernels(ops: dict[str, list[Json]]) -> None:
+    """Close the open-ended kernels of :data:`ORT_LAST_OPSET` at their last opset."""
+    for op, last in ORT_LAST_OPSET.items():
+        for entry in ops.get(op, ()):
+            if entry["until"] is None and entry["since"] <= last:
+                entry["until"] = last
 
 
 # --------------------------------------------------------------------------- operators.md

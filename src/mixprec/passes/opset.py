@@ -21,7 +21,7 @@ from mixprec.graphs import all_nodes, has_subgraphs
 from mixprec.io import value_types
 from mixprec.io import weight_free_proto
 from mixprec.policy.opfacts import op_facts
-from mixprec.policy.profiles import RuntimeProfile
+from mixprec.policy.profiles import RuntimeProfile, load_runtime
 from mixprec.policy.schemas import get_schema
 from mixprec.policy.table import OpClass, Policy, normalize_domain
 
@@ -393,6 +393,42 @@ def _same_nodes(nodes: list[onnx.NodeProto], converted: list[onnx.NodeProto]) ->
     )
 
 
+def stranded_ops(model: ir.Model, opset: int, profile: RuntimeProfile) -> list[str]:
+    """Default-domain ops of the model that the runtime runs at the model's opset but not at
+    `opset` (onnxruntime's random-number ops end at 21): upgrading would make the model fail
+    to load there."""
+    current = default_opset(model)
+    if profile.kernels is None or current is None or opset <= current:
+        return []
+    ops = {node.op_type for node in all_nodes(model) if normalize_domain(node.domain) == ""}
+    return sorted(op for op in ops if profile.runs_at("", op, current) and not profile.runs_at("", op, opset))
+
+
+def cpu_runnable_opset(model: ir.Model) -> int | None:
+    """An older opset to declare for onnxruntime's CPU provider, where it has no kernel of some
+    op at the model's but one of each at the older (its random-number ops end at 21, where a
+    bfloat16 conversion declares 22), and the version converter leaves every node of the model
+    as it is between the two; None where the model's own opset runs or no such opset exists.
+    For models run in FP32 (a reference, an emulation): they need nothing of the newer one."""
+    current = default_opset(model)
+    if current is None:
+        return None
+    cpu = load_runtime("ort-cpu")
+    ops = {node.op_type for node in all_nodes(model) if normalize_domain(node.domain) == ""}
+    lacking = [op for op in ops if cpu.knows("", op) and cpu.kernel("", op, current) is None]
+    if not lacking:
+        return None
+    version = next(
+        (v for v in range(current - 1, 0, -1) if all(cpu.kernel("", op, v) is not None for op in lacking)), None
+    )
+    return version if version is not None and converter_keeps_every_node(model, version) else None
+
+
+def stranding_note(ops: Sequence[str], opset: int, profile: RuntimeProfile) -> str:
+    """Why an upgrade to `opset` was not made (see :func:`stranded_ops`)."""
+    return f"{profile.provider or profile.name} has no kernel of {', '.join(ops)} at opset {opset}"
+
+
 def upgrade_for_target(
     model: ir.Model,
     opset: int | None,
@@ -409,11 +445,24 @@ def upgrade_for_target(
         if current is None or current >= opset:
             return None
         notes.append(f"opset upgraded from {current} to {opset} (--opset)")
+        stranded = stranded_ops(model, opset, profile)
+        if stranded:
+            notes.append(f"{stranding_note(stranded, opset, profile)}: the model may not load there")
         return upgrade_opset(model, opset)
     needed = required_opset(model, policy, target, profile)
     if needed is None:
         return None
     version, ops = needed
+    stranded = stranded_ops(model, version, profile)
+    if stranded:
+        lower = required_opset(model, policy, target, profile, kernel_gaps=False)
+        if lower is None or lower[0] >= version or stranded_ops(model, lower[0], profile):
+            notes.append(
+                f"{', '.join(ops)} need opset {version} for {target.value}, but "
+                f"{stranding_note(stranded, version, profile)}: the model stays at opset {current}"
+            )
+            return None
+        version, ops = lower
     try:
         upgraded = upgrade_opset(model, version)
     except InputError as e:

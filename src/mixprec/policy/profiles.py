@@ -128,6 +128,15 @@ class RuntimeProfile:
         """Whether the runtime rejects the op with float inputs of different element types."""
         return (normalize_domain(domain), op_type) in self.one_type_ops
 
+    def runs_at(self, domain: str, op_type: str, version: int) -> bool:
+        """Whether the runtime has a kernel of the op at opset `version`, in any type (an
+        onnxruntime provider: its own or, where it has none, its CPU provider's)."""
+        if self.kernels is None or self.kernel(domain, op_type, version) is not None:
+            return True
+        if self.engine == "onnxruntime" and self.name != "ort-cpu":
+            return load_runtime("ort-cpu").kernel(domain, op_type, version) is not None
+        return False
+
     def refuses(self, domain: str, op_type: str) -> bool:
         """Whether the runtime cannot run the op at all: its table lists every op it imports and
         has no other place to run one it lacks (onnxruntime's providers fall back to its CPU

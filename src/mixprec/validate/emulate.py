@@ -195,7 +195,19 @@ def _emulate_in_place(model: ir.Model) -> None:
     if rounded and default_domain_version(model.opset_imports) is None:
         model.opset_imports[""] = 13
     forms = cpu_quantization_forms(model)
+    _cpu_opset(model)
     logger.info("emulation: %d values rounded through 16-bit, %d Q/DQ nodes in CPU forms", rounded, forms)
+
+
+def _cpu_opset(model: ir.Model) -> None:
+    """Declare the opset onnxruntime's CPU provider runs the model at, where it has no kernel
+    of some op at the model's (:func:`mixprec.passes.opset.cpu_runnable_opset`)."""
+    from mixprec.passes.opset import cpu_runnable_opset, set_default_opset  # noqa: PLC0415
+
+    version = cpu_runnable_opset(model)
+    if version is not None:
+        set_default_opset(model, version)
+        logger.info("emulation: opset %d declared for onnxruntime's CPU provider", version)
 
 
 def _infer_types(model: ir.Model) -> None:

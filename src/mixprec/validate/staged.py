@@ -28,8 +28,10 @@ from mixprec.analysis.qdq import has_qdq
 from mixprec.dtypes import LowPrecision, is_float_dtype
 from mixprec.errors import InputError, MixprecError, RunError, ValidationFailure
 from mixprec.host import host_cpu
+from mixprec.graphs import subgraphs_of
 from mixprec.io import graph_only_proto, uses_external_data, without_staging
 from mixprec.io.onnx_file import FileChecks
+from mixprec.policy.opfacts import op_facts
 from mixprec.policy.quantized_groups import quantized_groups
 from mixprec.validate.results import InputScale, OutputError, Validation
 from mixprec.validate import compare
@@ -193,6 +195,14 @@ def _run_check(
     batches, reference_session = _reference_batches_or_check(path, reference, target, data, max_batches, result)
     if not batches or reference is None:  # no batches without a reference model
         return
+    random, why = _random_outputs(model, reference_session, batches[0])
+    if random:  # compared no further
+        result.notes.append(why)
+        batches = [(feeds, {k: v for k, v in expected.items() if k not in random}) for feeds, expected in batches]
+        if not batches[0][1]:
+            _runtime_check(path, reference, target, result, feeds=batches[0][0])
+            _unchecked(result, f"not checked: {why}")
+            return
     quantized = _quantized(model)
     # The converted model as users run it: default optimizations, first batch, own process.
     outcome = _runtime_check(path, reference, target, result, feeds=batches[0][0])
@@ -235,6 +245,61 @@ def _run_check(
         _raise_beyond_tolerance(result, tolerance, origin)
     else:
         _note_large_errors(result, target, generated=data is None, quantized=quantized)
+
+
+def _random_outputs(
+    model: ir.Model | None, session: object, batch: tuple[Batch, dict[str, np.ndarray]]
+) -> tuple[set[str], str]:
+    """The outputs of the model that depend on random numbers (downstream of RandomNormalLike,
+    Bernoulli and the like: `random` in the op facts; not through shape-only ops), unless a
+    second run of the FP32 model gives each of them again bit for bit (a noise scaled to 0):
+    no comparison tells rounding from chance there, so they are not compared; and why."""
+    if model is None:
+        return set(), ""
+    ops, random = _random_reach(model.graph)
+    outputs = {v.name for v in model.graph.outputs if v in random} & batch[1].keys()
+    if not outputs:
+        return set(), ""
+    try:
+        again = sessions.run_session(session, batch[0])
+    except RunError:
+        again = {}
+    if all(_identical(batch[1][name], again.get(name)) for name in outputs):
+        return set(), ""
+    every = "every output of the FP32 model depends" if outputs == batch[1].keys() else (
+        f"output(s) {', '.join(sorted(outputs))} of the FP32 model depend"
+    )
+    return outputs, (
+        f"{every} on random numbers ({', '.join(sorted(ops))}; two runs on the same inputs differ): "
+        "no comparison tells rounding from chance there, so they are not compared (a model exported "
+        "without sampling, or with its noise scale at 0, can be)"
+    )
+
+
+def _random_reach(graph: ir.Graph) -> tuple[set[str], set[ir.Value]]:
+    """The random ops in `graph` (subgraphs included) and the values of `graph` computed from
+    their outputs (a node with a random op in a subgraph counts as one)."""
+    ops: set[str] = set()
+    random: set[ir.Value] = set()
+    for node in graph:
+        fact = op_facts(node.domain, node.op_type)
+        inner = set()
+        for sub in subgraphs_of(node):
+            inner |= _random_reach(sub)[0]
+        ops |= inner
+        if fact.random:
+            ops.add(node.op_type)
+        if fact.random or inner or (not fact.shape_only and any(v in random for v in node.inputs if v is not None)):
+            random.update(v for v in node.outputs if v is not None)
+    return ops, random
+
+
+def _identical(first: np.ndarray, again: np.ndarray | None) -> bool:
+    """Whether a second run gave the same array bit for bit (NaNs in the same places)."""
+    if again is None or np.shape(first) != np.shape(again):
+        return False
+    first, again = np.asarray(first), np.asarray(again)
+    return bool(np.array_equal(first, again, equal_nan=first.dtype.kind in "fc"))
 
 
 # Session config of the CPU provider's run with its QDQ rewriting (integer kernels, bias

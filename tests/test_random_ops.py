@@ -1,0 +1,88 @@
+"""Models that draw random numbers (VITS's duration noise, a VAE's sampling): an upgrade never
+strands their random-number ops on onnxruntime, their emulation runs there, and the outputs
+that depend on the random numbers are not compared (two FP32 runs differ already)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import mixprec
+from mixprec.policy.profiles import load_runtime
+
+RANDOM_OPS = ("Multinomial", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike")
+
+
+def noisy_conv(noise_scale: float) -> onnx.ModelProto:
+    """x -> Conv -> c; outputs clean = Relu(c) and noisy = c + noise_scale * RandomNormalLike(c)."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["clean"], name="relu"),
+        helper.make_node("RandomNormalLike", ["c"], ["n"], name="noise"),
+        helper.make_node("Mul", ["n", "k"], ["nk"], name="scale"),
+        helper.make_node("Add", ["c", "nk"], ["noisy"], name="add"),
+    ]
+    graph = helper.make_graph(
+        nodes, "noisy", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 8, 8, 8]) for n in ("clean", "noisy")],
+        [numpy_helper.from_array(rng.normal(0, 0.2, (8, 4, 3, 3)).astype(np.float32), "w"),
+         numpy_helper.from_array(np.array(noise_scale, np.float32), "k")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _loads(op: str, opset: int) -> bool:
+    """Whether onnxruntime's CPU provider has a kernel of a one-node `op` model at `opset`."""
+    inputs = {"RandomNormal": [], "RandomUniform": []}.get(op, ["x"])
+    attributes = {"shape": [2]} if not inputs else {}
+    output = TensorProto.INT32 if op == "Multinomial" else TensorProto.FLOAT
+    graph = helper.make_graph(
+        [helper.make_node(op, inputs, ["y"], **attributes)], "one",
+        [helper.make_tensor_value_info(i, TensorProto.FLOAT, [2, 2]) for i in inputs],
+        [helper.make_tensor_value_info("y", output, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    try:
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    except Exception:  # noqa: BLE001 - onnxruntime raises its own types
+        return False
+    return True
+
+
+@pytest.mark.parametrize("op", RANDOM_OPS)
+def test_the_profiles_end_the_random_ops_where_onnxruntime_does(op: str) -> None:
+    # OperatorKernels.md lists them as "1+"; the installed onnxruntime finds no kernel at 22.
+    cpu = load_runtime("ort-cpu")
+    last = max(k.until for k in cpu.kernels[("", op)] if k.until is not None)
+    assert _loads(op, last) and not _loads(op, last + 1)
+    assert cpu.runs_at("", op, last) and not cpu.runs_at("", op, last + 1)
+    assert not load_runtime("ort-cuda").runs_at("", op, last + 1)  # nor does its CPU fallback
+
+
+def test_bfloat16_conv_does_not_upgrade_past_the_random_ops_kernels() -> None:
+    # bfloat16 Conv needs opset 22, where onnxruntime has no RandomNormalLike: the model stays
+    # at 17 and loads; the note says why Conv stays FP32.
+    result = mixprec.convert(noisy_conv(0.1), None, target_dtype="bf16", runtime="ort-cuda", validate="none")
+    assert result.model.opset_imports[""] == 17
+    note = next(n for n in result.report.notes if "RandomNormalLike" in n)
+    assert "Conv need opset 22 for bfloat16, but CUDAExecutionProvider has no kernel of RandomNormalLike at opset 22" in note
+
+
+def test_outputs_that_depend_on_random_numbers_are_not_compared(tmp_path) -> None:
+    # OpenVINO's profile has no kernel table: the model is upgraded to 22, and its emulation
+    # declares 21 again for onnxruntime. `noisy` differs between two FP32 runs: only `clean`
+    # is compared.
+    result = mixprec.convert(noisy_conv(0.1), tmp_path / "out.onnx", target_dtype="bf16", runtime="openvino", validate="run")
+    v = result.report.validation
+    assert result.model.opset_imports[""] == 22
+    assert [o.name for o in v.outputs] == ["clean"] and v.outputs[0].scaled_error < 0.02
+    assert any("output(s) noisy of the FP32 model depend on random numbers (RandomNormalLike" in n for n in v.notes)
+    # Noise scaled to 0: two runs agree, so both outputs are compared.
+    quiet = mixprec.convert(noisy_conv(0.0), None, target_dtype="fp16", runtime="ort-cuda", validate="run")
+    assert [o.name for o in quiet.report.validation.outputs] == ["clean", "noisy"]
