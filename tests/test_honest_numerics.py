@@ -11,6 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import mixprec
 from helpers import run
+from mixprec.report.html import render_html_report
 from mixprec.validate.emulate import emulate_low_precision
 from mixprec.cli import EXIT_UNCHECKED, main
 
@@ -235,3 +236,38 @@ def test_a_child_process_that_cannot_start_leaves_the_check_in_process(tmp_path:
     assert validation.numerics.startswith("checked"), validation.numerics
     assert validation.outputs and validation.outputs[0].nan_count == 0
     assert any("cannot be started" in n and "was not checked" in n for n in validation.notes), validation.notes
+
+
+def _length_from_ceil() -> onnx.ModelProto:
+    """y = Range(0, sum(Ceil(x @ I))) as floats: the output's length is computed from values
+    that a 16-bit MatMul rounds (16.02 is 16.0 in bfloat16, so its Ceil is 16, not 17)."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+        helper.make_node("Ceil", ["m"], ["c"], name="ceil"),
+        helper.make_node("ReduceSum", ["c"], ["s"], name="sum", keepdims=0),
+        helper.make_node("Cast", ["s"], ["n"], name="count", to=TensorProto.INT64),
+        helper.make_node("Range", ["zero", "n", "one"], ["r"], name="range"),
+        helper.make_node("Cast", ["r"], ["y"], name="out", to=TensorProto.FLOAT),
+    ]
+    graph = helper.make_graph(
+        nodes, "length", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])],
+        [numpy_helper.from_array(np.eye(4, dtype=np.float32), "w"),
+         numpy_helper.from_array(np.array(0, np.int64), "zero"), numpy_helper.from_array(np.array(1, np.int64), "one")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def test_an_output_whose_shape_the_conversion_changes_is_reported_as_such(tmp_path: Path) -> None:
+    x = np.array([[16.02, 3.3, 2.5, 7.01]], np.float32)  # ceilings 17 + 4 + 3 + 8 = 32; in bfloat16 30
+    result = mixprec.convert(_length_from_ceil(), tmp_path / "out.onnx", target_dtype="bf16", runtime="onnx", data=[{"x": x}])
+    (out,) = result.report.validation.outputs
+    assert out.shapes == ((32,), (30,))
+    text = result.report.format_text()
+    assert "y: shape [30] where the FP32 model's is [32]" in text and "inf%" not in text
+    assert any("comes out in another shape than the FP32 model's" in n for n in result.report.validation.notes)
+    assert not any("differs from the FP32 model by up to" in n for n in result.report.validation.notes)
+    page = render_html_report(result.report)
+    assert "shape [30] where the FP32 model&#x27;s is [32]" in page or "shape [30] where the FP32 model's is [32]" in page

@@ -229,3 +229,35 @@ def test_report_json_names_the_runtime(norm_mlp, tmp_path: Path) -> None:
     data = json.loads(report.read_text())
     assert data["runtime"] == "ort-cuda"
     assert data["validation"]["numerics"].startswith("checked")
+
+
+@pytest.mark.slow
+def test_a_model_openvino_fails_to_compile_is_repaired(tmp_path: Path) -> None:
+    # A tiny VITS (transformers, random weights, noise scales 0): OpenVINO 2026.4's CPU plugin
+    # fails to compile its bfloat16 form on AMX machines ("2 passes ... can't be merged", in the
+    # duration predictor's flows) while it runs the FP32 one. The repair keeps FP32 the fewest
+    # nodes that make it compile; the written model runs there. Where OpenVINO compiles the first
+    # conversion, the written model must run all the same.
+    pytest.importorskip("openvino")
+    from transformers import VitsConfig, VitsModel  # noqa: PLC0415
+
+    from mixprec.validate.staged import openvino_runs  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    config = VitsConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, ffn_dim=128, flow_size=32, spectrogram_bins=65,
+        upsample_initial_channel=64, upsample_rates=[4, 4], upsample_kernel_sizes=[8, 8], resblock_kernel_sizes=[3],
+        resblock_dilation_sizes=[[1, 3]], prior_encoder_num_flows=2, posterior_encoder_num_wavenet_layers=2,
+        duration_predictor_num_flows=2, vocab_size=40, noise_scale=0.0, noise_scale_duration=0.0,
+    )
+    ids = torch.randint(1, 40, (1, 20))
+    source = tmp_path / "vits.onnx"
+    torch.onnx.export(VitsModel(config).eval(), (ids,), str(source), input_names=["input_ids"], opset_version=17, dynamo=False)
+    feeds = {"input_ids": ids.numpy()}
+    out = tmp_path / "vits_bf16.onnx"
+    result = mixprec.convert(source, out, target_dtype="bf16", runtime="openvino", data=[feeds])
+    assert openvino_runs(out, feeds, quantized=False)
+    repaired = [n for n in result.report.notes if n.startswith("OpenVINO fails on the first conversion")]
+    kept = [d for d in result.report.kept_fp32 if d.category == "runtime fails on it"]
+    assert bool(repaired) == bool(kept)
+    assert all(d.reason.startswith("OpenVINO's CPU plugin fails on the model with this node in 16 bits") for d in kept)

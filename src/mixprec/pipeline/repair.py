@@ -26,7 +26,8 @@ from mixprec.pipeline.steps import Rewritten
 from mixprec.plan.model import Category, Precision, PrecisionPlan
 from mixprec.runtime.isolated import run_isolated
 from mixprec.validate.repair import find_culprits
-from mixprec.validate.staged import RuntimeRejection, loads_as_validated
+from mixprec.analysis.qdq import has_qdq
+from mixprec.validate.staged import RuntimeRejection, loads_as_validated, openvino_runs
 
 if TYPE_CHECKING:
     from mixprec.pipeline.runner import Prepared
@@ -63,16 +64,23 @@ def repair(rejection: RuntimeRejection, prepared: Prepared, rejected: PrecisionP
     trials = prepare(source, config)
     what = "crashes on" if outcome.crashed else "fails on"
     error = without_staging(outcome.error or "")
-    reason = f"onnxruntime (CPU provider, default options) {what} the model with this node in 16 bits: {error}"
+    runtime = "OpenVINO's CPU plugin" if rejection.openvino else "onnxruntime (CPU provider, default options)"
+    reason = f"{runtime} {what} the model with this node in 16 bits: {error}"
+    quantized = any(has_qdq(list(graph)) for graph in trials.model.graphs())
+
+    def runs(path: Path) -> bool:
+        if rejection.openvino:
+            return openvino_runs(path, rejection.feeds or {}, quantized=quantized)
+        return loads_as_validated(run_isolated(path, rejection.feeds), target)
 
     def fails(kept: frozenset[str]) -> bool:
         model, _ = trials.rewrite(dict.fromkeys(kept, (Category.RUNTIME_FAILURE, reason)))
         with tempfile.TemporaryDirectory(prefix="mixprec-repair-") as tmp:
             path = Path(tmp) / "trial.onnx"
             # Written as the output is (the inferred types of intermediate values left out):
-            # whether onnxruntime fails may depend on which shapes the file declares.
+            # whether the runtime fails may depend on which shapes the file declares.
             save_model(model, path, external_data=wants_external_data(model), declared=trials.typed.declared)
-            return not loads_as_validated(run_isolated(path, rejection.feeds), target)
+            return not runs(path)
 
     logger.warning("%s; searching for the nodes to keep FP32", rejection)
     near = near_named_nodes(trials.model, trials.keys, outcome.error or "", converted)
@@ -86,7 +94,7 @@ def repair(rejection: RuntimeRejection, prepared: Prepared, rejected: PrecisionP
         raise ValidationFailure(f"{rejection}; it fails even with every converted node FP32") from rejection
     planned, rewritten = trials.replan(dict.fromkeys(culprits.names, (Category.RUNTIME_FAILURE, reason)))
     note = (
-        f"onnxruntime {what} the first conversion ({error}); kept {len(culprits.names)} node(s) "
+        f"{'OpenVINO' if rejection.openvino else 'onnxruntime'} {what} the first conversion ({error}); kept {len(culprits.names)} node(s) "
         f"FP32 after {culprits.trials} trial conversion(s): {', '.join(culprits.names[:5])}"
         + (" ..." if len(culprits.names) > 5 else "")
     )

@@ -18,7 +18,7 @@ import onnx_ir as ir
 from mixprec.analysis.cost_model import CAST_BYTES_PER_ELEMENT, SYMBOLIC_DIM
 from mixprec.plan.estimate import estimate_plan
 from mixprec.report.quantized import QuantizedSummary, quantized_summary
-from mixprec.validate.results import InputScale, OutputError, Validation
+from mixprec.validate.results import InputScale, OutputError, Validation, shape_text
 from mixprec.graphs import has_subgraphs, walk_nodes
 from mixprec.passes.rewrite import CastRecord, RewriteStats
 from mixprec.passes.opset import first_opset_admitting
@@ -325,10 +325,9 @@ def _relative_text(out: OutputError) -> str:
 def _output_error_line(out: OutputError, label: str) -> str:
     """One output's agreement with the FP32 model (`label`: which run, "" for the only one)."""
     flag = "" if out.within_tolerance is None else ("  ok" if out.within_tolerance else "  OUT OF TOLERANCE")
-    return (
-        f"    {out.name}{f' ({label})' if label else ''}: max abs {out.max_abs_error:.3g}"
-        f"{_relative_text(out)}, nan {out.nan_count}, inf {out.inf_count}{flag}"
-    )
+    error = f"max abs {out.max_abs_error:.3g}{_relative_text(out)}" if out.shapes is None else shape_text(out.shapes)
+    return f"    {out.name}{f' ({label})' if label else ''}: {error}, nan {out.nan_count}, inf {out.inf_count}{flag}"
+
 
 
 def _mb(n: int | None) -> str:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from mixprec.io import write_text_atomic
 from mixprec.report.contents import Report, input_scale_text
+from mixprec.validate.results import shape_text
 from mixprec.report.svg import (
     MAX_ERROR_BARS,
     Page,
@@ -285,9 +286,12 @@ def _outputs_section(report: Report) -> str:
     for o in v.outputs:
         bad = o.within_tolerance is False or o.new_nonfinite > 0
         within = "\u2014" if o.within_tolerance is None else ("yes" if o.within_tolerance else "NO")
-        out.append(
-            f"<tr{_BAD if bad else ''}><td>{esc(o.name)}</td>"
+        errors = (
             f"{_num_cell(o.max_abs_error)}{_num_cell(o.scaled_error if o.scaled_error is not None else o.max_rel_error)}"
+            if o.shapes is None else f'<td colspan="2">{esc(shape_text(o.shapes))}</td>'
+        )
+        out.append(
+            f"<tr{_BAD if bad or o.shapes is not None else ''}><td>{esc(o.name)}</td>{errors}"
             f"{_num_cell(o.nan_count)}{_num_cell(o.inf_count)}{_num_cell(o.new_nonfinite)}"
             f"<td>{within}</td></tr>"
         )

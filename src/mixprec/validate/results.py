@@ -20,6 +20,7 @@ class OutputError:
     new_nonfinite: int
     within_tolerance: bool | None = None
     scaled_error: float | None = None  # max |diff| / max |reference|
+    shapes: tuple[tuple[int | None, ...], tuple[int | None, ...]] | None = None  # (FP32, converted) where they differ
 
 
 @dataclass
@@ -57,3 +58,12 @@ class Validation:
     module_batches: int = 0
     # Generated inputs only: the converted model at larger input magnitudes (see `InputScale`).
     input_scales: list[InputScale] = field(default_factory=list)
+
+
+def shape_text(shapes: tuple[tuple[int | None, ...], tuple[int | None, ...]]) -> str:
+    """An output whose shape the conversion changed (a length computed from rounded values)."""
+
+    def dims(shape: tuple[int | None, ...]) -> str:
+        return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+    return f"shape {dims(shapes[1])} where the FP32 model's is {dims(shapes[0])}"

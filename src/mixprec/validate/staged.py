@@ -33,7 +33,7 @@ from mixprec.io import graph_only_proto, uses_external_data, without_staging
 from mixprec.io.onnx_file import FileChecks
 from mixprec.policy.opfacts import op_facts
 from mixprec.policy.quantized_groups import quantized_groups
-from mixprec.validate.results import InputScale, OutputError, Validation
+from mixprec.validate.results import InputScale, OutputError, Validation, shape_text
 from mixprec.validate import compare
 from mixprec.runtime import sessions
 from mixprec.runtime import data as data_mod
@@ -60,15 +60,18 @@ _ORIGIN_MAX_NODES = 200
 
 
 class RuntimeRejection(ValidationFailure):
-    """onnxruntime fails or crashes on the converted model where it runs the FP32 model.
+    """onnxruntime (or, with `openvino`, OpenVINO's CPU plugin) fails or crashes on the
+    converted model where it runs the FP32 model.
 
     Carries what a repair needs: the runtime's outcome and the feeds it ran on.
     """
 
-    def __init__(self, outcome: RuntimeOutcome, feeds: Batch | None = None) -> None:
-        super().__init__(f"the converted model fails in onnxruntime (default session options): {without_staging(outcome.error or '')}")
+    def __init__(self, outcome: RuntimeOutcome, feeds: Batch | None = None, *, openvino: bool = False) -> None:
+        where = "on OpenVINO's CPU plugin" if openvino else "in onnxruntime (default session options)"
+        super().__init__(f"the converted model fails {where}: {without_staging(outcome.error or '')}")
         self.outcome = outcome
         self.feeds = feeds
+        self.openvino = openvino
 
 
 # From this many nodes on, the full checker of a staged model runs in a child.
@@ -379,7 +382,7 @@ _NOTABLE_ERROR_EPS = 10
 def _beyond_rounding(outputs: Iterable[OutputError], target: LowPrecision) -> float | None:
     """The largest scaled error among `outputs` where it is more than the target's rounding
     explains (:data:`_NOTABLE_ERROR_EPS` epsilons), else None."""
-    worst = max((o.scaled_error for o in outputs if o.scaled_error is not None), default=None)
+    worst = max((o.scaled_error for o in outputs if o.scaled_error is not None and o.shapes is None), default=None)
     return worst if worst is not None and worst > _NOTABLE_ERROR_EPS * target.limits.eps else None
 
 
@@ -391,6 +394,13 @@ def _quantized(model: ir.Model | None) -> bool:
 def _note_large_errors(result: Validation, target: LowPrecision, *, generated: bool, quantized: bool = False) -> None:
     """Say where an output differs from the FP32 model by more than rounding explains (no
     tolerance was given, so nothing failed), and what to do about it."""
+    reshaped = next((out for out in (*result.outputs, *result.real_outputs) if out.shapes is not None), None)
+    if reshaped is not None:
+        result.notes.append(
+            f"output {reshaped.name!r} comes out in another shape than the FP32 model's ({shape_text(reshaped.shapes)}): "
+            f"a length or count computed from values that {target.value} rounds differently (a duration, "
+            "a number of detections); `mixprec tune --data ... --tolerance ...` finds the ops to keep FP32"
+        )
     for out in (*result.outputs, *result.real_outputs):
         if _beyond_rounding([out], target) is not None:
             inputs = "generated random inputs" if generated else "the data given"
@@ -557,6 +567,7 @@ def output_errors(comparisons: Iterable[compare.OutputComparison], tolerance: tu
             c.name, float(c.max_abs_error), float(c.max_rel_error), int(c.nan_count), int(c.inf_count),
             int(c.new_nonfinite), c.within(*tolerance) if tolerance is not None else None,
             scaled_error=float(c.scaled_error),
+            shapes=None if c.shapes_match else (tuple(c.shape), tuple(c.candidate_shape)),
         )
         for c in comparisons
     ]
@@ -611,7 +622,9 @@ def _openvino_check(
             fp32.latency(feeds, warmup=1, budget=_LATENCY_BUDGET_S), 1e-9
         )
     except MixprecError as e:
-        raise ValidationFailure(f"OpenVINO cannot run the converted model: {e}") from e
+        # The FP32 model ran there: the repair keeps FP32 the nodes OpenVINO fails on.
+        failure = RuntimeOutcome(False, False, str(e), False, None, 0.0)
+        raise RuntimeRejection(failure, batches[0][0], openvino=True) from e
     counts = converted.executed_precisions()
     executed = _executed_compute(counts)
     mode = "model types" if converted.precision == "model" else "default options"
@@ -630,6 +643,18 @@ def _openvino_check(
             f"arithmetic; the emulated figures are the {target.value} ones"
         )
     return None
+
+
+def openvino_runs(path: Path, feeds: Batch, *, quantized: bool) -> bool:
+    """Whether OpenVINO's CPU plugin compiles and runs the model as validation does (its own
+    element types; a quantized model also with the default options)."""
+    from mixprec.runtime import openvino as openvino_runner  # noqa: PLC0415
+
+    try:
+        _openvino_session(openvino_runner, path, Validation(), quantized=quantized).run(feeds)
+    except MixprecError:
+        return False
+    return True
 
 
 def _openvino_session(openvino_runner: Any, path: Path, result: Validation, *, quantized: bool) -> Any:
