@@ -135,9 +135,13 @@ def test_float16_elementwise_ops_cost_more_than_fp32_where_the_runtime_converts_
     # low_arithmetic_bytes, measured by bench/bench_costs.py); moving values still halves.
     from mixprec.analysis.cost_model import node_time  # noqa: PLC0415
 
+    from mixprec.analysis.cost_model import computes_elementwise  # noqa: PLC0415
+
     cpu, gpu, elements = runtime_cost("ort-cpu"), runtime_cost("ort-cuda"), 1 << 20
-    assert node_time(elements, None, True, cpu) > node_time(elements, None, False, cpu)
-    assert node_time(elements, None, True, cpu, moves=True) < node_time(elements, None, False, cpu)
-    assert node_time(elements, None, True, gpu) < node_time(elements, None, False, gpu)
+    assert node_time(elements, None, True, cpu, elementwise=True) > node_time(elements, None, False, cpu)
+    assert node_time(elements, None, True, cpu) < node_time(elements, None, False, cpu)  # Transpose
+    assert node_time(elements, None, True, gpu, elementwise=True) < node_time(elements, None, False, gpu)
+    assert computes_elementwise("", "Relu") and computes_elementwise("", "Add")
+    assert not any(computes_elementwise("", op) for op in ("Transpose", "Gather", "MaxPool", "Conv", "MatMul"))
     matmul = 2.0 * 512**3
     assert node_time(3 * 512**2, matmul, True, cpu) == node_time(3 * 512**2, matmul, False, cpu)

@@ -155,19 +155,29 @@ def float_elements(node: ir.Node, symbolic: int | None = SYMBOLIC_DIM, known: di
     return total
 
 
-def node_time(elements: int, flops: float | None, low: bool, cost: RuntimeCost, *, moves: bool = False) -> float:
+def node_time(elements: int, flops: float | None, low: bool, cost: RuntimeCost, *, elementwise: bool = False) -> float:
     """Estimated time of one op (in byte-times of `cost`'s device): the larger of its traffic
     (`elements` in 16 bits or FP32; in 16 bits, `cost.low_arithmetic_bytes` per element for an
-    op without matrix FLOPs that computes rather than `moves` values) and its matrix
-    arithmetic, plus one launch."""
+    `elementwise` op: one that computes without matrix FLOPs rather than moving values) and its
+    matrix arithmetic, plus one launch."""
     if low:
-        elementwise = flops is None and not moves
         per_element = max(LOW_BYTES_PER_ELEMENT, cost.low_arithmetic_bytes) if elementwise else LOW_BYTES_PER_ELEMENT
     else:
         per_element = FP32_BYTES_PER_ELEMENT
     traffic = elements * per_element
     arithmetic = (flops or 0.0) / cost.flops_per_byte * (1.0 if low else cost.fp32_flop_cost)
     return max(float(traffic), arithmetic) + cost.launch_bytes
+
+
+def computes_elementwise(domain: str, op_type: str) -> bool:
+    """Whether the op computes its outputs element by element: no FLOPs formula (a matrix
+    product's), and it neither moves nor selects values (Transpose, Gather, MaxPool: its
+    integer-semantics carrier is not "movement", and it is not value-preserving without being
+    arithmetic)."""
+    fact = op_facts(domain, op_type)
+    if fact.flops is not None or fact.carrier == "movement":
+        return False
+    return not (fact.value_preserving and fact.carrier != "arithmetic")
 
 
 def cast_time(elements: int, cost: RuntimeCost) -> float:

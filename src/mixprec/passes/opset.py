@@ -8,6 +8,7 @@ being read; the original, still lazy, tensors are put back afterwards.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import onnx
 import onnx.defs
@@ -393,35 +394,99 @@ def _same_nodes(nodes: list[onnx.NodeProto], converted: list[onnx.NodeProto]) ->
     )
 
 
+def _kernel_ops(node: ir.Node, version: int, lists: Callable[[str], bool]) -> list[str]:
+    """The default-domain ops a runtime runs for `node` at opset `version`: its own op where the
+    runtime's table `lists` it, else the ops of its ONNX function body (onnxruntime runs
+    Bernoulli as RandomUniformLike, Greater and Cast)."""
+    if lists(node.op_type):
+        return [node.op_type]
+    schema = get_schema(node.op_type, "", version)
+    try:
+        if schema is not None and schema.has_function:
+            body = schema.function_body
+        elif schema is not None and schema.has_context_dependent_function:
+            # The body's ops, not its types, are asked: an input of unknown type stands as float.
+            types = [
+                onnx.helper.make_tensor_type_proto(
+                    int(v.dtype) if v is not None and v.dtype is not None else onnx.TensorProto.FLOAT, None
+                ).SerializeToString()
+                for v in node.inputs
+            ]
+            body = onnx.FunctionProto()
+            body.ParseFromString(
+                schema.get_context_dependent_function(ir.serde.serialize_node(node).SerializeToString(), types)
+            )
+        else:
+            return []
+    except Exception:  # noqa: BLE001 - a body the schema cannot build for this node: nothing to check
+        return []
+    return [n.op_type for n in body.node if normalize_domain(n.domain) == ""]
+
+
+def _op_samples(model: ir.Model) -> dict[str, ir.Node]:
+    """One node of each default-domain op of the model."""
+    samples: dict[str, ir.Node] = {}
+    for node in all_nodes(model):
+        if normalize_domain(node.domain) == "":
+            samples.setdefault(node.op_type, node)
+    return samples
+
+
 def stranded_ops(model: ir.Model, opset: int, profile: RuntimeProfile) -> list[str]:
     """Default-domain ops of the model that the runtime runs at the model's opset but not at
-    `opset` (onnxruntime's random-number ops end at 21): upgrading would make the model fail
-    to load there."""
+    `opset` (onnxruntime's random-number ops end at 21; Bernoulli, run as its function body,
+    with them): upgrading would make the model fail to load there."""
     current = default_opset(model)
     if profile.kernels is None or current is None or opset <= current:
         return []
-    ops = {node.op_type for node in all_nodes(model) if normalize_domain(node.domain) == ""}
-    return sorted(op for op in ops if profile.runs_at("", op, current) and not profile.runs_at("", op, opset))
+    cpu = load_runtime("ort-cpu") if profile.engine == "onnxruntime" else None
+
+    def lists(op: str) -> bool:
+        return profile.knows("", op) or (cpu is not None and cpu.knows("", op))
+
+    return sorted(
+        op for op, node in _op_samples(model).items()
+        if any(profile.runs_at("", k, current) and not profile.runs_at("", k, opset) for k in _kernel_ops(node, opset, lists))
+    )
 
 
-def cpu_runnable_opset(model: ir.Model) -> int | None:
+def cpu_runnable_opset(model: ir.Model, *, same_nodes: bool = True) -> int | None:
     """An older opset to declare for onnxruntime's CPU provider, where it has no kernel of some
     op at the model's but one of each at the older (its random-number ops end at 21, where a
     bfloat16 conversion declares 22), and the version converter leaves every node of the model
     as it is between the two; None where the model's own opset runs or no such opset exists.
-    For models run in FP32 (a reference, an emulation): they need nothing of the newer one."""
+    For models run in FP32 (a reference, an emulation): they need nothing of the newer one.
+    With `same_nodes` False, the opset is returned without asking the version converter (the
+    caller converts)."""
     current = default_opset(model)
     if current is None:
         return None
     cpu = load_runtime("ort-cpu")
-    ops = {node.op_type for node in all_nodes(model) if normalize_domain(node.domain) == ""}
+
+    def lists(op: str) -> bool:
+        return cpu.knows("", op)
+
+    ops = {k for node in _op_samples(model).values() for k in _kernel_ops(node, current, lists)}
     lacking = [op for op in ops if cpu.knows("", op) and cpu.kernel("", op, current) is None]
     if not lacking:
         return None
     version = next(
         (v for v in range(current - 1, 0, -1) if all(cpu.kernel("", op, v) is not None for op in lacking)), None
     )
-    return version if version is not None and converter_keeps_every_node(model, version) else None
+    if version is None or not same_nodes:
+        return version
+    return version if converter_keeps_every_node(model, version) else None
+
+
+def lower_saved_model(path: Path, opset: int) -> None:
+    """Convert the model file at `path` (its weights where they are) to `opset` in place with
+    the ONNX version converter; leave it as it is where the converter fails."""
+    proto = onnx.load(str(path), load_external_data=False)
+    try:
+        lowered = onnx.version_converter.convert_version(proto, opset)
+    except Exception:  # noqa: BLE001 - the converter raises several types; the file stays usable elsewhere
+        return
+    onnx.save(lowered, str(path))
 
 
 def stranding_note(ops: Sequence[str], opset: int, profile: RuntimeProfile) -> str:

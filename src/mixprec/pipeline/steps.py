@@ -35,7 +35,7 @@ from mixprec.passes.integer_groups import write_groups_on_integers
 from mixprec.passes.norm_blocks import FusedKernels, fuse_norm_blocks, opset_for_fusion
 from mixprec.passes.norm_scales import FoldedScales, fold_norm_scales
 from mixprec.passes.opset import (
-    cpu_runnable_opset, set_default_opset, stranded_ops, stranding_note, upgrade_for_target, upgrade_opset,
+    cpu_runnable_opset, lower_saved_model, stranded_ops, stranding_note, upgrade_for_target, upgrade_opset,
 )
 from mixprec.passes.rewrite import RewriteStats, apply_plan
 from mixprec.passes.split_dequantize import split_shared_dequantizations
@@ -231,15 +231,11 @@ def reference(loaded: Loaded, model: ir.Model, config: Config, cleanup: contextl
     if (level in ("run", "load") or calibrating) and path is None:
         folder = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="mixprec-ref-"))
         path = Path(folder) / "reference.onnx"
+        value_types.save(model, path, external_data="reference.onnx.data" if weights > RUN_MAX_WEIGHT_BYTES else None)
         # Run by onnxruntime's CPU provider: at an opset it has every op's kernel of.
-        declared, runnable = model.opset_imports.copy(), cpu_runnable_opset(model)
+        runnable = cpu_runnable_opset(model, same_nodes=False)
         if runnable is not None:
-            set_default_opset(model, runnable)
-        try:
-            value_types.save(model, path, external_data="reference.onnx.data" if weights > RUN_MAX_WEIGHT_BYTES else None)
-        finally:
-            model.opset_imports.clear()
-            model.opset_imports.update(declared)
+            lower_saved_model(path, runnable)
     return Reference(path, level, data, weights, uses_external_data(model))
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mixprec.analysis.cost_model import SYMBOLIC_DIM, cast_time, float_elements, flops_of, node_time
+from mixprec.analysis.cost_model import SYMBOLIC_DIM, cast_time, computes_elementwise, float_elements, flops_of, node_time
 from mixprec.graphs import is_default_domain
 from mixprec.plan.model import Category, Precision, PrecisionPlan
 from mixprec.policy.costs import RuntimeCost
@@ -49,7 +49,7 @@ def estimate_plan(plan: PrecisionPlan, cast_elements: list[int | None], cost: Ru
     converted = fp32 = low_flops = total_flops = 0.0
     known: dict[int, int] = {}  # id(shape) -> elements; the plan's values keep their shapes alive
     formulas: dict[tuple[str, str], bool] = {}
-    movers: dict[tuple[str, str], bool] = {}  # op -> it only moves values (see `node_time`)
+    movers: dict[tuple[str, str], bool] = {}  # op -> it computes element by element (see `node_time`)
     for node in plan.order:
         decision = plan.decisions[node]
         if decision.precision is Precision.NONE or decision.category in BOUNDARIES:
@@ -68,10 +68,10 @@ def estimate_plan(plan: PrecisionPlan, cast_elements: list[int | None], cost: Ru
         elif has_formula:
             flops = flops_of(node, SYMBOLIC_DIM, SYMBOLIC_DIM)
         elements = float_elements(node, SYMBOLIC_DIM, known)
-        moves = movers.get(kind)
-        if moves is None:
-            moves = movers[kind] = op_facts(node.domain, node.op_type).carrier == "movement"
-        converted += node_time(elements, flops, low, cost, moves=moves)
+        elementwise = movers.get(kind)
+        if elementwise is None:
+            elementwise = movers[kind] = computes_elementwise(node.domain, node.op_type)
+        converted += node_time(elements, flops, low, cost, elementwise=elementwise)
         fp32 += node_time(elements, flops, False, cost)
     converted += sum(cast_time(e or 0, cost) for e in cast_elements)
     return PlanEstimate(low_flops / total_flops if total_flops > 0 else None, converted, fp32)

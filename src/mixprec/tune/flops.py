@@ -12,8 +12,7 @@ import onnx
 import onnx.shape_inference
 import onnx_ir as ir
 
-from mixprec.analysis.cost_model import float_elements, flops_of, node_time
-from mixprec.policy.opfacts import op_facts
+from mixprec.analysis.cost_model import computes_elementwise, float_elements, flops_of, node_time
 from mixprec.io import value_types
 from mixprec.plan.estimate import BOUNDARIES
 from mixprec.graphs import node_keys
@@ -59,8 +58,8 @@ def node_costs(proto: onnx.ModelProto, batch: Mapping[str, np.ndarray], cost: Ru
         if found is not None:
             flops[key] = found
         elements = float_elements(node, None)
-        moves = op_facts(node.domain, node.op_type).carrier == "movement"
-        penalty[key] = node_time(elements, found, False, cost) - node_time(elements, found, True, cost, moves=moves)
+        elementwise = computes_elementwise(node.domain, node.op_type)
+        penalty[key] = node_time(elements, found, False, cost) - node_time(elements, found, True, cost, elementwise=elementwise)
     return NodeCosts(flops, penalty)
 
 
