@@ -115,11 +115,19 @@ def test_outputs_that_depend_on_random_numbers_are_not_compared(tmp_path) -> Non
 
 def test_a_model_onnxruntime_cannot_load_at_its_own_opset_is_not_blamed_on_the_conversion() -> None:
     # At opset 22 onnxruntime loads neither the FP32 model nor the converted one (RandomNormalLike):
-    # the conversion stands, the note says the load was not checked, and the numerics run on
-    # the models declared at opset 21.
+    # the conversion stands, and the report says the numerics were not checked, and why.
     model = noisy_conv(0.1)
     model.opset_import[0].version = 22
-    result = mixprec.convert(model, None, target_dtype="fp16", runtime="ort-cpu", validate="run")
-    v = result.report.validation
-    assert any("onnxruntime has no kernel of RandomNormalLike at opset 22" in n for n in v.notes)
-    assert [o.name for o in v.outputs] == ["clean"]
+    for runtime in ("ort-cpu", "openvino"):
+        v = mixprec.convert(model, None, target_dtype="fp16", runtime=runtime, validate="run").report.validation
+        assert v.numerics.startswith("not checked: the FP32 model does not load in onnxruntime")
+        assert "RandomNormalLike(22)" in v.numerics
+
+
+def test_an_upgrade_the_user_pins_past_the_random_ops_kernels_is_refused_on_onnxruntime() -> None:
+    # --opset 22 for ort-cpu: the FP32 model (opset 17) loads, the converted one cannot; no node
+    # kept FP32 helps, so nothing is written. The note at the upgrade says why.
+    from mixprec.errors import ValidationFailure  # noqa: PLC0415
+
+    with pytest.raises(ValidationFailure, match="RandomNormalLike"):
+        mixprec.convert(noisy_conv(0.1), None, target_dtype="fp16", runtime="ort-cpu", validate="run", opset=22)

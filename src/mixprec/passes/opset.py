@@ -8,7 +8,6 @@ being read; the original, still lazy, tensors are put back afterwards.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import onnx
 import onnx.defs
@@ -450,14 +449,12 @@ def stranded_ops(model: ir.Model, opset: int, profile: RuntimeProfile) -> list[s
     )
 
 
-def cpu_runnable_opset(model: ir.Model, *, same_nodes: bool = True) -> int | None:
+def cpu_runnable_opset(model: ir.Model) -> int | None:
     """An older opset to declare for onnxruntime's CPU provider, where it has no kernel of some
     op at the model's but one of each at the older (its random-number ops end at 21, where a
     bfloat16 conversion declares 22), and the version converter leaves every node of the model
     as it is between the two; None where the model's own opset runs or no such opset exists.
-    For models run in FP32 (a reference, an emulation): they need nothing of the newer one.
-    With `same_nodes` False, the opset is returned without asking the version converter (the
-    caller converts)."""
+    For models run in FP32 (an emulation): they need nothing of the newer one."""
     current = default_opset(model)
     if current is None:
         return None
@@ -473,20 +470,8 @@ def cpu_runnable_opset(model: ir.Model, *, same_nodes: bool = True) -> int | Non
     version = next(
         (v for v in range(current - 1, 0, -1) if all(cpu.kernel("", op, v) is not None for op in lacking)), None
     )
-    if version is None or not same_nodes:
-        return version
-    return version if converter_keeps_every_node(model, version) else None
+    return version if version is not None and converter_keeps_every_node(model, version) else None
 
-
-def lower_saved_model(path: Path, opset: int) -> None:
-    """Convert the model file at `path` (its weights where they are) to `opset` in place with
-    the ONNX version converter; leave it as it is where the converter fails."""
-    proto = onnx.load(str(path), load_external_data=False)
-    try:
-        lowered = onnx.version_converter.convert_version(proto, opset)
-    except Exception:  # noqa: BLE001 - the converter raises several types; the file stays usable elsewhere
-        return
-    onnx.save(lowered, str(path))
 
 
 def stranding_note(ops: Sequence[str], opset: int, profile: RuntimeProfile) -> str:

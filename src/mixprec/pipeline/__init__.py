@@ -1,6 +1,6 @@
 """One conversion as a pipeline of named steps, each timed in the report.
 
-    load -> upgrade -> reference -> fold -> type -> normalize -> analyze -> plan -> rewrite
+    load -> reference -> upgrade -> fold -> type -> normalize -> analyze -> plan -> rewrite
          -> save -> validate [-> repair -> save -> validate] -> report -> publish
 
 Data flows one way: each step (:mod:`~mixprec.pipeline.steps`) takes the results of earlier

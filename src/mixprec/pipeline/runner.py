@@ -1,7 +1,7 @@
 """The runner: calls the steps in order, passing each the results it needs, times every step
 and checks the model's invariants after those that change it (``MIXPREC_CHECK_STEPS=1``).
 
-    prepare: load, upgrade, reference, fold, type, normalize, analyze    -> Prepared
+    prepare: load, reference, upgrade, fold, type, normalize, analyze    -> Prepared
     convert: prepare, plan, rewrite, save, validate | report, [repair, save, validate, report], publish
 
 A runtime rejection (onnxruntime fails on the converted model where it runs the FP32 one) is a
@@ -190,15 +190,17 @@ class Prepared:
 
 
 def _prepare(steps: Steps, source: object, config: Config, cleanup: contextlib.ExitStack) -> Prepared:
-    """load -> upgrade -> reference -> fold -> type -> normalize -> analyze."""
+    """load -> reference -> upgrade -> fold -> type -> normalize -> analyze."""
     loaded = steps.run("load", load, source, config)
     if loaded.checks is not None:
         cleanup.callback(loaded.checks.close)
     steps.capture(loaded.model)
+    # The FP32 model as given (an in-memory one is written before the upgrade changes its opset,
+    # as a file input is read from its own): onnxruntime may lack kernels at a newer opset.
+    ref = steps.run("reference", reference, loaded, loaded.model, config, cleanup)
     upgraded = steps.run("upgrade", upgrade, loaded, config)
     model = upgraded.model
     steps.check("upgrade", model)
-    ref = steps.run("reference", reference, loaded, model, config, cleanup)
     folded = steps.run("fold", fold, model, loaded.profile, config)
     steps.check("fold", model)
     unchanged = None if loaded.changed or upgraded.changed or folded.changed else loaded.path

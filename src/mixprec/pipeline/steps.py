@@ -1,6 +1,6 @@
 """The steps of a conversion, each a function from what earlier steps made to what it makes.
 
-    load -> upgrade -> reference -> fold -> type -> normalize -> analyze    (the preparation)
+    load -> reference -> upgrade -> fold -> type -> normalize -> analyze    (the preparation)
     plan -> rewrite -> save -> validate                                        (per plan)
 
 A step takes the results it needs and returns its own (a frozen record, or the plan / staged
@@ -34,9 +34,7 @@ from mixprec.passes.fold_dequantize import fold_constant_dequantizations
 from mixprec.passes.integer_groups import write_groups_on_integers
 from mixprec.passes.norm_blocks import FusedKernels, fuse_norm_blocks, opset_for_fusion
 from mixprec.passes.norm_scales import FoldedScales, fold_norm_scales
-from mixprec.passes.opset import (
-    cpu_runnable_opset, lower_saved_model, stranded_ops, stranding_note, upgrade_for_target, upgrade_opset,
-)
+from mixprec.passes.opset import stranded_ops, stranding_note, upgrade_for_target, upgrade_opset
 from mixprec.passes.rewrite import RewriteStats, apply_plan
 from mixprec.passes.split_dequantize import split_shared_dequantizations
 from mixprec.plan.model import Category, PrecisionPlan
@@ -232,10 +230,6 @@ def reference(loaded: Loaded, model: ir.Model, config: Config, cleanup: contextl
         folder = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="mixprec-ref-"))
         path = Path(folder) / "reference.onnx"
         value_types.save(model, path, external_data="reference.onnx.data" if weights > RUN_MAX_WEIGHT_BYTES else None)
-        # Run by onnxruntime's CPU provider: at an opset it has every op's kernel of.
-        runnable = cpu_runnable_opset(model, same_nodes=False)
-        if runnable is not None:
-            lower_saved_model(path, runnable)
     return Reference(path, level, data, weights, uses_external_data(model))
 
 
