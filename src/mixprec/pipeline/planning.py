@@ -122,11 +122,13 @@ def _nothing_worth_converting(plan: PrecisionPlan, policy: Policy, profile: Runt
 def _ops_the_runtime_refuses(model: ir.Model, nodes: Iterable[ir.Node], profile: RuntimeProfile) -> list[str]:
     """A note naming the ops of the model that the runtime cannot run at all (see
     `RuntimeProfile.refuses`): the model does not run there as it is, FP32 or converted."""
+    if not profile.refuses_any:
+        return []
     functions = model.functions
+    kinds = {(node.domain, node.op_type, node.overload) for node in nodes}
     refused = sorted({
-        format_op_name(node.domain, node.op_type) for node in nodes
-        if (node.domain, node.op_type, node.overload) not in functions
-        and profile.refuses(node.domain, node.op_type)
+        format_op_name(domain, op_type) for domain, op_type, overload in kinds
+        if (domain, op_type, overload) not in functions and profile.refuses(domain, op_type)
     })
     if not refused:
         return []

@@ -137,11 +137,16 @@ class RuntimeProfile:
             return load_runtime("ort-cpu").kernel(domain, op_type, version) is not None
         return False
 
+    @property
+    def refuses_any(self) -> bool:
+        """Whether some op may be one the runtime cannot run at all (see :meth:`refuses`)."""
+        return self.kernels is not None and self.engine not in (None, "onnxruntime")
+
     def refuses(self, domain: str, op_type: str) -> bool:
         """Whether the runtime cannot run the op at all: its table lists every op it imports and
         has no other place to run one it lacks (onnxruntime's providers fall back to its CPU
         provider; TensorRT's parser refuses the model)."""
-        if self.kernels is None or self.engine in (None, "onnxruntime"):
+        if not self.refuses_any:
             return False
         key = (normalize_domain(domain), op_type)
         return key not in self.kernels and key not in _FOLDED_OPS
