@@ -397,3 +397,28 @@ def relu_model(output_type: int = TensorProto.FLOAT, input_name: str = "x") -> o
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
     model.ir_version = 9
     return model
+
+
+def qdq_conv_group(
+    initializers: list[onnx.TensorProto], x_shape: list[int], y_shape: list[int], *, bias: bool = False,
+    opset: int = 21, **conv_attributes: object,
+) -> onnx.ModelProto:
+    """x -> Q -> DQ -> Conv(DQ(wq)[, b]) -> Q -> DQ y, one quantized group, its scales and zero
+    points among `initializers` (xs, xz, wq, ws, wz, ys, yz and b with `bias`); checked."""
+    h = onnx.helper
+    nodes = [
+        h.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"], name="q_x"),
+        h.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"], name="dq_x"),
+        h.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"], name="dq_w"),
+        h.make_node("Conv", ["xd", "wd", "b"] if bias else ["xd", "wd"], ["c"], name="conv", **conv_attributes),
+        h.make_node("QuantizeLinear", ["c", "ys", "yz"], ["cq"], name="q_c"),
+        h.make_node("DequantizeLinear", ["cq", "ys", "yz"], ["y"], name="dq_c"),
+    ]
+    graph = h.make_graph(
+        nodes, "qdq_conv_group", [h.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+        [h.make_tensor_value_info("y", TensorProto.FLOAT, y_shape)], initializers,
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", opset)])
+    model.ir_version = 10
+    onnx.checker.check_model(model, full_check=True)
+    return model

@@ -66,7 +66,6 @@ def test_weights_of_equal_dims_share_one_frozen_shape(tmp_path) -> None:  # noqa
     and their lazy 16-bit tensors) share one frozen Shape per dims, and still save and run."""
     import numpy as np
     import onnxruntime as ort
-    from onnx import numpy_helper as nh
 
     import mixprec
 

@@ -23,7 +23,7 @@ from onnx import helper as oh
 from onnx import numpy_helper as nh
 
 import mixprec
-from helpers import BFLOAT16, FLOAT, FLOAT16, check_full, convert, initializer_types, run
+from helpers import BFLOAT16, FLOAT, FLOAT16, check_full, convert, initializer_types, qdq_conv_group, run
 from mixprec.errors import PolicyError
 from mixprec.passes.fold_dequantize import dequantize
 from mixprec.policy.quantized_groups import parse_quantized_groups, quantized_groups
@@ -596,22 +596,7 @@ def tie_conv() -> onnx.ModelProto:
         nh.from_array(np.array(0, np.int8), "wz"), nh.from_array(np.array([15.6 * unit, 16.4 * unit], np.float32), "b"),
         nh.from_array(np.array(1 / 8, np.float32), "ys"), nh.from_array(np.array(0, np.int8), "yz"),
     ]
-    nodes = [
-        oh.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"], name="q_x"),
-        oh.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"], name="dq_x"),
-        oh.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"], name="dq_w"),
-        oh.make_node("Conv", ["xd", "wd", "b"], ["c"], name="conv"),
-        oh.make_node("QuantizeLinear", ["c", "ys", "yz"], ["cq"], name="q_c"),
-        oh.make_node("DequantizeLinear", ["cq", "ys", "yz"], ["y"], name="dq_c"),
-    ]
-    graph = oh.make_graph(
-        nodes, "tie", [oh.make_tensor_value_info("x", FLOAT, [1, 1, 4, 4])],
-        [oh.make_tensor_value_info("y", FLOAT, [1, 2, 4, 4])], initializers,
-    )
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
-    model.ir_version = 10
-    onnx.checker.check_model(model, full_check=True)
-    return model
+    return qdq_conv_group(initializers, [1, 1, 4, 4], [1, 2, 4, 4], bias=True, opset=17)
 
 
 def test_real_figures_compare_with_the_fp32_model_run_the_same_way() -> None:

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from helpers import FLOAT, QDQ_K, QDQ_M, QDQ_N, check_full, convert, qdq_matmul
+from helpers import FLOAT, QDQ_K, QDQ_M, QDQ_N, check_full, convert, qdq_conv_group, qdq_matmul
 from onnx import helper as oh
 from onnx import numpy_helper as nh
 
@@ -324,21 +324,7 @@ def _qdq_conv_of(activation: int) -> onnx.ModelProto:
         nh.from_array(np.array(0, np.int8), "wz"),
         nh.from_array(np.array(0.004, np.float32), "ys"), nh.from_array(zero.copy(), "yz"),
     ]
-    nodes = [
-        oh.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"], name="q_x"),
-        oh.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"], name="dq_x"),
-        oh.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"], name="dq_w"),
-        oh.make_node("Conv", ["xd", "wd"], ["c"], name="conv", pads=[1, 1, 1, 1]),
-        oh.make_node("QuantizeLinear", ["c", "ys", "yz"], ["cq"], name="q_c"),
-        oh.make_node("DequantizeLinear", ["cq", "ys", "yz"], ["y"], name="dq_c"),
-    ]
-    graph = oh.make_graph(
-        nodes, "qdq_conv", [oh.make_tensor_value_info("x", FLOAT, [1, 4, 8, 8])],
-        [oh.make_tensor_value_info("y", FLOAT, [1, 8, 8, 8])], initializers,
-    )
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
-    onnx.checker.check_model(model, full_check=True)
-    return model
+    return qdq_conv_group(initializers, [1, 4, 8, 8], [1, 8, 8, 8], pads=[1, 1, 1, 1])
 
 
 @pytest.mark.parametrize("target", ["float16", "bfloat16"])

@@ -24,7 +24,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import IO, Literal, NamedTuple
 
 import onnx

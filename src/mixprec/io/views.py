@@ -5,7 +5,6 @@ weight bytes, and whether it wants external data when saved."""
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import onnx

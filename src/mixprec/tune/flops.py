@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 import onnx.shape_inference
-import onnx_ir as ir
 
 from mixprec.analysis.cost_model import computes_elementwise, float_elements, flops_of, node_time
 from mixprec.io import value_types
