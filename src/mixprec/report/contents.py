@@ -21,7 +21,7 @@ from mixprec.report.quantized import QuantizedSummary, quantized_summary
 from mixprec.validate.results import InputScale, OutputError, Validation, shape_text
 from mixprec.graphs import has_subgraphs, walk_nodes
 from mixprec.passes.rewrite import CastRecord, RewriteStats
-from mixprec.passes.opset import first_opset_admitting
+from mixprec.passes.opset import first_opset_admitting, stranded_ops, stranding_note
 from mixprec.plan.model import Category, Precision, PrecisionPlan
 from mixprec.policy.costs import runtime_cost
 from mixprec.policy.profiles import RuntimeProfile
@@ -455,9 +455,15 @@ def _newer_opset_note(model: ir.Model, plan: PrecisionPlan, profile: RuntimeProf
     ]
     if not newer:
         return None
+    version = max(newer)
+    stranded = stranded_ops(model, version, profile) if profile is not None else []
+    advice = (
+        f"but {stranding_note(stranded, version, profile)}" if stranded and profile is not None
+        else f"convert with --opset {version}"
+    )
     return (
         f"{len(newer)} node(s) have no {target.value} type in their schema at opset {opset}; "
-        f"opset {max(newer)} admits them (convert with --opset {max(newer)})"
+        f"opset {version} admits them ({advice})"
     )
 
 
