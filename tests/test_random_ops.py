@@ -132,3 +132,22 @@ def test_an_upgrade_the_user_pins_past_the_random_ops_kernels_is_refused_on_onnx
 
     with pytest.raises(ValidationFailure, match="RandomNormalLike"):
         mixprec.convert(noisy_conv(0.1), None, target_dtype="fp16", runtime="ort-cpu", validate="run", opset=22)
+
+
+def test_random_numbers_drawn_in_a_local_function_are_found() -> None:
+    # The noise comes from a model-local function: its call's output is random too.
+    model = noisy_conv(0.1)
+    graph = model.graph
+    index = next(i for i, n in enumerate(graph.node) if n.op_type == "RandomNormalLike")
+    del graph.node[index]
+    graph.node.insert(index, helper.make_node("Noise", ["c"], ["n"], domain="local", name="noise"))
+    body = helper.make_function(
+        "local", "Noise", ["x"], ["y"], [helper.make_node("RandomNormalLike", ["x"], ["y"])],
+        [helper.make_opsetid("", 17)],
+    )
+    model.functions.append(body)
+    model.opset_import.append(helper.make_opsetid("local", 1))
+    onnx.checker.check_model(model)
+    v = mixprec.convert(model, None, target_dtype="fp16", runtime="ort-cuda", validate="run").report.validation
+    assert [o.name for o in v.outputs] == ["clean"]
+    assert any("output(s) noisy of the FP32 model depend on random numbers (RandomNormalLike" in n for n in v.notes)

@@ -293,7 +293,7 @@ def _random_outputs(
     no comparison tells rounding from chance there, so they are not compared; and why."""
     if model is None:
         return set(), ""
-    ops, random = _random_reach(model.graph)
+    ops, random = _random_reach(model.graph, functions=model.functions)
     outputs = {v.name for v in model.graph.outputs if v in random} & batch[1].keys()
     if not outputs:
         return set(), ""
@@ -313,20 +313,32 @@ def _random_outputs(
     )
 
 
-def _random_reach(graph: ir.Graph) -> tuple[set[str], set[ir.Value]]:
-    """The random ops in `graph` (subgraphs included) and the values of `graph` computed from
-    their outputs (a node with a random op in a subgraph counts as one)."""
+def _random_reach(
+    graph: ir.Graph, random: set[ir.Value] | None = None, functions: Mapping[tuple, ir.Function] | None = None
+) -> tuple[set[str], set[ir.Value]]:
+    """The random ops in `graph` (subgraphs and called model-local functions included) and the
+    values computed from their outputs, `random` (values of outer scopes a subgraph reads
+    count too). A node owning a subgraph, or calling a function, that draws random numbers or
+    computes an output from them counts as one."""
     ops: set[str] = set()
-    random: set[ir.Value] = set()
+    random = set() if random is None else random
+    functions = functions or {}
     for node in graph:
         fact = op_facts(node.domain, node.op_type)
-        inner = set()
+        inner: set[str] = set()
+        reached = False
         for sub in subgraphs_of(node):
-            inner |= _random_reach(sub)[0]
+            inner |= _random_reach(sub, random, functions)[0]
+            reached = reached or any(v in random for v in sub.outputs)
+        function = functions.get((node.domain, node.op_type, node.overload))
+        if function is not None:
+            inner |= {n.op_type for n in function if op_facts(n.domain, n.op_type).random}
         ops |= inner
         if fact.random:
             ops.add(node.op_type)
-        if fact.random or inner or (not fact.shape_only and any(v in random for v in node.inputs if v is not None)):
+        if fact.random or inner or reached or (
+            not fact.shape_only and any(v in random for v in node.inputs if v is not None)
+        ):
             random.update(v for v in node.outputs if v is not None)
     return ops, random
 
