@@ -473,7 +473,6 @@ def cpu_runnable_opset(model: ir.Model) -> int | None:
     return version if version is not None and converter_keeps_every_node(model, version) else None
 
 
-
 def stranding_note(ops: Sequence[str], opset: int, profile: RuntimeProfile) -> str:
     """Why an upgrade to `opset` was not made (see :func:`stranded_ops`)."""
     return f"{profile.provider or profile.name} has no kernel of {', '.join(ops)} at opset {opset}"
