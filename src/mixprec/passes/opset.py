@@ -8,6 +8,7 @@ being read; the original, still lazy, tensors are put back afterwards.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import onnx
 import onnx.defs
@@ -459,11 +460,7 @@ def cpu_runnable_opset(model: ir.Model) -> int | None:
     if current is None:
         return None
     cpu = load_runtime("ort-cpu")
-
-    def lists(op: str) -> bool:
-        return cpu.knows("", op)
-
-    ops = {k for node in _op_samples(model).values() for k in _kernel_ops(node, current, lists)}
+    ops = {k for node in _op_samples(model).values() for k in _kernel_ops(node, current, partial(cpu.knows, ""))}
     lacking = [op for op in ops if cpu.knows("", op) and cpu.kernel("", op, current) is None]
     if not lacking:
         return None

@@ -26,8 +26,7 @@ from mixprec.pipeline.steps import Rewritten
 from mixprec.plan.model import Category, Precision, PrecisionPlan
 from mixprec.runtime.isolated import run_isolated
 from mixprec.validate.repair import find_culprits
-from mixprec.analysis.qdq import has_qdq
-from mixprec.validate.staged import RuntimeRejection, loads_as_validated, openvino_runs
+from mixprec.validate.staged import RuntimeRejection, loads_as_validated, openvino_runs, quantized_model
 
 if TYPE_CHECKING:
     from mixprec.pipeline.runner import Prepared
@@ -66,7 +65,7 @@ def repair(rejection: RuntimeRejection, prepared: Prepared, rejected: PrecisionP
     error = without_staging(outcome.error or "")
     runtime = "OpenVINO's CPU plugin" if rejection.openvino else "onnxruntime (CPU provider, default options)"
     reason = f"{runtime} {what} the model with this node in 16 bits: {error}"
-    quantized = any(has_qdq(list(graph)) for graph in trials.model.graphs())
+    quantized = quantized_model(trials.model)
 
     def runs(path: Path) -> bool:
         if rejection.openvino:

@@ -239,7 +239,7 @@ def _run_check(
                 result.runtime = "ran" if checked.ran else "loaded"
             _unchecked(result, f"not checked: {why}")
             return
-    quantized = _quantized(model)
+    quantized = quantized_model(model)
     # The converted model as users run it: default optimizations, first batch, own process.
     outcome = _runtime_check(path, reference, target, result, feeds=batches[0][0], stand_in=stand_in)
     not_on_openvino = None
@@ -438,7 +438,7 @@ def _beyond_rounding(outputs: Iterable[OutputError], target: LowPrecision) -> fl
     return worst if worst is not None and worst > _NOTABLE_ERROR_EPS * target.limits.eps else None
 
 
-def _quantized(model: ir.Model | None) -> bool:
+def quantized_model(model: ir.Model | None) -> bool:
     """Whether the model quantizes or dequantizes anywhere (False when it is not in memory)."""
     return model is not None and any(has_qdq(list(graph)) for graph in model.graphs())
 
