@@ -10,7 +10,7 @@ when nothing stands between them; the planner keeps such pairs cast-free
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import onnx_ir as ir
@@ -67,9 +67,10 @@ def role(node: ir.Node) -> str | None:
     return op_facts(node.domain, node.op_type).quantization
 
 
-def has_qdq(nodes: list[ir.Node]) -> bool:
-    """Whether any node quantizes or dequantizes."""
-    return any(role(node) is not None for node in nodes)
+def has_qdq(nodes: Iterable[ir.Node]) -> bool:
+    """Whether any node quantizes or dequantizes (each op kind looked up once)."""
+    kinds = {(node.domain, node.op_type) for node in nodes}
+    return any(op_facts(domain, op_type).quantization is not None for domain, op_type in kinds)
 
 
 def quantizes_float_chain(node: ir.Node, runtime: str | None = None, target: LowPrecision | None = None) -> bool:

@@ -171,7 +171,7 @@ def fold(model: ir.Model, profile: RuntimeProfile, config: Config) -> Edited:
     """Quantized (QDQ) models: fold the constant dequantizations the runtime computes in float,
     write on integers the data-movement groups that cannot load in 16 bits, and give a
     DequantizeLinear read by more than one kind of op a twin per further kind."""
-    if config.ops.weights_only or not any(has_qdq(list(graph)) for graph in all_graphs(model)):
+    if config.ops.weights_only or not any(has_qdq(graph) for graph in all_graphs(model)):
         return Edited(model, False)  # one walk instead of one per pass
     target = config.ops.target
     notes = []

@@ -440,7 +440,7 @@ def _beyond_rounding(outputs: Iterable[OutputError], target: LowPrecision) -> fl
 
 def quantized_model(model: ir.Model | None) -> bool:
     """Whether the model quantizes or dequantizes anywhere (False when it is not in memory)."""
-    return model is not None and any(has_qdq(list(graph)) for graph in model.graphs())
+    return model is not None and any(has_qdq(graph) for graph in model.graphs())
 
 
 def _note_large_errors(result: Validation, target: LowPrecision, *, generated: bool, quantized: bool = False) -> None:
