@@ -115,6 +115,18 @@ def _conv_transpose(node: ir.Node, out: list[int] | None, symbolic: int | None, 
     return 2.0 * math.prod(x) * math.prod(w[1:])
 
 
+def _recurrent(node: ir.Node, out: list[int] | None, symbolic: int | None, unnamed: int | None) -> float | None:
+    """RNN, GRU, LSTM: every gate's input and recurrent matrix products at every step of every
+    sequence (X [seq, batch, input] or [batch, seq, input]; W and R hold all gates and
+    directions)."""
+    x = _dims(node.inputs[0], symbolic, unnamed)
+    w = _dims(node.inputs[1], symbolic, unnamed)
+    r = _dims(node.inputs[2], symbolic, unnamed) if len(node.inputs) > 2 else None
+    if x is None or w is None or r is None or len(x) != 3:
+        return None
+    return 2.0 * math.prod(x[:-1]) * (math.prod(w) + math.prod(r))
+
+
 # The `flops` formulas of the op facts: (node, static output dims or None, size of named and of
 # unnamed symbolic dimensions) -> FLOPs or None.
 _FORMULAS: dict[str, Callable[[ir.Node, list[int] | None, int | None, int | None], float | None]] = {
@@ -122,6 +134,7 @@ _FORMULAS: dict[str, Callable[[ir.Node, list[int] | None, int | None, int | None
     "gemm": _gemm,
     "conv": _conv,
     "conv_transpose": _conv_transpose,
+    "recurrent": _recurrent,
 }
 
 

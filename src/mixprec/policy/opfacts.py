@@ -43,7 +43,7 @@ INTERVAL_RULES = frozenset({
     "relu", "add", "sub", "mul", "div", "max", "min", "mod", "where", "clip", "range", "shape",
     "size",
 })  # fmt: skip
-FLOPS_FORMULAS = frozenset({"matmul", "gemm", "conv", "conv_transpose"})
+FLOPS_FORMULAS = frozenset({"matmul", "gemm", "conv", "conv_transpose", "recurrent"})
 # Roles of the two ends of a QDQ pair (`quantization`).
 QUANTIZATION_ROLES = frozenset({"dequantize", "quantize"})
 # Input sets (`additive_inputs`, `scaling_inputs`): indices, or every input of a variadic op.

@@ -50,6 +50,7 @@ from mixprec.graphs import FreshNames, default_domain_version, forget_structure,
 from mixprec.io import value_types, weight_free_proto
 from mixprec.policy.opfacts import NO_FACTS, op_facts
 from mixprec.validate.qdq_forms import cpu_quantization_forms
+from mixprec.validate.recurrent import RECURRENT_OPS, round_state_each_step, steps_by_itself
 
 logger = logging.getLogger(__name__)
 
@@ -182,8 +183,9 @@ def _emulate_in_place(model: ir.Model) -> None:
     names = _Names(*model_names(model))
     rounded = 0
     untyped: dict[str, set[str]] = {}  # op -> outputs of unknown element type
+    opset = default_domain_version(model.opset_imports)
     for graph in list(model.graphs()):
-        rounded += _emulate_graph(graph, graph is model.graph, names, untyped)
+        rounded += _emulate_graph(graph, graph is model.graph, names, untyped, opset)
     non_tensor = model.meta.get(value_types.SET_ASIDE, {})  # maps: nothing to round
     unknown = sorted(op for op, outputs in untyped.items() if not outputs <= non_tensor.keys())
     if unknown:
@@ -265,8 +267,11 @@ class _Names:
     node: FreshNames
 
 
-def _emulate_graph(graph: ir.Graph, is_main: bool, names: _Names, untyped: dict[str, set[str]]) -> int:
-    """Rewrite one graph (not its subgraphs); return the number of rounding points."""
+def _emulate_graph(
+    graph: ir.Graph, is_main: bool, names: _Names, untyped: dict[str, set[str]], opset: int | None
+) -> int:
+    """Rewrite one graph (not its subgraphs; `opset`: the model's default-domain opset); return
+    the number of rounding points."""
     rounded = 0
     original_nodes = list(graph)
     for init in graph.initializers.values():
@@ -291,7 +296,7 @@ def _emulate_graph(graph: ir.Graph, is_main: bool, names: _Names, untyped: dict[
             graph.insert_before(first, entry_nodes)
 
     for node in original_nodes:
-        rounded += _emulate_node(graph, node, names, untyped)
+        rounded += _emulate_node(graph, node, names, untyped, opset)
 
     for value in graph.outputs:  # includes outputs that name outer-scope values
         _retype(value)
@@ -341,7 +346,9 @@ def _float_dtype_attribute(node: ir.Node, attribute: str | None) -> ir.DataType 
     return dtype
 
 
-def _emulate_node(graph: ir.Graph, node: ir.Node, names: _Names, untyped: dict[str, set[str]]) -> int:
+def _emulate_node(
+    graph: ir.Graph, node: ir.Node, names: _Names, untyped: dict[str, set[str]], opset: int | None
+) -> int:
     """Rewrite one node for emulation; return the number of rounding points."""
     op = node.op_type if is_default_domain(node.domain) else None
     facts = op_facts("", op) if op is not None else NO_FACTS
@@ -353,7 +360,11 @@ def _emulate_node(graph: ir.Graph, node: ir.Node, names: _Names, untyped: dict[s
         return _emulate_cast_like(graph, node, names, untyped)
     attr_low = _float_dtype_attribute(node, facts.dtype_attribute)
     skip_rounding = facts.value_preserving or op in _CONTROL_FLOW or op in _CONSTANTS
-    return _round_outputs(graph, node, op, attr_low, skip_rounding, names, untyped)
+    state_low = _low_dtype(node.outputs[0]) if op in RECURRENT_OPS and node.outputs else None
+    rounded = _round_outputs(graph, node, op, attr_low, skip_rounding, names, untyped)
+    if state_low is not None and steps_by_itself(node, opset):
+        round_state_each_step(graph, node, state_low, opset, names.value, names.node)
+    return rounded
 
 
 def _round_outputs(

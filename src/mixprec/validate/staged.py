@@ -40,6 +40,7 @@ from mixprec.validate import compare
 from mixprec.runtime import sessions
 from mixprec.runtime import data as data_mod
 from mixprec.validate.checker import check_model_file
+from mixprec.validate.recurrent import low_recurrent_nodes
 from mixprec.runtime.isolated import RuntimeOutcome, run_isolated
 
 Batch = Mapping[str, np.ndarray]
@@ -281,7 +282,9 @@ def _run_check(
     if tolerance is not None:
         _raise_beyond_tolerance(result, tolerance, origin)
     else:
-        _note_large_errors(result, target, generated=data is None, quantized=quantized)
+        _note_large_errors(
+            result, target, generated=data is None, quantized=quantized, recurrent=low_recurrent_nodes(model)
+        )
 
 
 def _random_outputs(
@@ -443,9 +446,17 @@ def quantized_model(model: ir.Model | None) -> bool:
     return model is not None and any(has_qdq(graph) for graph in model.graphs())
 
 
-def _note_large_errors(result: Validation, target: LowPrecision, *, generated: bool, quantized: bool = False) -> None:
+def _note_large_errors(
+    result: Validation,
+    target: LowPrecision,
+    *,
+    generated: bool,
+    quantized: bool = False,
+    recurrent: Sequence[str] = (),
+) -> None:
     """Say where an output differs from the FP32 model by more than rounding explains (no
-    tolerance was given, so nothing failed), and what to do about it."""
+    tolerance was given, so nothing failed), and what to do about it (`recurrent`: the 16-bit
+    recurrent nodes, whose rounding compounds over time steps)."""
     reshaped = next((out for out in (*result.outputs, *result.real_outputs) if out.shapes is not None), None)
     if reshaped is not None:
         result.notes.append(
@@ -456,12 +467,21 @@ def _note_large_errors(result: Validation, target: LowPrecision, *, generated: b
     for out in (*result.outputs, *result.real_outputs):
         if _beyond_rounding([out], target) is not None:
             inputs = "generated random inputs" if generated else "the data given"
-            why = (
-                f"more than {target.value} rounding alone explains; in a quantized model one "
-                f"{target.value} rounding can move a value to the next quantization step, and "
-                "steps add up over layers: judge by the task's output"
-                if quantized else f"more than {target.value} rounding explains"
-            )
+            if quantized:
+                why = (
+                    f"more than {target.value} rounding alone explains; in a quantized model one "
+                    f"{target.value} rounding can move a value to the next quantization step, and "
+                    "steps add up over layers: judge by the task's output"
+                )
+            elif recurrent:
+                named = ", ".join(recurrent[:3]) + (f" and {len(recurrent) - 3} more" if len(recurrent) > 3 else "")
+                verb = "rounds its" if len(recurrent) == 1 else "round their"
+                why = (
+                    f"more than one {target.value} rounding per op: {named} {verb} hidden state to "
+                    f"{target.value} at every time step, and that rounding compounds over the sequence"
+                )
+            else:
+                why = f"more than {target.value} rounding explains"
             result.notes.append(
                 f"output {out.name!r} differs from the FP32 model by up to {out.scaled_error:.1%} of its "
                 f"largest value on {inputs} ({why})"

@@ -1,0 +1,221 @@
+"""Recurrent ops (RNN, GRU, LSTM) in the emulation, step by step.
+
+A 16-bit recurrent kernel multiplies the hidden state by its recurrent weights in 16 bits at
+every time step, so the state it reads is rounded to the 16-bit type each step, and the
+rounding compounds over the sequence. Rounding only the op's outputs, as the emulation does
+for other ops, misses that: a 16-bit GRU over a few hundred steps is measured an order of
+magnitude closer to FP32 than a runtime computes it.
+
+:func:`round_state_each_step` replaces such a node (its values already FLOAT, as the emulation
+makes them) by one ``Scan`` per direction over one-step copies of the op, rounding the hidden
+state through the 16-bit type after each step. The cell state of an LSTM is elementwise FP32
+arithmetic a kernel may keep in FP32 between steps; it is not rounded. Nodes with
+``sequence_lens`` (per-batch lengths a step-wise copy cannot honour simply) stay as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+__all__ = ["RECURRENT_OPS", "low_recurrent_nodes", "round_state_each_step", "steps_by_itself"]
+
+# Op -> (index of initial_h, number of gates): the inputs after B that a one-step copy reads.
+RECURRENT_OPS: dict[str, tuple[int, int]] = {"RNN": (5, 1), "GRU": (5, 3), "LSTM": (5, 4)}
+_INITIAL_C, _PEEPHOLES = 6, 7
+_SEQUENCE_LENS = 4
+_FLOAT = ir.DataType.FLOAT
+_LOW = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+
+Fresh = Callable[[str], str]
+
+
+# Scan's form without a batch axis.
+_FIRST_SCAN_OPSET = 9
+
+
+def low_recurrent_nodes(model: ir.Model | None) -> list[str]:
+    """Names (op types where unnamed) of the recurrent nodes of `model` whose hidden state is
+    16-bit, in all graphs (none when the model is not in memory)."""
+    if model is None:
+        return []
+    return [
+        node.name or node.op_type
+        for graph in model.graphs() for node in graph
+        if node.op_type in RECURRENT_OPS and node.domain in ("", "ai.onnx") and node.outputs
+        and node.outputs[0].dtype in _LOW
+    ]
+
+
+def steps_by_itself(node: ir.Node, opset: int | None) -> bool:
+    """Whether the node can be emulated step by step: a default-domain recurrent op without
+    `sequence_lens`, of a known hidden size and direction, at an opset with today's Scan."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in RECURRENT_OPS:
+        return False
+    if opset is None or opset < _FIRST_SCAN_OPSET:
+        return False
+    inputs = node.inputs
+    if len(inputs) > _SEQUENCE_LENS and inputs[_SEQUENCE_LENS] is not None:
+        return False
+    direction = node.attributes.get_string("direction", "forward")
+    return node.attributes.get_int("hidden_size", 0) > 0 and direction in ("forward", "reverse", "bidirectional")
+
+
+def round_state_each_step(
+    graph: ir.Graph, node: ir.Node, low: ir.DataType, opset: int, value_name: Fresh, node_name: Fresh
+) -> None:
+    """Replace `node` (see :func:`steps_by_itself`) by a Scan per direction whose one-step
+    copies read a hidden state rounded through `low`; the node's outputs' readers read the
+    Scans' results (the outputs keep their FLOAT types)."""
+    builder = _Builder(graph, node, opset, value_name, node_name)
+    directions = ("forward", "reverse") if node.attributes.get_string("direction", "forward") == "bidirectional" else (
+        node.attributes.get_string("direction", "forward"),
+    )
+    layout = node.attributes.get_int("layout", 0)
+    x = node.inputs[0]
+    if layout == 1:  # [batch, seq, input] -> [seq, batch, input]
+        x = builder.op("Transpose", [x], perm=[1, 0, 2])
+    initial = [builder.input(index) for index in (5, _INITIAL_C)]
+    if layout == 1:  # [batch, dirs, hidden] -> [dirs, batch, hidden]
+        initial = [None if v is None else builder.op("Transpose", [v], perm=[1, 0, 2]) for v in initial]
+    is_lstm = node.op_type == "LSTM"
+    states = 2 if is_lstm else 1
+    per_direction = []
+    for index, direction in enumerate(directions):
+        weights = [builder.direction_slice(builder.input(i), index, len(directions)) for i in (1, 2, 3)]
+        peepholes = builder.direction_slice(builder.input(_PEEPHOLES), index, len(directions)) if is_lstm else None
+        starts = [
+            builder.direction_slice(value, index, len(directions)) if value is not None else builder.zero_state(x)
+            for value in initial[:states]
+        ]
+        per_direction.append(
+            builder.scan(x, weights, peepholes, starts, direction, index, len(directions), low)
+        )
+    # Scan results per direction: final h, (final c), stacked h [seq, 1, batch, hidden].
+    y = per_direction[0][-1] if len(per_direction) == 1 else builder.op("Concat", [d[-1] for d in per_direction], axis=1)
+    finals = [
+        per_direction[0][k] if len(per_direction) == 1 else builder.op("Concat", [d[k] for d in per_direction], axis=0)
+        for k in range(states)
+    ]
+    if layout == 1:
+        y = builder.op("Transpose", [y], perm=[2, 0, 1, 3])
+        finals = [builder.op("Transpose", [v], perm=[1, 0, 2]) for v in finals]
+    for old, new in zip(node.outputs, [y, *finals]):
+        if old.name:
+            new.type, new.shape = old.type, old.shape
+            old.replace_all_uses_with(new, replace_graph_outputs=True)
+    graph.insert_before(node, builder.nodes)
+    graph.remove(node, safe=True)
+
+
+class _Builder:
+    """Nodes replacing one recurrent node, collected in order."""
+
+    def __init__(self, graph: ir.Graph, node: ir.Node, opset: int, value_name: Fresh, node_name: Fresh) -> None:
+        self.graph, self.node, self.opset = graph, node, opset
+        self.value_name, self.node_name = value_name, node_name
+        self.base = node.name or node.op_type
+        self.hidden = node.attributes.get_int("hidden_size", 0)
+        self.nodes: list[ir.Node] = []
+
+    def input(self, index: int) -> ir.Value | None:
+        inputs = self.node.inputs
+        return inputs[index] if index < len(inputs) else None
+
+    def make(self, op: str, inputs: Sequence[ir.Value | None], outputs: int = 1, **attributes: object) -> ir.Node:
+        created = ir.Node(
+            "", op, inputs, [ir.convenience.convert_attribute(k, v) for k, v in attributes.items()],
+            num_outputs=outputs, name=self.node_name(f"{self.base}_step_{op}"),
+        )
+        for out in created.outputs:
+            out.name = self.value_name(f"{self.base}_step_{op}")
+        return created
+
+    def op(self, op: str, inputs: Sequence[ir.Value | None], **attributes: object) -> ir.Value:
+        created = self.make(op, inputs, **attributes)
+        self.nodes.append(created)
+        return created.outputs[0]
+
+    def constant(self, values: Sequence[int]) -> ir.Value:
+        return self.op("Constant", [], value=ir.tensor(np.asarray(values, dtype=np.int64)))
+
+    def slice(self, value: ir.Value, start: int, axis: int = 0) -> ir.Value:
+        """`value[start:start + 1]` along `axis` (Slice's attribute form before opset 10)."""
+        if self.opset < 10:
+            return self.op("Slice", [value], starts=[start], ends=[start + 1], axes=[axis])
+        return self.op("Slice", [value, self.constant([start]), self.constant([start + 1]), self.constant([axis])])
+
+    def direction_slice(self, value: ir.Value | None, index: int, count: int) -> ir.Value | None:
+        """The direction `index` of a [dirs, ...] value (as is when there is one direction)."""
+        if value is None or count == 1:
+            return value
+        return self.slice(value, index)
+
+    def zero_state(self, x: ir.Value) -> ir.Value:
+        """Zeros of [1, batch, hidden], the batch read from `x` [seq, batch, input]."""
+        batch = self.slice(self.op("Shape", [x]), 1)
+        shape = self.op("Concat", [self.constant([1]), batch, self.constant([self.hidden])], axis=0)
+        return self.op("ConstantOfShape", [shape], value=ir.tensor(np.zeros(1, np.float32)))
+
+    def scan(
+        self,
+        x: ir.Value,
+        weights: list[ir.Value | None],
+        peepholes: ir.Value | None,
+        starts: list[ir.Value],
+        direction: str,
+        index: int,
+        count: int,
+        low: ir.DataType,
+    ) -> list[ir.Value]:
+        """One Scan over the sequence `x` [seq, batch, input]: its final states and the
+        stacked hidden states [seq, 1, batch, hidden]."""
+        states = [ir.Value(name=self.value_name(f"{self.base}_step_state"), type=ir.TensorType(_FLOAT)) for _ in starts]
+        x_t = ir.Value(name=self.value_name(f"{self.base}_step_x"), type=ir.TensorType(_FLOAT))
+        body: list[ir.Node] = []
+
+        def add(op: str, inputs: Sequence[ir.Value | None], outputs: int = 1, **attributes: object) -> list[ir.Value]:
+            created = self.make(op, inputs, outputs, **attributes)
+            body.append(created)
+            return list(created.outputs)
+
+        if self.opset < 13:
+            x_1 = add("Unsqueeze", [x_t], axes=[0])[0]
+        else:
+            x_1 = add("Unsqueeze", [x_t, add("Constant", [], value=ir.tensor(np.asarray([0], dtype=np.int64)))[0]])[0]
+        step_inputs = [x_1, *weights, None, states[0]]
+        if len(starts) == 2:
+            step_inputs += [states[1], peepholes]
+        while step_inputs and step_inputs[-1] is None:
+            step_inputs.pop()
+        outputs = add(self.node.op_type, step_inputs, 1 + len(starts), **self._step_attributes(index, count))
+        final_h = outputs[1]
+        rounded = add("Cast", [add("Cast", [final_h], to=low)[0]], to=_FLOAT)[0]
+        finals = [rounded, *outputs[2:]]
+        stacked = add("Identity", [rounded])[0]
+        for value in (*finals, stacked):
+            value.type = ir.TensorType(_FLOAT)
+        graph = ir.Graph([*states, x_t], [*finals, stacked], nodes=body, name=self.node_name(f"{self.base}_step"))
+        reverse = [1 if direction == "reverse" else 0]
+        scan = self.make(
+            "Scan", [*starts, x], len(starts) + 1, body=graph, num_scan_inputs=1,
+            scan_input_directions=reverse, scan_output_directions=reverse,
+        )
+        self.nodes.append(scan)
+        return list(scan.outputs)
+
+    def _step_attributes(self, index: int, count: int) -> dict[str, object]:
+        """The node's attributes for one forward step of direction `index`."""
+        kept: dict[str, object] = {}
+        per_direction = {"activations", "activation_alpha", "activation_beta"}
+        for name, attr in self.node.attributes.items():
+            if name in ("direction", "layout"):
+                continue
+            value = attr.value
+            if name in per_direction and count > 1:
+                half = len(value) // count
+                value = list(value)[index * half:(index + 1) * half]
+            kept[name] = list(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
+        return kept
