@@ -267,3 +267,62 @@ def test_a_flax_layer_norm_fuses_and_squares_stay_fp32_on_large_activations(tmp_
     for actual in (run(converted, feeds)[0], run(emulate_low_precision(converted), feeds)[0]):
         assert np.isfinite(actual).all()
         np.testing.assert_allclose(actual, expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
+
+
+def _unsorted_model() -> onnx.ModelProto:
+    """MatMul -> Relu -> MatMul, then an If whose branches read the last MatMul's output, all
+    written in reverse, as a graph editor may leave a model (onnxruntime sorts a main graph
+    as it loads it, not a subgraph; the ONNX checker refuses it)."""
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), f"w{i}") for i in range(2)]
+    branch = helper.make_graph(
+        [
+            helper.make_node("Mul", ["h", "h"], ["t"], name="b_mul"),
+            helper.make_node("Neg", ["t"], ["b_out"], name="b_neg"),
+        ],
+        "branch", [], [helper.make_tensor_value_info("b_out", TensorProto.FLOAT, [4, 8])],
+    )
+    other = helper.make_graph(
+        [helper.make_node("Identity", ["h"], ["o_out"], name="o_id")],
+        "other", [], [helper.make_tensor_value_info("o_out", TensorProto.FLOAT, [4, 8])],
+    )
+    nodes = [
+        helper.make_node("If", ["flag"], ["y"], name="branching", then_branch=branch, else_branch=other),
+        helper.make_node("MatMul", ["r", "w1"], ["h"], name="mm1"),
+        helper.make_node("Relu", ["a"], ["r"], name="relu"),
+        helper.make_node("MatMul", ["x", "w0"], ["a"], name="mm0"),
+    ]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8]), helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])], weights,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("source", ["file", "proto"])
+def test_nodes_out_of_topological_order_are_sorted_not_refused(tmp_path, source: str) -> None:
+    model = _unsorted_model()
+    with pytest.raises(onnx.checker.ValidationError, match="topologically sorted"):
+        onnx.checker.check_model(model)
+    path = tmp_path / "unsorted.onnx"
+    onnx.save(model, path)
+    result = mixprec.convert(str(path) if source == "file" else model, tmp_path / "out.onnx", runtime="ort-cuda")
+    assert any("not in topological order" in note and "sorted them" in note for note in result.report.notes)
+    converted = onnx.load(tmp_path / "out.onnx")
+    onnx.checker.check_model(converted, full_check=True)
+    assert {n.op_type for n in converted.graph.node if n.op_type == "MatMul"}
+    feeds = {"x": np.random.default_rng(1).standard_normal((4, 8)).astype(np.float32)}
+    for flag in (True, False):
+        feeds["flag"] = np.array(flag)
+        np.testing.assert_allclose(run(converted, feeds)[0], run(model, feeds)[0], rtol=1e-2, atol=1e-2)
+
+
+def test_a_graph_with_a_cycle_is_still_refused(tmp_path) -> None:
+    model = _unsorted_model()
+    model.graph.node[3].input[0] = "h"  # mm0 reads mm1's output, which reads mm0's: a cycle
+    path = tmp_path / "cycle.onnx"
+    onnx.save(model, path)
+    with pytest.raises(mixprec.errors.ModelLoadError, match="not a valid ONNX model"):
+        mixprec.convert(str(path), tmp_path / "out.onnx")
+    assert not (tmp_path / "out.onnx").exists()

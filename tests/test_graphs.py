@@ -12,7 +12,7 @@ from onnx import helper as oh
 
 from helpers import matmul_chain
 
-from mixprec.graphs import all_graphs, all_nodes, forget_structure
+from mixprec.graphs import all_graphs, all_nodes, forget_structure, out_of_order
 
 
 def _model_with_if() -> ir.Model:
@@ -170,3 +170,27 @@ def test_inference_without_propagation_where_propagation_objects(monkeypatch) ->
     assert calls == [True, False] and failures == [] and info.warning is None
     assert values["z"].dtype == ir.DataType.FLOAT
     assert len(_dims(values["y"])) == 4  # the rank only: nothing was propagated
+
+
+def test_out_of_order_sees_later_producers_in_the_graph_and_around_a_subgraph() -> None:
+    def model(main_order: list[int], branch_order: list[int]) -> ir.Model:
+        branch_nodes = [oh.make_node("Mul", ["h", "h"], ["t"]), oh.make_node("Neg", ["t"], ["b"])]
+        branch = oh.make_graph([branch_nodes[i] for i in branch_order], "then", [], [oh.make_tensor_value_info("b", TensorProto.FLOAT, [1])])
+        other = oh.make_graph([oh.make_node("Identity", ["x"], ["e"])], "else", [], [oh.make_tensor_value_info("e", TensorProto.FLOAT, [1])])
+        nodes = [
+            oh.make_node("Relu", ["x"], ["h"]),
+            oh.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=other),
+        ]
+        graph = oh.make_graph(
+            [nodes[i] for i in main_order], "g",
+            [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1]), oh.make_tensor_value_info("c", TensorProto.BOOL, [])],
+            [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        )
+        return ir.serde.deserialize_model(oh.make_model(graph))
+
+    assert not out_of_order(model([0, 1], [0, 1]))
+    assert out_of_order(model([1, 0], [0, 1])), "the branch reads h, produced after its If"
+    assert out_of_order(model([0, 1], [1, 0])), "the branch's own nodes"
+    unsorted = model([1, 0], [1, 0])
+    unsorted.graph.sort()
+    assert not out_of_order(unsorted)

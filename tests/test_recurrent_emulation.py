@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 import mixprec
 from mixprec.graphs import FreshNames, model_names
 from mixprec.validate.emulate import emulate_low_precision
-from mixprec.validate.recurrent import round_state_each_step, steps_by_itself
+from mixprec.validate.recurrent import low_recurrent_nodes, round_state_each_step, steps_by_itself
 
 GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
 SEQ, BATCH, INPUT, HIDDEN = 7, 2, 3, 5
@@ -109,6 +109,7 @@ CASES = [
         ("reverse", 0, 13, False),
         ("bidirectional", 0, 9, True),
         ("bidirectional", 1, 14, False),
+        ("reverse", 1, 22, True),
         ("forward", 0, 11, False),
     )
 ]
@@ -131,6 +132,33 @@ def test_step_by_step_copy_computes_what_the_node_computes(op, direction, layout
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("op", "activations", "alpha", "beta"),
+    [
+        ("GRU", ["HardSigmoid", "ScaledTanh", "LeakyRelu", "Tanh"], [0.3, 1.5, 0.1], [0.5, 0.7]),
+        ("RNN", ["LeakyRelu", "Tanh"], [0.3], None),
+        ("LSTM", ["Sigmoid", "Tanh", "Tanh", "HardSigmoid", "Affine", "Tanh"], [0.2, 0.9], [0.5, 0.1]),
+    ],
+)
+def test_each_direction_takes_the_alpha_and_beta_of_its_own_activations(op, activations, alpha, beta):
+    """The lists are consumed in the order of the functions, only by those taking a value."""
+    model = recurrent_model(op, direction="bidirectional")
+    node = model.graph.node[0]
+    node.attribute.append(helper.make_attribute("activations", activations))
+    node.attribute.append(helper.make_attribute("activation_alpha", alpha))
+    if beta is not None:
+        node.attribute.append(helper.make_attribute("activation_beta", beta))
+    feeds = feeds_for(model)
+    for got, want in zip(run(unrolled_without_rounding(model), feeds), run(model, feeds)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_activations_not_given_per_direction_keep_the_node():
+    model = recurrent_model("GRU", direction="bidirectional")
+    model.graph.node[0].attribute.append(helper.make_attribute("activations", ["Sigmoid", "Tanh"]))
+    assert not steps_by_itself(ir.serde.deserialize_model(model).graph.node(0), 14)
+
+
 def test_lstm_peepholes_and_activations_of_both_directions_carry_over():
     model = recurrent_model("LSTM", direction="bidirectional", peepholes=True)
     node = model.graph.node[0]
@@ -151,10 +179,10 @@ def integrating(model: onnx.ModelProto, bias: float = 3.0) -> onnx.ModelProto:
     return model
 
 
-def step_rounded_reference(model16: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
-    """The final hidden state of a float16 forward GRU computed one step at a time in FP32,
-    rounding the state to float16 between steps (what a 16-bit kernel's recurrent matrix
-    product reads)."""
+def step_rounded_reference(model16: onnx.ModelProto, feeds: dict[str, np.ndarray], reverse: bool = False) -> list[np.ndarray]:
+    """The final states of a float16 one-direction recurrent node computed one step at a time in
+    FP32, rounding the hidden state (not an LSTM's cell state) to float16 between steps (what a
+    16-bit kernel's recurrent matrix product reads)."""
     fp32 = onnx.ModelProto()
     fp32.CopyFrom(model16)
     for init in fp32.graph.initializer:
@@ -162,12 +190,50 @@ def step_rounded_reference(model16: onnx.ModelProto, feeds: dict[str, np.ndarray
     for value in [*fp32.graph.input, *fp32.graph.output]:
         value.type.tensor_type.elem_type = TensorProto.FLOAT
         value.type.tensor_type.ClearField("shape")
+    for attr in fp32.graph.node[0].attribute:
+        if attr.name == "direction":
+            attr.s = b"forward"  # one step each: the order of the steps is ours
     step = ort.InferenceSession(fp32.SerializeToString(), providers=["CPUExecutionProvider"])
-    h = feeds["h0"].astype(np.float32)
-    for t in range(feeds["x"].shape[0]):
-        _, h = step.run(None, {"x": feeds["x"][t : t + 1].astype(np.float32), "h0": h})
-        h = h.astype(np.float16).astype(np.float32)
-    return h
+    states = {k: v.astype(np.float32) for k, v in feeds.items() if k != "x"}
+    steps = range(feeds["x"].shape[0])
+    for t in reversed(steps) if reverse else steps:
+        _, *finals = step.run(None, {"x": feeds["x"][t : t + 1].astype(np.float32), **states})
+        states["h0"] = finals[0].astype(np.float16).astype(np.float32)
+        if len(finals) > 1:
+            states["c0"] = finals[1]
+    return [states["h0"], *([states["c0"]] if "c0" in states else [])]
+
+
+@pytest.mark.parametrize(("op", "direction"), [("LSTM", "forward"), ("GRU", "reverse")])
+def test_each_step_reads_a_rounded_hidden_state(op, direction):
+    model16 = recurrent_model(op, direction=direction, dtype=TensorProto.FLOAT16, seq=40, scale=1.0)
+    feeds = feeds_for(model16, dtype=np.float16)
+    y, *finals = run(emulate_low_precision(model16), {k: v.astype(np.float32) for k, v in feeds.items()})
+    want = step_rounded_reference(model16, feeds, reverse=direction == "reverse")
+    np.testing.assert_allclose(finals[0], want[0], rtol=0, atol=1e-6)
+    if op == "LSTM":  # the cell state: FP32 between steps, rounded once as the output
+        np.testing.assert_allclose(finals[1], want[1].astype(np.float16).astype(np.float32), rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(y[0 if direction == "reverse" else -1], finals[0])
+
+
+def test_a_node_whose_y_is_omitted_still_runs_step_by_step():
+    model16 = recurrent_model("GRU", dtype=TensorProto.FLOAT16)
+    node = model16.graph.node[0]
+    node.output[0] = ""
+    del model16.graph.output[0]
+    emulated = emulate_low_precision(model16)
+    assert "Scan" in {n.op_type for n in emulated.graph.node}
+    assert low_recurrent_nodes(ir.serde.deserialize_model(model16)) == ["cell"]
+
+
+def test_a_node_with_sequence_lengths_is_emulated_as_it_is():
+    model16 = recurrent_model("GRU", dtype=TensorProto.FLOAT16)
+    model16.graph.input.append(helper.make_tensor_value_info("lens", TensorProto.INT32, [BATCH]))
+    model16.graph.node[0].input[4] = "lens"
+    emulated = emulate_low_precision(model16)
+    assert [n.op_type for n in emulated.graph.node].count("GRU") == 1
+    assert "Scan" not in {n.op_type for n in emulated.graph.node}
+    assert low_recurrent_nodes(ir.serde.deserialize_model(model16)) == []
 
 
 def test_the_emulated_16_bit_gru_rounds_its_state_at_every_step():
@@ -176,7 +242,7 @@ def test_the_emulated_16_bit_gru_rounds_its_state_at_every_step():
     emulated = emulate_low_precision(model16)
     onnx.checker.check_model(emulated, full_check=True)
     y, y_h = run(emulated, {k: v.astype(np.float32) for k, v in feeds.items()})
-    want = step_rounded_reference(model16, feeds)
+    want = step_rounded_reference(model16, feeds)[0]
     np.testing.assert_allclose(y_h, want, rtol=0, atol=1e-6)
     np.testing.assert_array_equal(y[-1], y_h)
     # Rounding the outputs only (the FP32 recurrence) ends elsewhere: the state's rounding compounds.

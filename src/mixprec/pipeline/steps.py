@@ -27,9 +27,12 @@ from mixprec.analysis.qdq import has_qdq
 from mixprec.analysis.typeinfo import TypeInfo, assume_float_outputs, infer_types, retype_after_upgrade, untyped_values
 from mixprec.config import Config
 from mixprec.errors import InputError, ModelLoadError, RunError
-from mixprec.graphs import all_graphs, main_values, node_keys, walk_nodes
-from mixprec.io import StagedModel, load_model, typed_values, uses_external_data, value_types, wants_external_data, weight_bytes
-from mixprec.io.onnx_file import FileChecks
+from mixprec.graphs import all_graphs, main_values, node_keys, out_of_order, walk_nodes
+from mixprec.io import (
+    StagedModel, load_model, typed_values, uses_external_data, value_types, wants_external_data, weight_bytes,
+    weight_free_proto,
+)
+from mixprec.io.onnx_file import FileChecks, first_line
 from mixprec.passes.fold_dequantize import fold_constant_dequantizations
 from mixprec.passes.integer_groups import write_groups_on_integers
 from mixprec.passes.norm_blocks import FusedKernels, fuse_norm_blocks, opset_for_fusion
@@ -66,7 +69,8 @@ class Loaded:
 
     Attributes:
         path: The input's file (None: given in memory).
-        original: The input ModelProto, when one was given (the checker compares with it).
+        original: The input ModelProto, when one was given, or the graph of an input whose
+            nodes were sorted (the checker judges it instead of the file).
         changed: Whether loading changed the model (an IR version below 4 raised to 4).
         checked: Whether the input is checked (the structural checker passed; strict type
             inference is the type step's).
@@ -113,6 +117,10 @@ def _load(source: object, config: Config, checks: FileChecks | None) -> Loaded:
             return checker_error(path if path is not None else original, full_check=False)  # type: ignore[arg-type]
 
         problem = checks.checker_problem(structural) if checks is not None and path is not None else structural()
+        if problem is not None and out_of_order(model):
+            problem, original = _sorted_input(model)
+            if problem is None:
+                notes.append(_SORTED_NOTE)
         if problem is not None:
             raise _invalid_input(path, problem)
     ops = config.ops
@@ -124,6 +132,24 @@ def _load(source: object, config: Config, checks: FileChecks | None) -> Loaded:
         model, path, original, profile, policy, tuple(notes), changed=bool(notes), checked=checked,
         checks=checks,
     )
+
+
+_SORTED_NOTE = (
+    "the input's nodes were not in topological order (the ONNX checker refuses that; onnxruntime "
+    "sorts a main graph as it loads it): sorted them first"
+)
+
+
+def _sorted_input(model: ir.Model) -> tuple[str | None, onnx.ModelProto]:
+    """Sort the model's graphs (in place) and check the result's structure: (the checker's
+    objection or None, the sorted graph without its large weights, which is judged as the
+    input from now on)."""
+    try:
+        model.graph.sort()
+    except ValueError as e:  # a cycle
+        return first_line(e), weight_free_proto(model)
+    proto = weight_free_proto(model)
+    return checker_error(proto, full_check=False), proto
 
 
 def _invalid_input(path: Path | None, problem: str) -> ModelLoadError:
@@ -139,7 +165,7 @@ def refuse_invalid_input(loaded: Loaded) -> Callable[[str], None]:
     (:func:`mixprec.validate.checker.input_problem`; the objection may come from a step's edit)."""
 
     def refuse(_: str) -> None:
-        problem = input_problem(loaded.path if loaded.path is not None else loaded.original)  # type: ignore[arg-type]
+        problem = input_problem(loaded.original if loaded.original is not None else loaded.path)  # type: ignore[arg-type]
         if problem is not None:
             raise _invalid_input(loaded.path, problem)
 

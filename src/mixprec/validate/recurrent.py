@@ -10,7 +10,9 @@ magnitude closer to FP32 than a runtime computes it.
 makes them) by one ``Scan`` per direction over one-step copies of the op, rounding the hidden
 state through the 16-bit type after each step. The cell state of an LSTM is elementwise FP32
 arithmetic a kernel may keep in FP32 between steps; it is not rounded. Nodes with
-``sequence_lens`` (per-batch lengths a step-wise copy cannot honour simply) stay as they are.
+``sequence_lens`` (per-batch lengths a step-wise copy cannot honour simply), with activation
+functions not given per direction, or at an opset before today's Scan (9) keep output rounding
+only. A zero-length sequence fails in the Scan (onnxruntime's CPU GRU fails on one too).
 """
 
 from __future__ import annotations
@@ -22,8 +24,12 @@ import onnx_ir as ir
 
 __all__ = ["RECURRENT_OPS", "low_recurrent_nodes", "round_state_each_step", "steps_by_itself"]
 
-# Op -> (index of initial_h, number of gates): the inputs after B that a one-step copy reads.
-RECURRENT_OPS: dict[str, tuple[int, int]] = {"RNN": (5, 1), "GRU": (5, 3), "LSTM": (5, 4)}
+# Op -> activation functions per direction (f; f, g; f, g, h).
+RECURRENT_OPS: dict[str, int] = {"RNN": 1, "GRU": 2, "LSTM": 3}
+# Activation functions that take an `activation_alpha` / `activation_beta` value (the lists are
+# consumed in the order of the functions, each taking its own).
+_TAKE_ALPHA = frozenset({"affine", "leakyrelu", "thresholdedrelu", "scaledtanh", "hardsigmoid", "elu"})
+_TAKE_BETA = frozenset({"affine", "scaledtanh", "hardsigmoid"})
 _INITIAL_C, _PEEPHOLES = 6, 7
 _SEQUENCE_LENS = 4
 _FLOAT = ir.DataType.FLOAT
@@ -37,15 +43,15 @@ _FIRST_SCAN_OPSET = 9
 
 
 def low_recurrent_nodes(model: ir.Model | None) -> list[str]:
-    """Names (op types where unnamed) of the recurrent nodes of `model` whose hidden state is
-    16-bit, in all graphs (none when the model is not in memory)."""
+    """Names (op types where unnamed) of the 16-bit recurrent nodes of `model`, in all graphs,
+    that the emulation runs step by step (none when the model is not in memory)."""
     if model is None:
         return []
+    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
     return [
         node.name or node.op_type
         for graph in model.graphs() for node in graph
-        if node.op_type in RECURRENT_OPS and node.domain in ("", "ai.onnx") and node.outputs
-        and node.outputs[0].dtype in _LOW
+        if steps_by_itself(node, opset) and node.inputs[0] is not None and node.inputs[0].dtype in _LOW
     ]
 
 
@@ -60,7 +66,11 @@ def steps_by_itself(node: ir.Node, opset: int | None) -> bool:
     if len(inputs) > _SEQUENCE_LENS and inputs[_SEQUENCE_LENS] is not None:
         return False
     direction = node.attributes.get_string("direction", "forward")
-    return node.attributes.get_int("hidden_size", 0) > 0 and direction in ("forward", "reverse", "bidirectional")
+    if direction not in ("forward", "reverse", "bidirectional") or node.attributes.get_int("hidden_size", 0) <= 0:
+        return False
+    activations = node.attributes.get_strings("activations", None)
+    directions = 2 if direction == "bidirectional" else 1
+    return activations is None or len(activations) == directions * RECURRENT_OPS[node.op_type]
 
 
 def round_state_each_step(
@@ -126,7 +136,8 @@ class _Builder:
 
     def make(self, op: str, inputs: Sequence[ir.Value | None], outputs: int = 1, **attributes: object) -> ir.Node:
         created = ir.Node(
-            "", op, inputs, [ir.convenience.convert_attribute(k, v) for k, v in attributes.items()],
+            "", op, inputs,
+            [v if isinstance(v, ir.Attr) else ir.convenience.convert_attribute(k, v) for k, v in attributes.items()],
             num_outputs=outputs, name=self.node_name(f"{self.base}_step_{op}"),
         )
         for out in created.outputs:
@@ -207,15 +218,25 @@ class _Builder:
         return list(scan.outputs)
 
     def _step_attributes(self, index: int, count: int) -> dict[str, object]:
-        """The node's attributes for one forward step of direction `index`."""
-        kept: dict[str, object] = {}
-        per_direction = {"activations", "activation_alpha", "activation_beta"}
-        for name, attr in self.node.attributes.items():
-            if name in ("direction", "layout"):
+        """The node's attributes for one forward step of direction `index` of `count`: its own
+        activation functions, with the alpha and beta values those functions take."""
+        attributes = self.node.attributes
+        kept: dict[str, object] = {
+            name: ir.Attr(name, attr.type, attr.value) for name, attr in attributes.items()
+            if name not in ("direction", "layout", "activations", "activation_alpha", "activation_beta")
+        }
+        activations = attributes.get_strings("activations", None)
+        if activations is None:
+            return kept
+        per_direction = len(activations) // count
+        before, mine = activations[: index * per_direction], activations[index * per_direction : (index + 1) * per_direction]
+        kept["activations"] = ir.AttrStrings("activations", list(mine))
+        for name, takers in (("activation_alpha", _TAKE_ALPHA), ("activation_beta", _TAKE_BETA)):
+            values = attributes.get_floats(name, None)
+            if values is None:
                 continue
-            value = attr.value
-            if name in per_direction and count > 1:
-                half = len(value) // count
-                value = list(value)[index * half:(index + 1) * half]
-            kept[name] = list(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
+            start = sum(f.lower() in takers for f in before)
+            taken = list(values)[start : start + sum(f.lower() in takers for f in mine)]
+            if taken:
+                kept[name] = ir.AttrFloat32s(name, taken)
         return kept
