@@ -9,7 +9,9 @@ every op type the quantizer knows, calibration on the corpus's own inputs, test 
 kind). Each is converted for several targets and runtime profiles, then run on several batches.
 With `--quantizer nncf` the same FP32 models are quantized by NNCF instead (`nncf.quantize`, ONNX
 backend, default preset, same calibration inputs; run from bench/out/nncf-venv: bench/README.md):
-Q/DQ on the inputs of Conv/MatMul/Add, float biases, Concat unquantized.
+Q/DQ on the inputs of Conv/MatMul/Add, float biases, Concat unquantized. With `--quantizer quark`
+AMD Quark's ONNX quantizer does, with a named configuration (`--quark-config`, default XINT8:
+power-of-two scales, the NPU form; run from bench/out/quark-venv).
 
 The reference is the quantized FP32 model run **unfused** (onnxruntime with graph optimizations
 off: DequantizeLinear, the op and QuantizeLinear as written, the form a 16-bit runtime runs) and
@@ -45,6 +47,7 @@ DequantizeLinear or feeding a QuantizeLinear.
     python bench/bench_qdq.py --corpus ddddocr_det --modelopt --batches 8 --out /tmp/qdq
     python bench/bench_qdq.py --cnn --corpus ddddocr_det --no-torch   # the detector alone
     python bench/bench_qdq.py --corpus nudenet_320n --quantizer nncf --batches 4
+    python bench/bench_qdq.py --corpus nudenet_320n --quantizer quark --quark-config XINT8 --batches 4
 """
 
 from __future__ import annotations
@@ -354,26 +357,32 @@ def _converter_common(case: Case, folder: Path) -> Path:
 
 
 MODELOPT = ROOT / "bench" / "out" / "modelopt-venv" / "bin" / "python"
-NNCF = ROOT / "bench" / "out" / "nncf-venv" / "bin" / "python"
+# The other quantizers, each run by the python of its own venv (bench/README.md).
+QUANTIZERS = {
+    "nncf": (ROOT / "bench" / "out" / "nncf-venv" / "bin" / "python", ROOT / "bench" / "quantize_nncf.py"),
+    "quark": (ROOT / "bench" / "out" / "quark-venv" / "bin" / "python", ROOT / "bench" / "quantize_quark.py"),
+}
 
 
-def _requantized_with_nncf(case: Case, folder: Path) -> Case:
-    """The case with its FP32 model quantized by NNCF instead (`nncf.quantize`, ONNX backend,
-    its default MinMax preset on the same calibration inputs), run in NNCF's venv."""
+def _requantized(case: Case, folder: Path, quantizer: str, options: list[str]) -> Case:
+    """The case with its FP32 model quantized by `quantizer` instead (NNCF: `nncf.quantize`, ONNX
+    backend, its default MinMax preset; Quark: `ModelQuantizer` with the named configuration in
+    `options`), on the same calibration inputs, run in the quantizer's venv."""
     import dataclasses  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
 
     if case.fp32 is None:
-        raise SystemExit(f"--quantizer nncf: {case.name} has no FP32 model")
+        raise SystemExit(f"--quantizer {quantizer}: {case.name} has no FP32 model")
+    python, script = QUANTIZERS[quantizer]
     calibration = case.calibration or case.batches[:4]
-    data = folder / f"{case.name}_nncf_calibration.npz"
+    data = folder / f"{case.name}_{quantizer}_calibration.npz"
     np.savez(data, **{f"{i}/{name}": array for i, batch in enumerate(calibration) for name, array in batch.items()})
-    out = folder / f"{case.name}_nncf.onnx"
-    command = [str(NNCF), str(ROOT / "bench" / "quantize_nncf.py"), str(case.fp32), str(data), str(out)]
+    out = folder / f"{case.name}_{quantizer}.onnx"
+    command = [str(python), str(script), str(case.fp32), str(data), str(out), *options]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
     if done.returncode or not out.exists():
         lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
-        raise SystemExit(f"--quantizer nncf: {case.name}: exit {done.returncode}: {lines[-1] if lines else ''}")
+        raise SystemExit(f"--quantizer {quantizer}: {case.name}: exit {done.returncode}: {lines[-1] if lines else ''}")
     return dataclasses.replace(case, path=out)
 
 
@@ -431,8 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modelopt", action="store_true", help="ModelOpt rows (its venv: bench/README.md)")
     parser.add_argument("--no-torch", action="store_true", help="skip the transformer and speech models")
     parser.add_argument("--batches", type=int, default=8)
-    parser.add_argument("--quantizer", choices=["onnxruntime", "nncf"], default="onnxruntime",
-                        help="who quantizes the FP32 models (nncf: its venv, bench/README.md)")
+    parser.add_argument("--quantizer", choices=["onnxruntime", *QUANTIZERS], default="onnxruntime",
+                        help="who quantizes the FP32 models (nncf, quark: their venvs, bench/README.md)")
+    parser.add_argument("--quark-config", default="XINT8", help="Quark's named configuration (XINT8, A8W8, ...)")
     parser.add_argument("--out", type=Path, help="keep the quantized models here")
     options = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT / "tests"))
@@ -452,10 +462,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if not options.no_torch:
                 cases += [_transformer(folder, options.batches), _speech(folder, options.batches)]
-        if options.quantizer == "nncf":
-            if not NNCF.exists():
-                raise SystemExit(f"--quantizer nncf: no {NNCF} (bench/README.md)")
-            cases = [_requantized_with_nncf(case, folder) for case in cases]
+        if options.quantizer in QUANTIZERS:
+            python = QUANTIZERS[options.quantizer][0]
+            if not python.exists():
+                raise SystemExit(f"--quantizer {options.quantizer}: no {python} (bench/README.md)")
+            extra = [options.quark_config] if options.quantizer == "quark" else []
+            cases = [_requantized(case, folder, options.quantizer, extra) for case in cases]
+            if extra:
+                print(f"Quark configuration {options.quark_config}")
         print(f"quantized with {options.quantizer}")
         print(
             f"{'model':<12} {'target':<14} {'groups 16-bit':>16} {'outside':>7} {'folded':>6} {'casts':>5} {'pairs':<8} {'ints':<7} "
