@@ -326,3 +326,47 @@ def test_a_graph_with_a_cycle_is_still_refused(tmp_path) -> None:
     with pytest.raises(mixprec.errors.ModelLoadError, match="not a valid ONNX model"):
         mixprec.convert(str(path), tmp_path / "out.onnx")
     assert not (tmp_path / "out.onnx").exists()
+
+
+def _rms_normalized_matmuls(broken: bool = False) -> onnx.ModelProto:
+    """MatMul -> SimplifiedLayerNormalization (onnxruntime's RMSNorm, registered in the ONNX
+    domain, as its transformer optimizer writes it) -> MatMul."""
+    rng = np.random.default_rng(0)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), "w0"),
+        numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), "w1"),
+        numpy_helper.from_array(rng.uniform(0.5, 1.5, 16).astype(np.float32), "gamma"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w0"], ["a"], name="mm0"),
+        helper.make_node("SimplifiedLayerNormalization", ["a", "gamma"], ["n"], name="rms", axis=-1, epsilon=1e-6),
+        helper.make_node("MatMul", ["n", "missing" if broken else "w1"], ["y"], name="mm1"),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16])], inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_onnxruntime_ops_in_the_onnx_domain_are_not_the_checkers_to_refuse(tmp_path) -> None:
+    model = _rms_normalized_matmuls()
+    with pytest.raises(onnx.checker.ValidationError, match="No Op registered for SimplifiedLayerNormalization"):
+        onnx.checker.check_model(model)
+    path = tmp_path / "rms.onnx"
+    onnx.save(model, path)
+    result = mixprec.convert(str(path), tmp_path / "out.onnx", runtime="ort-cuda")
+    report = result.report
+    assert report.validation.checker == "passed", report.validation
+    assert any("SimplifiedLayerNormalization: onnxruntime's own op" in note for note in report.notes), report.notes
+    converted = onnx.load(tmp_path / "out.onnx")
+    assert {n.op_type: n for n in converted.graph.node}["SimplifiedLayerNormalization"].domain == ""
+    feeds = {"x": np.random.default_rng(1).standard_normal((3, 16)).astype(np.float32)}
+    np.testing.assert_allclose(run(converted, feeds)[0], run(model, feeds)[0], rtol=2e-2, atol=2e-2)
+
+
+def test_a_model_with_such_ops_and_a_real_fault_is_still_refused(tmp_path) -> None:
+    path = tmp_path / "broken.onnx"
+    onnx.save(_rms_normalized_matmuls(broken=True), path)
+    with pytest.raises(mixprec.errors.ModelLoadError, match="missing"):
+        mixprec.convert(str(path), tmp_path / "out.onnx", runtime="ort-cuda")

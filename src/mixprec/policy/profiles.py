@@ -252,6 +252,21 @@ def load_runtime(name: str | None = None) -> RuntimeProfile:
     )
 
 
+@functools.cache
+def onnxruntime_onnx_domain_ops() -> frozenset[str]:
+    """Ops onnxruntime registers in the ONNX domain that ONNX itself does not define
+    (SimplifiedLayerNormalization, which its transformer optimizer writes; ScaledTanh, ...),
+    from its tables: the ONNX checker does not know them, onnxruntime runs them."""
+    import onnx.defs  # noqa: PLC0415
+
+    return frozenset(
+        op
+        for name in RUNTIMES if name.startswith("ort-")
+        for domain, op in (load_runtime(name).kernels or {})
+        if domain == "" and not onnx.defs.has(op)
+    )
+
+
 def binding_signature(domain: str, op_type: str, version: int, n_inputs: int, n_outputs: int) -> Signature | None:
     """The kernel binding of a non-ONNX op from any ONNX Runtime table: used to propagate types
     (which input an output takes its type from), not to decide capability."""
