@@ -309,13 +309,42 @@ def test_nodes_out_of_topological_order_are_sorted_not_refused(tmp_path, source:
     onnx.save(model, path)
     result = mixprec.convert(str(path) if source == "file" else model, tmp_path / "out.onnx", runtime="ort-cuda")
     assert any("not in topological order" in note and "sorted them" in note for note in result.report.notes)
+    assert result.report.validation.runtime == "ran and emulated", result.report.validation
     converted = onnx.load(tmp_path / "out.onnx")
     onnx.checker.check_model(converted, full_check=True)
-    assert {n.op_type for n in converted.graph.node if n.op_type == "MatMul"}
+    types = {value.name: value.type.tensor_type.elem_type for value in onnx.shape_inference.infer_shapes(converted).graph.value_info}
+    assert types["h"] == TensorProto.FLOAT16, "the MatMuls convert"
     feeds = {"x": np.random.default_rng(1).standard_normal((4, 8)).astype(np.float32)}
     for flag in (True, False):
         feeds["flag"] = np.array(flag)
         np.testing.assert_allclose(run(converted, feeds)[0], run(model, feeds)[0], rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("source", ["file", "proto"])
+def test_an_unsorted_model_with_another_fault_is_still_refused(tmp_path, source: str) -> None:
+    model = _unsorted_model()
+    model.graph.initializer.append(model.graph.initializer[0])  # a name given twice
+    path = tmp_path / "twice.onnx"
+    onnx.save(model, path)
+    with pytest.raises(mixprec.errors.ModelLoadError, match="w0"):
+        mixprec.convert(str(path) if source == "file" else model, tmp_path / "out.onnx")
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_an_unsorted_subgraph_is_refused_as_onnxruntime_refuses_it(tmp_path) -> None:
+    model = _unsorted_model()
+    branch = next(a.g for a in model.graph.node[0].attribute if a.name == "then_branch")
+    nodes = list(branch.node)
+    del branch.node[:]
+    branch.node.extend(reversed(nodes))
+    with pytest.raises(mixprec.errors.ModelLoadError, match="topologically sorted"):
+        mixprec.convert(model, tmp_path / "out.onnx")
+
+
+def test_allow_invalid_sorts_too(tmp_path) -> None:
+    result = mixprec.convert(_unsorted_model(), tmp_path / "out.onnx", allow_invalid=True)
+    assert any("sorted them" in note for note in result.report.notes)
+    onnx.checker.check_model(onnx.load(tmp_path / "out.onnx"), full_check=True)
 
 
 def test_a_graph_with_a_cycle_is_still_refused(tmp_path) -> None:
@@ -365,8 +394,42 @@ def test_onnxruntime_ops_in_the_onnx_domain_are_not_the_checkers_to_refuse(tmp_p
     np.testing.assert_allclose(run(converted, feeds)[0], run(model, feeds)[0], rtol=2e-2, atol=2e-2)
 
 
-def test_a_model_with_such_ops_and_a_real_fault_is_still_refused(tmp_path) -> None:
+def _both_raw_and_float_data(model: onnx.ModelProto) -> onnx.ModelProto:
+    weight = model.graph.initializer[0]
+    weight.float_data.extend([0.0] * 256)  # beside its raw_data: an invalid tensor
+    return model
+
+
+@pytest.mark.parametrize("source", ["file", "proto"])
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [(lambda m: _rms_normalized_matmuls(broken=True), "missing"), (_both_raw_and_float_data, "w0")],
+    ids=["undefined input", "raw and float data"],
+)
+def test_a_model_with_such_ops_and_a_real_fault_is_still_refused(tmp_path, source: str, fault, message: str) -> None:
+    model = fault(_rms_normalized_matmuls())
     path = tmp_path / "broken.onnx"
-    onnx.save(_rms_normalized_matmuls(broken=True), path)
-    with pytest.raises(mixprec.errors.ModelLoadError, match="missing"):
-        mixprec.convert(str(path), tmp_path / "out.onnx", runtime="ort-cuda")
+    onnx.save(model, path)
+    with pytest.raises(mixprec.errors.ModelLoadError, match=message):
+        mixprec.convert(str(path) if source == "file" else model, tmp_path / "out.onnx", runtime="ort-cuda")
+
+
+def test_such_ops_in_a_function_are_judged_apart_with_the_functions_own_opsets() -> None:
+    """(onnxruntime itself crashes on such a function: a unit test of the checker alone.)"""
+    from mixprec.validate.checker import checker_error, runtime_ops_of
+
+    model = _rms_normalized_matmuls()
+    rms = model.graph.node[1]
+    function = helper.make_function(
+        "local", "Rms", ["a", "gamma"], ["n"],
+        [helper.make_node("SimplifiedLayerNormalization", ["a", "gamma"], ["n"], axis=-1, epsilon=1e-6)],
+        [helper.make_opsetid("", 17)],
+    )
+    model.graph.node[1].CopyFrom(helper.make_node("Rms", list(rms.input), list(rms.output), name="rms_call", domain="local"))
+    model.functions.append(function)
+    model.opset_import.append(helper.make_opsetid("local", 1))
+    with pytest.raises(onnx.checker.ValidationError):
+        onnx.checker.check_model(model)
+    assert checker_error(model, full_check=False) is None
+    assert runtime_ops_of(model) == ["SimplifiedLayerNormalization"]
+    assert model.functions[0].node[0].domain == "", "the model itself is not changed"

@@ -80,3 +80,29 @@ def test_function_called_with_different_types_is_left_alone(tmp_path: Path) -> N
     y, e = _run(converted, {"x": x, "d": d})
     np.testing.assert_allclose(y, x @ x)
     np.testing.assert_allclose(e, d @ d)
+
+
+ATTRIBUTED = """
+<ir_version: 10, opset_import: ["" : 18, "local" : 1]>
+agraph (float[2,3] x) => (float[2,4] y) {
+  w = Constant<value = float[3,4] {0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0,1.1,1.2}>()
+  y = local.Leaky(x, w)
+}
+<domain: "local", opset_import: ["" : 18]>
+Leaky (a, b) => (c) {
+  m = MatMul(a, b)
+  c = LeakyRelu<alpha = 0.1>(m)
+}
+"""
+
+
+def test_a_function_whose_body_has_attributes_is_typed_and_converted(tmp_path: Path) -> None:
+    """Attributes in a body (not references to the caller's) leave the function typable."""
+    model = onnx.parser.parse_model(ATTRIBUTED)
+    result = mixprec.convert(model, tmp_path / "out.onnx", target_dtype="float16", runtime="ort-cuda")
+    converted = onnx.load(tmp_path / "out.onnx")
+    body = [node.op_type for node in converted.functions[0].node]
+    assert body == ["Cast", "Cast", "MatMul", "LeakyRelu", "Cast"], body  # MatMul, LeakyRelu in float16
+    assert result.report.nodes_by_precision["low"] == 2
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)}
+    np.testing.assert_allclose(_run(converted, feeds)[0], _run(model, feeds)[0], rtol=1e-2, atol=1e-2)

@@ -235,7 +235,7 @@ def test_input_check_infers_once_and_accepts_what_onnxruntime_loads(
 
     full_checks: list[object] = []
     real = steps.input_problem
-    monkeypatch.setattr(steps, "input_problem", lambda model: full_checks.append(model) or real(model))
+    monkeypatch.setattr(steps, "input_problem", lambda model, order=None: full_checks.append(model) or real(model, order))
     source = tmp_path / "m.onnx"
     onnx.save(_graph_model([helper.make_node("Relu", ["x"], ["y"])], [X], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4])]), str(source))
     assert main(["convert", str(source), str(tmp_path / "ok.onnx"), "--validate", "none"]) == 0

@@ -12,7 +12,7 @@ from onnx import helper as oh
 
 from helpers import matmul_chain
 
-from mixprec.graphs import all_graphs, all_nodes, forget_structure, out_of_order
+from mixprec.graphs import all_graphs, all_nodes, forget_structure, graph_reads_ahead
 
 
 def _model_with_if() -> ir.Model:
@@ -172,7 +172,7 @@ def test_inference_without_propagation_where_propagation_objects(monkeypatch) ->
     assert len(_dims(values["y"])) == 4  # the rank only: nothing was propagated
 
 
-def test_out_of_order_sees_later_producers_in_the_graph_and_around_a_subgraph() -> None:
+def test_a_graph_reads_ahead_where_it_or_its_subgraphs_read_a_later_value() -> None:
     def model(main_order: list[int], branch_order: list[int]) -> ir.Model:
         branch_nodes = [oh.make_node("Mul", ["h", "h"], ["t"]), oh.make_node("Neg", ["t"], ["b"])]
         branch = oh.make_graph([branch_nodes[i] for i in branch_order], "then", [], [oh.make_tensor_value_info("b", TensorProto.FLOAT, [1])])
@@ -188,9 +188,12 @@ def test_out_of_order_sees_later_producers_in_the_graph_and_around_a_subgraph() 
         )
         return ir.serde.deserialize_model(oh.make_model(graph))
 
-    assert not out_of_order(model([0, 1], [0, 1]))
-    assert out_of_order(model([1, 0], [0, 1])), "the branch reads h, produced after its If"
-    assert out_of_order(model([0, 1], [1, 0])), "the branch's own nodes"
+    def ahead(m: ir.Model) -> tuple[bool, bool]:
+        return graph_reads_ahead(m.graph), any(graph_reads_ahead(g) for g in all_graphs(m)[1:])
+
+    assert ahead(model([0, 1], [0, 1])) == (False, False)
+    assert ahead(model([1, 0], [0, 1])) == (True, False), "the branch reads h, produced after its If"
+    assert ahead(model([0, 1], [1, 0])) == (False, True), "the branch's own nodes"
     unsorted = model([1, 0], [1, 0])
     unsorted.graph.sort()
-    assert not out_of_order(unsorted)
+    assert ahead(unsorted) == (False, False)

@@ -120,25 +120,27 @@ def all_graphs(model: ir.Model) -> list[ir.Graph]:
     return graphs
 
 
-def out_of_order(model: ir.Model) -> bool:
-    """Whether a node of the main graph or of a subgraph reads a value produced later: by a
-    later node of its graph or of an enclosing graph (function bodies are not looked at)."""
-    return _reads_ahead(model.graph, [])
-
-
-def _reads_ahead(graph: ir.Graph, enclosing: list[set[ir.Node]]) -> bool:
-    pending = set(graph)  # this graph's nodes that have not run yet
-    scopes = [*enclosing, pending]
+def graph_reads_ahead(graph: ir.Graph) -> bool:
+    """Whether a node of `graph`, or a node inside one of its subgraphs, reads a value a later
+    node of `graph` produces (the nodes are not in topological order)."""
+    pending = set(graph)  # the graph's nodes that have not run yet
     for node in graph:
-        for value in node.inputs:
-            producer = value.producer() if value is not None else None
-            if producer is not None and any(producer in scope for scope in scopes):
-                return True
-        if node.attributes and has_subgraphs(node):
-            if any(_reads_ahead(sub, scopes) for sub in subgraphs_of(node)):
-                return True
+        reads = [node] + (walk_nodes_of_subgraphs(node) if node.attributes and has_subgraphs(node) else [])
+        for reader in reads:
+            for value in reader.inputs:
+                producer = value.producer() if value is not None else None
+                if producer is not None and producer in pending:
+                    return True
         pending.discard(node)
     return False
+
+
+def walk_nodes_of_subgraphs(node: ir.Node) -> list[ir.Node]:
+    """Every node inside the node's subgraphs, at any depth."""
+    nodes: list[ir.Node] = []
+    for sub in subgraphs_of(node):
+        _collect(sub, nodes)
+    return nodes
 
 
 def main_values(model: ir.Model) -> Iterator[ir.Value]:

@@ -401,7 +401,7 @@ def _call_sites(model: ir.Model) -> dict[tuple[str, str, str], list[ir.Node]]:
 
 def _has_attribute_refs(function: ir.Function) -> bool:
     return any(
-        isinstance(attr, ir.RefAttr) for node in walk_nodes(function.graph) for attr in node.attributes.values()
+        attr.is_ref() for node in walk_nodes(function.graph) for attr in node.attributes.values()
     )
 
 

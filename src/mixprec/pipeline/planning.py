@@ -12,12 +12,12 @@ import onnx_ir as ir
 
 from mixprec.config import Config
 from mixprec.errors import InputError
-from mixprec.graphs import format_op_name, is_default_domain, main_values
+from mixprec.graphs import format_op_name, main_values
 from mixprec.plan.model import Category, NodeMatcher, Precision, PrecisionPlan
 from mixprec.plan.planner import plan_precision
 from mixprec.plan.weights_only import weights_only as weights_only_plan
 from mixprec.plan.qdq_pairs import keep_pairs as keep_qdq_pairs
-from mixprec.policy.profiles import RuntimeProfile, onnxruntime_onnx_domain_ops
+from mixprec.policy.profiles import RuntimeProfile
 from mixprec.policy.table import Policy
 
 if TYPE_CHECKING:
@@ -75,7 +75,6 @@ def make_plan(model: ir.Model, keys: Mapping[ir.Node, str], config: Config, inpu
     else:
         notes.extend(_nothing_worth_converting(result, policy, profile))
     notes.extend(_ops_the_runtime_refuses(model, keys, profile))
-    notes.extend(_onnxruntime_own_ops(keys))
     unused = matcher.unused()
     if unused:
         raise InputError(f"--exclude-node pattern {unused[0]!r} matches no node in the model")
@@ -117,20 +116,6 @@ def _nothing_worth_converting(plan: PrecisionPlan, policy: Policy, profile: Runt
         f"nothing worth converting on {profile.name}: it has no {plan.target.value} kernel for "
         f"{', '.join(blocked)}; --weights-only stores the weights in {plan.target.value} (half the "
         "file) and computes in FP32"
-    ]
-
-
-def _onnxruntime_own_ops(nodes: Iterable[ir.Node]) -> list[str]:
-    """A note naming the ops of the model that onnxruntime registers in the ONNX domain but ONNX
-    does not define: the checker judges the model without them."""
-    own = onnxruntime_onnx_domain_ops()
-    found = sorted({node.op_type for node in nodes if is_default_domain(node.domain) and node.op_type in own})
-    if not found:
-        return []
-    return [
-        f"{', '.join(found)}: onnxruntime's own op(s) in the ONNX domain (its transformer optimizer "
-        "writes them); ONNX does not define them, so the ONNX checker judged the model without them, "
-        "and runtimes other than onnxruntime may not run them"
     ]
 
 

@@ -27,12 +27,10 @@ from mixprec.analysis.qdq import has_qdq
 from mixprec.analysis.typeinfo import TypeInfo, assume_float_outputs, infer_types, retype_after_upgrade, untyped_values
 from mixprec.config import Config
 from mixprec.errors import InputError, ModelLoadError, RunError
-from mixprec.graphs import all_graphs, main_values, node_keys, out_of_order, walk_nodes
-from mixprec.io import (
-    StagedModel, load_model, typed_values, uses_external_data, value_types, wants_external_data, weight_bytes,
-    weight_free_proto,
-)
-from mixprec.io.onnx_file import FileChecks, first_line
+from mixprec.graphs import all_graphs, graph_reads_ahead, main_values, node_keys, walk_nodes
+from mixprec.io import StagedModel, load_model, typed_values, uses_external_data, value_types, wants_external_data, weight_bytes
+from mixprec.io.onnx_file import FileChecks
+from mixprec.io.onnx_file import checker_error as onnx_checker_error
 from mixprec.passes.fold_dequantize import fold_constant_dequantizations
 from mixprec.passes.integer_groups import write_groups_on_integers
 from mixprec.passes.norm_blocks import FusedKernels, fuse_norm_blocks, opset_for_fusion
@@ -45,7 +43,7 @@ from mixprec.policy.profiles import RuntimeProfile, load_runtime
 from mixprec.policy.schemas import op_exists
 from mixprec.policy.table import Policy, load_policy, parse_op_name
 from mixprec.runtime.batches import BatchSource
-from mixprec.validate.checker import checker_error, input_problem
+from mixprec.validate.checker import checker_error, input_problem, judged_again, runtime_ops_of
 from mixprec.validate.results import Validation
 from mixprec.validate.staged import RuntimeRejection, start_output_checker, validate_staged
 
@@ -69,13 +67,15 @@ class Loaded:
 
     Attributes:
         path: The input's file (None: given in memory).
-        original: The input ModelProto, when one was given, or the graph of an input whose
-            nodes were sorted (the checker judges it instead of the file).
-        changed: Whether loading changed the model (an IR version below 4 raised to 4).
+        original: The input ModelProto, when one was given (the checker compares with it).
+        changed: Whether loading changed the model (an IR version below 4 raised to 4, the main
+            graph sorted).
         checked: Whether the input is checked (the structural checker passed; strict type
             inference is the type step's).
         checks: The child process checking and inferring the input's file beside the load
             (its inference is the type step's while the model still equals the file).
+        node_order: Where the load sorted the main graph: the input's index of each node in
+            the new order (the checker judges the input so ordered).
     """
 
     model: ir.Model
@@ -87,6 +87,7 @@ class Loaded:
     changed: bool = False
     checked: bool = False
     checks: FileChecks | None = None
+    node_order: tuple[int, ...] | None = None
 
 
 def load(source: object, config: Config) -> Loaded:
@@ -107,33 +108,53 @@ def load(source: object, config: Config) -> Loaded:
 def _load(source: object, config: Config, checks: FileChecks | None) -> Loaded:
     model, path = load_model(source)
     notes = _normalize_ir_version(model)
+    changed = bool(notes)
     profile = load_runtime(config.runtime)
     original = source if isinstance(source, onnx.ModelProto) else None
     checked = not config.io.allow_invalid and (path is not None or original is not None)
+    order = None
     if checked:
         # The structural checker now; the type step's inference runs strict, as the checker's
         # full check would (one inference, not two), and refuses the input where it objects.
+        judged = path if path is not None else original
+
         def structural() -> str | None:
-            return checker_error(path if path is not None else original, full_check=False)  # type: ignore[arg-type]
+            return onnx_checker_error(judged, full_check=False)  # type: ignore[arg-type]
 
         problem = checks.checker_problem(structural) if checks is not None and path is not None else structural()
-        if problem is not None and checks is not None and path is not None:
-            problem = structural()  # the child's checker judges onnxruntime's own ops too
-        if problem is not None and out_of_order(model):
-            problem, original = _sorted_input(model)
-            if problem is None:
-                notes.append(_SORTED_NOTE)
-        if problem is not None:
-            raise _invalid_input(path, problem)
+        if problem is not None:  # judged again: onnxruntime's own ops apart, then the nodes sorted
+            problem = judged_again(judged, problem, full_check=False)  # type: ignore[arg-type]
+            if problem is not None:
+                order = _sorted_main_graph(model)
+                if order is not None:
+                    problem = checker_error(judged, full_check=False, order=order)  # type: ignore[arg-type]
+            if problem is not None:
+                raise _invalid_input(path, problem)
+            notes.extend(_judged_apart(runtime_ops_of(judged)))  # type: ignore[arg-type]
+    else:
+        order = _sorted_main_graph(model)
+    if order is not None:
+        notes.append(_SORTED_NOTE)
     ops = config.ops
     _check_user_ops(model, [*ops.low_precision_ops, *ops.fp32_ops, *ops.follow_ops])
     policy = load_policy(ops.target, ops.policy_file).with_overrides(
         low_precision_ops=ops.low_precision_ops, fp32_ops=ops.fp32_ops, follow_ops=ops.follow_ops
     )
     return Loaded(
-        model, path, original, profile, policy, tuple(notes), changed=bool(notes), checked=checked,
-        checks=checks,
+        model, path, original, profile, policy, tuple(notes), changed=changed or order is not None, checked=checked,
+        checks=checks, node_order=None if order is None else tuple(order),
     )
+
+
+def _judged_apart(ops: list[str]) -> list[str]:
+    """A note naming onnxruntime's own ONNX-domain ops the checker judged the model without."""
+    if not ops:
+        return []
+    return [
+        f"{', '.join(ops)}: onnxruntime's own op(s) in the ONNX domain; ONNX does not define them, so "
+        "the ONNX checker judged the model without them, and runtimes other than onnxruntime may not "
+        "run them"
+    ]
 
 
 _SORTED_NOTE = (
@@ -142,16 +163,20 @@ _SORTED_NOTE = (
 )
 
 
-def _sorted_input(model: ir.Model) -> tuple[str | None, onnx.ModelProto]:
-    """Sort the model's graphs (in place) and check the result's structure: (the checker's
-    objection or None, the sorted graph without its large weights, which is judged as the
-    input from now on)."""
+def _sorted_main_graph(model: ir.Model) -> list[int] | None:
+    """Sort the main graph in place where its nodes are out of topological order and every
+    subgraph's are in order (onnxruntime sorts a main graph as it loads it, not a subgraph):
+    the old index of each node in the new order; None where nothing was sorted (a cycle
+    included: the checker's objection stands)."""
+    graph = model.graph
+    if not graph_reads_ahead(graph) or any(graph_reads_ahead(sub) for sub in all_graphs(model)[1:]):
+        return None
+    index = {node: i for i, node in enumerate(graph)}
     try:
-        model.graph.sort()
-    except ValueError as e:  # a cycle
-        return first_line(e), weight_free_proto(model)
-    proto = weight_free_proto(model)
-    return checker_error(proto, full_check=False), proto
+        graph.sort()
+    except ValueError:  # a cycle
+        return None
+    return [index[node] for node in graph]
 
 
 def _invalid_input(path: Path | None, problem: str) -> ModelLoadError:
@@ -167,7 +192,7 @@ def refuse_invalid_input(loaded: Loaded) -> Callable[[str], None]:
     (:func:`mixprec.validate.checker.input_problem`; the objection may come from a step's edit)."""
 
     def refuse(_: str) -> None:
-        problem = input_problem(loaded.original if loaded.original is not None else loaded.path)  # type: ignore[arg-type]
+        problem = input_problem(loaded.path if loaded.path is not None else loaded.original, loaded.node_order)  # type: ignore[arg-type]
         if problem is not None:
             raise _invalid_input(loaded.path, problem)
 
@@ -499,9 +524,8 @@ def validate(
     source_path, original = loaded.path, loaded.original
 
     def original_checker_error() -> str | None:
-        if source_path is not None:
-            return checker_error(source_path)
-        return checker_error(original) if original is not None else None
+        source = source_path if source_path is not None else original
+        return checker_error(source, order=loaded.node_order) if source is not None else None
 
     # From the check's start: in a child, it overlaps the report's build.
     start = checks.started if checks is not None else time.perf_counter()

@@ -253,18 +253,24 @@ def load_runtime(name: str | None = None) -> RuntimeProfile:
 
 
 @functools.cache
-def onnxruntime_onnx_domain_ops() -> frozenset[str]:
-    """Ops onnxruntime registers in the ONNX domain that ONNX itself does not define
-    (SimplifiedLayerNormalization, which its transformer optimizer writes; ScaledTanh, ...),
-    from its tables: the ONNX checker does not know them, onnxruntime runs them."""
+def onnxruntime_onnx_domain_ops(opset: int | None) -> frozenset[str]:
+    """Ops onnxruntime registers in the ONNX domain at default-domain `opset` that ONNX itself
+    does not define (SimplifiedLayerNormalization, which its transformer optimizer writes), from
+    its tables: the ONNX checker does not know them, onnxruntime runs them."""
     import onnx.defs  # noqa: PLC0415
 
-    return frozenset(
-        op
-        for name in RUNTIMES if name.startswith("ort-")
-        for domain, op in (load_runtime(name).kernels or {})
-        if domain == "" and not onnx.defs.has(op)
-    )
+    if opset is None:
+        return frozenset()
+    found: set[str] = set()
+    for name in RUNTIMES:
+        profile = load_runtime(name)
+        if profile.engine != "onnxruntime" or profile.kernels is None:
+            continue
+        found.update(
+            op for (domain, op), kernels in profile.kernels.items()
+            if domain == "" and not onnx.defs.has(op) and any(k.covers(opset) for k in kernels)
+        )
+    return frozenset(found)
 
 
 def binding_signature(domain: str, op_type: str, version: int, n_inputs: int, n_outputs: int) -> Signature | None:
