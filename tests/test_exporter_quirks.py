@@ -390,6 +390,9 @@ def test_onnxruntime_ops_in_the_onnx_domain_are_not_the_checkers_to_refuse(tmp_p
     assert any("SimplifiedLayerNormalization: onnxruntime's own op" in note for note in report.notes), report.notes
     converted = onnx.load(tmp_path / "out.onnx")
     assert {n.op_type: n for n in converted.graph.node}["SimplifiedLayerNormalization"].domain == ""
+    # ONNX inference cannot type its output: the file keeps it (the emulation rounds it then).
+    declared = {v.name: v.type.tensor_type.elem_type for v in converted.graph.value_info}
+    assert declared.get("n") == TensorProto.FLOAT16, declared
     feeds = {"x": np.random.default_rng(1).standard_normal((3, 16)).astype(np.float32)}
     np.testing.assert_allclose(run(converted, feeds)[0], run(model, feeds)[0], rtol=2e-2, atol=2e-2)
 
@@ -414,10 +417,9 @@ def test_a_model_with_such_ops_and_a_real_fault_is_still_refused(tmp_path, sourc
         mixprec.convert(str(path) if source == "file" else model, tmp_path / "out.onnx", runtime="ort-cuda")
 
 
-def test_such_ops_in_a_function_are_judged_apart_with_the_functions_own_opsets() -> None:
-    """(onnxruntime itself crashes on such a function: a unit test of the checker alone.)"""
-    from mixprec.validate.checker import checker_error, runtime_ops_of
-
+def test_such_ops_in_a_function_body_stay_the_checkers_to_refuse(tmp_path) -> None:
+    """onnxruntime crashes on SimplifiedLayerNormalization in a function body: such a model is
+    refused, as the checker refuses it."""
     model = _rms_normalized_matmuls()
     rms = model.graph.node[1]
     function = helper.make_function(
@@ -428,8 +430,23 @@ def test_such_ops_in_a_function_are_judged_apart_with_the_functions_own_opsets()
     model.graph.node[1].CopyFrom(helper.make_node("Rms", list(rms.input), list(rms.output), name="rms_call", domain="local"))
     model.functions.append(function)
     model.opset_import.append(helper.make_opsetid("local", 1))
-    with pytest.raises(onnx.checker.ValidationError):
-        onnx.checker.check_model(model)
-    assert checker_error(model, full_check=False) is None
-    assert runtime_ops_of(model) == ["SimplifiedLayerNormalization"]
-    assert model.functions[0].node[0].domain == "", "the model itself is not changed"
+    with pytest.raises(mixprec.errors.ModelLoadError, match="SimplifiedLayerNormalization"):
+        mixprec.convert(model, tmp_path / "out.onnx", runtime="ort-cuda")
+
+
+@pytest.mark.parametrize("unsorted", [False, True])
+def test_such_ops_and_sorting_with_external_data(tmp_path, unsorted: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy the checker judges has no folder: external weights stand as graph inputs there
+    (the load and the output check find the files, whatever the working directory)."""
+    model = _rms_normalized_matmuls()
+    if unsorted:
+        nodes = list(model.graph.node)
+        del model.graph.node[:]
+        model.graph.node.extend(reversed(nodes))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    onnx.save_model(model, str(folder / "m.onnx"), save_as_external_data=True, location="m.data", size_threshold=0)
+    monkeypatch.chdir(tmp_path)
+    result = mixprec.convert(str(folder / "m.onnx"), tmp_path / "out.onnx", runtime="ort-cuda", external_data=True)
+    assert result.report.validation.checker == "passed", result.report.validation
+    assert result.report.validation.runtime == "ran and emulated"

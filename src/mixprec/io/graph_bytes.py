@@ -15,6 +15,8 @@ onnx's backend corpus).
 
 from __future__ import annotations
 
+import functools
+
 import os
 import struct
 import sys
@@ -297,8 +299,17 @@ class GraphFieldWriter:
 def keeps_type(declared: AbstractSet[str] | None, node: ir.Node, name: str) -> bool:
     """Whether the output of `node` called `name` keeps its type and shape in the file: the
     input declared it (`declared`, by name; None: every value keeps its own), or the node is
-    an op outside the ONNX domain (no ONNX inference can recover it)."""
-    return declared is None or name in declared or not is_default_domain(node.domain)
+    an op ONNX does not define (another domain's, or onnxruntime's own in the ONNX domain: no
+    ONNX inference can recover it)."""
+    return (
+        declared is None or name in declared or not is_default_domain(node.domain)
+        or not _onnx_defines(node.op_type)
+    )
+
+
+@functools.cache
+def _onnx_defines(op_type: str) -> bool:
+    return onnx.defs.has(op_type)
 
 
 def _tensor_bytes(tensor: Any) -> bytes | None:  # noqa: ANN401 - an onnx_ir tensor

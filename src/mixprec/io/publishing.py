@@ -26,7 +26,8 @@ import onnx
 import onnx_ir as ir
 
 from mixprec.errors import InputError
-from mixprec.graphs import all_graphs, is_default_domain
+from mixprec.graphs import all_graphs
+from mixprec.io.graph_bytes import keeps_type
 from mixprec.io import streaming
 from mixprec.io import value_types
 from mixprec.io.loading import external_slots, read_external, shared_reads
@@ -50,7 +51,7 @@ def _value_info_of(model: ir.Model, declared: set[str] | None) -> Iterator[None]
     """Leave out of the saved file the types and shapes of intermediate values and initializers
     that the input did not declare (`declared`, by name; None: keep all): ONNX inference filled
     them in, a runtime infers them again, and writing them costs as much as writing the nodes.
-    Outputs of ops outside the ONNX domain keep theirs (no ONNX inference can recover them).
+    Outputs of ops ONNX does not define keep theirs (no ONNX inference can recover them).
     The main graph's node outputs are left to the writer (:func:`mixprec.io.streaming.save`)."""
     if declared is None:
         yield
@@ -65,7 +66,7 @@ def _value_info_of(model: ir.Model, declared: set[str] | None) -> Iterator[None]
             if value.name in declared or value in boundary or (value.type is None and value.shape is None):
                 continue
             producer = value.producer()
-            if producer is not None and not is_default_domain(producer.domain):
+            if producer is not None and keeps_type(declared, producer, value.name or ""):
                 continue
             stashed.append((value, value.type, value.shape))
             value.type = None

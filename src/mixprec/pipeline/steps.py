@@ -43,7 +43,7 @@ from mixprec.policy.profiles import RuntimeProfile, load_runtime
 from mixprec.policy.schemas import op_exists
 from mixprec.policy.table import Policy, load_policy, parse_op_name
 from mixprec.runtime.batches import BatchSource
-from mixprec.validate.checker import checker_error, input_problem, judged_again, runtime_ops_of
+from mixprec.validate.checker import checker_error, input_problem, judged_again
 from mixprec.validate.results import Validation
 from mixprec.validate.staged import RuntimeRejection, start_output_checker, validate_staged
 
@@ -122,15 +122,12 @@ def _load(source: object, config: Config, checks: FileChecks | None) -> Loaded:
             return onnx_checker_error(judged, full_check=False)  # type: ignore[arg-type]
 
         problem = checks.checker_problem(structural) if checks is not None and path is not None else structural()
-        if problem is not None:  # judged again: onnxruntime's own ops apart, then the nodes sorted
-            problem = judged_again(judged, problem, full_check=False)  # type: ignore[arg-type]
-            if problem is not None:
-                order = _sorted_main_graph(model)
-                if order is not None:
-                    problem = checker_error(judged, full_check=False, order=order)  # type: ignore[arg-type]
-            if problem is not None:
-                raise _invalid_input(path, problem)
-            notes.extend(_judged_apart(runtime_ops_of(judged)))  # type: ignore[arg-type]
+        if problem is not None:  # judged again: the main graph sorted, onnxruntime's own ops apart
+            order = _sorted_main_graph(model)
+            judgement = judged_again(judged, problem, full_check=False, order=order)  # type: ignore[arg-type]
+            if judgement.error is not None:
+                raise _invalid_input(path, judgement.error)
+            notes.extend(_judged_apart(judgement.apart))
     else:
         order = _sorted_main_graph(model)
     if order is not None:
@@ -146,7 +143,7 @@ def _load(source: object, config: Config, checks: FileChecks | None) -> Loaded:
     )
 
 
-def _judged_apart(ops: list[str]) -> list[str]:
+def _judged_apart(ops: tuple[str, ...]) -> list[str]:
     """A note naming onnxruntime's own ONNX-domain ops the checker judged the model without."""
     if not ops:
         return []

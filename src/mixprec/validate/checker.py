@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
@@ -15,7 +16,7 @@ from mixprec.io.onnx_file import FileChecks
 from mixprec.io.onnx_file import checker_error as onnx_checker_error
 from mixprec.policy.profiles import onnxruntime_onnx_domain_ops
 
-__all__ = ["RUNTIME_OPS_DOMAIN", "check_model_file", "checker_error", "input_problem", "judged_again", "runtime_ops_of"]
+__all__ = ["RUNTIME_OPS_DOMAIN", "Judgement", "check_model_file", "checker_error", "input_problem", "judged_again"]
 
 # The domain onnxruntime's own ONNX-domain ops are moved to for the checker (see `checker_error`).
 RUNTIME_OPS_DOMAIN = "mixprec.onnxruntime_onnx_domain"
@@ -23,35 +24,51 @@ RUNTIME_OPS_DOMAIN = "mixprec.onnxruntime_onnx_domain"
 ModelSource = str | Path | onnx.ModelProto
 
 
+@dataclass(frozen=True)
+class Judgement:
+    """The checker's verdict on a model judged again (see :func:`judged_again`).
+
+    Attributes:
+        error: The checker's first error line, or None.
+        apart: onnxruntime's own ONNX-domain ops the model has, judged apart.
+    """
+
+    error: str | None
+    apart: tuple[str, ...] = ()
+
+
 def checker_error(model: ModelSource, *, full_check: bool = True, order: Sequence[int] | None = None) -> str | None:
     """The ONNX checker's first error line (`full_check`: with strict type inference), or None.
 
-    `order`: the main graph's nodes are judged in this order (indices into the model's nodes;
-    the load sorted them). Ops onnxruntime registers in the ONNX domain that ONNX does not
-    define (:func:`mixprec.policy.profiles.onnxruntime_onnx_domain_ops`) are not the checker's
-    to judge: where the model has such ops, they are judged in a domain of their own and the
-    rest of the model as the checker would. Either way a copy of the model's protobuf (weights
-    inline, external data not read) is checked, only where the model as it is fails."""
+    Where the model as it is fails (or `order` is given), it is judged again
+    (:func:`judged_again`)."""
     error = onnx_checker_error(model, full_check=full_check) if order is None else None
     if order is None and error is None:
         return None
-    return judged_again(model, error, full_check=full_check, order=order)
+    return judged_again(model, error, full_check=full_check, order=order).error
 
 
 def judged_again(
     model: ModelSource, error: str | None, *, full_check: bool = True, order: Sequence[int] | None = None
-) -> str | None:
-    """The checker's verdict on `model` (whose plain check found `error`) with its nodes in
-    `order` and onnxruntime's own ONNX-domain ops judged apart; `error` where neither applies."""
-    judged = _judged_form(model, order)
-    return error if judged is None else onnx_checker_error(judged, full_check=full_check)
-
-
-def runtime_ops_of(model: ModelSource) -> list[str]:
-    """The ops of `model` onnxruntime registers in the ONNX domain that ONNX does not define."""
+) -> Judgement:
+    """The checker's verdict on `model`, whose plain check found `error`, judged as onnxruntime
+    runs it: its main graph's nodes in `order` (indices into its nodes: the load sorted them),
+    and ops onnxruntime registers in the ONNX domain that ONNX does not define
+    (:func:`mixprec.policy.profiles.onnxruntime_onnx_domain_ops`) in a domain of their own, so
+    that the rest of the model is judged as the checker would (their arity and attributes go
+    unchecked; in function bodies they stay: onnxruntime crashes on them there). A copy of the
+    model's protobuf is judged, inline weights included; external initializers stand as typed
+    graph inputs (the load checks their files). `error` stands where neither applies."""
     proto = _proto(model)
-    own = _own_ops(proto)
-    return sorted({node.op_type for owner in (proto, *proto.functions) for node in _runtime_op_nodes(owner, own)})
+    apart = _relabel_runtime_ops(proto)
+    if order is not None:
+        nodes = list(proto.graph.node)
+        del proto.graph.node[:]
+        proto.graph.node.extend(nodes[index] for index in order)
+    elif not apart:
+        return Judgement(error)
+    _external_as_inputs(proto.graph)
+    return Judgement(onnx_checker_error(proto, full_check=full_check), apart)
 
 
 def _proto(model: ModelSource) -> onnx.ModelProto:
@@ -62,53 +79,39 @@ def _proto(model: ModelSource) -> onnx.ModelProto:
     return onnx.load(str(model), load_external_data=False)
 
 
-def _judged_form(model: ModelSource, order: Sequence[int] | None) -> onnx.ModelProto | None:
-    """The protobuf the checker judges in place of `model`: its main graph's nodes in `order`,
-    onnxruntime's own ONNX-domain ops in :data:`RUNTIME_OPS_DOMAIN`; None when neither
-    applies."""
-    proto = _proto(model)
-    changed = False
-    if order is not None:
-        nodes = list(proto.graph.node)
-        del proto.graph.node[:]
-        proto.graph.node.extend(nodes[index] for index in order)
-        changed = True
-    return proto if _relabel_runtime_ops(proto) or changed else None
+def _external_as_inputs(graph: onnx.GraphProto) -> None:
+    """Initializers stored in external data become typed graph inputs: a protobuf judged in
+    memory has no folder to find their files in."""
+    external = [t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    if not external:
+        return
+    inputs = {value.name for value in graph.input}
+    kept = [t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    graph.input.extend(
+        onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in external if t.name not in inputs
+    )
 
 
-def _own_ops(proto: onnx.ModelProto) -> frozenset[str]:
+def _graph_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The nodes of a graph and of its subgraphs, at any depth."""
+    return [node for body in graph_protos(graph) for node in body.node]
+
+
+def _relabel_runtime_ops(proto: onnx.ModelProto) -> tuple[str, ...]:
+    """Move onnxruntime's own ONNX-domain ops of the model's graphs to
+    :data:`RUNTIME_OPS_DOMAIN`; the ops moved."""
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
-    return onnxruntime_onnx_domain_ops(opset)
-
-
-def _runtime_op_nodes(proto: onnx.ModelProto | onnx.FunctionProto, own: frozenset[str]) -> list[onnx.NodeProto]:
-    """The nodes of onnxruntime's own ONNX-domain ops in a model's graphs or a function's body."""
-    roots = proto.node if isinstance(proto, onnx.FunctionProto) else proto.graph.node
-    nodes = list(roots)
-    nodes += [n for node in roots for attr in node.attribute for graph in _graphs_of(attr) for n in graph.node]
-    return [node for node in nodes if node.domain in ("", "ai.onnx") and node.op_type in own]
-
-
-def _graphs_of(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
-    bodies = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
-    return [graph for body in bodies for graph in graph_protos(body)]
-
-
-def _relabel_runtime_ops(proto: onnx.ModelProto) -> bool:
-    """Move onnxruntime's own ONNX-domain ops of the model and its functions to
-    :data:`RUNTIME_OPS_DOMAIN` (declared where they are); whether there were any."""
-    own = _own_ops(proto)
+    own = onnxruntime_onnx_domain_ops(opset)
     if not own:
-        return False
-    found = False
-    for owner in (proto, *proto.functions):
-        nodes = _runtime_op_nodes(owner, own)
-        for node in nodes:
-            node.domain = RUNTIME_OPS_DOMAIN
-        if nodes:
-            owner.opset_import.append(onnx.helper.make_opsetid(RUNTIME_OPS_DOMAIN, 1))
-            found = True
-    return found
+        return ()
+    found = [node for node in _graph_nodes(proto.graph) if node.domain in ("", "ai.onnx") and node.op_type in own]
+    for node in found:
+        node.domain = RUNTIME_OPS_DOMAIN
+    if found:
+        proto.opset_import.append(onnx.helper.make_opsetid(RUNTIME_OPS_DOMAIN, 1))
+    return tuple(sorted({node.op_type for node in found}))
 
 
 def input_problem(model: ModelSource, order: Sequence[int] | None = None) -> str | None:
@@ -157,7 +160,7 @@ def check_model_file(
     """
     error = checks.checker_problem(lambda: onnx_checker_error(path)) if checks is not None else onnx_checker_error(path)
     if error is not None:
-        error = judged_again(path, error)  # onnxruntime's own ONNX-domain ops judged apart
+        error = judged_again(path, error).error  # onnxruntime's own ONNX-domain ops judged apart
     if error is None:
         return None
     if original is not None:
