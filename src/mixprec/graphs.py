@@ -125,22 +125,14 @@ def graph_reads_ahead(graph: ir.Graph) -> bool:
     node of `graph` produces (the nodes are not in topological order)."""
     pending = set(graph)  # the graph's nodes that have not run yet
     for node in graph:
-        reads = [node] + (walk_nodes_of_subgraphs(node) if node.attributes and has_subgraphs(node) else [])
-        for reader in reads:
+        inner = [n for sub in subgraphs_of(node) for n in walk_nodes(sub)] if node.attributes else []
+        for reader in (node, *inner):
             for value in reader.inputs:
                 producer = value.producer() if value is not None else None
                 if producer is not None and producer in pending:
                     return True
         pending.discard(node)
     return False
-
-
-def walk_nodes_of_subgraphs(node: ir.Node) -> list[ir.Node]:
-    """Every node inside the node's subgraphs, at any depth."""
-    nodes: list[ir.Node] = []
-    for sub in subgraphs_of(node):
-        _collect(sub, nodes)
-    return nodes
 
 
 def main_values(model: ir.Model) -> Iterator[ir.Value]:

@@ -360,12 +360,17 @@ def _emulate_node(
         return _emulate_cast_like(graph, node, names, untyped)
     attr_low = _float_dtype_attribute(node, facts.dtype_attribute)
     skip_rounding = facts.value_preserving or op in _CONTROL_FLOW or op in _CONSTANTS
-    # Its outputs' type before they become FLOAT (a recurrent node may leave Y unnamed).
-    state_low = next((low for out in node.outputs if out.name and (low := _low_dtype(out))), None) if op in RECURRENT_OPS else None
+    state_low = _state_type(node) if op in RECURRENT_OPS else None
     rounded = _round_outputs(graph, node, op, attr_low, skip_rounding, names, untyped)
     if state_low is not None and steps_by_itself(node, opset):
         round_state_each_step(graph, node, state_low, opset, names.value, names.node)
     return rounded
+
+
+def _state_type(node: ir.Node) -> ir.DataType | None:
+    """A recurrent node's 16-bit type, read from its outputs before they become FLOAT (Y may be
+    omitted)."""
+    return next((low for out in node.outputs if out.name and (low := _low_dtype(out)) is not None), None)
 
 
 def _round_outputs(

@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import onnx_ir as ir
 
+from mixprec.graphs import default_domain_version
+
 __all__ = ["RECURRENT_OPS", "low_recurrent_nodes", "round_state_each_step", "steps_by_itself"]
 
 # Op -> activation functions per direction (f; f, g; f, g, h).
@@ -30,16 +32,14 @@ RECURRENT_OPS: dict[str, int] = {"RNN": 1, "GRU": 2, "LSTM": 3}
 # consumed in the order of the functions, each taking its own).
 _TAKE_ALPHA = frozenset({"affine", "leakyrelu", "thresholdedrelu", "scaledtanh", "hardsigmoid", "elu"})
 _TAKE_BETA = frozenset({"affine", "scaledtanh", "hardsigmoid"})
-_INITIAL_C, _PEEPHOLES = 6, 7
-_SEQUENCE_LENS = 4
+# Input positions: W, R, B; sequence_lens; initial_h, initial_c and P (LSTM).
+_WEIGHTS, _SEQUENCE_LENS, _INITIAL_H, _INITIAL_C, _PEEPHOLES = (1, 2, 3), 4, 5, 6, 7
 _FLOAT = ir.DataType.FLOAT
 _LOW = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
-
-Fresh = Callable[[str], str]
-
-
 # Scan's form without a batch axis.
 _FIRST_SCAN_OPSET = 9
+
+Fresh = Callable[[str], str]
 
 
 def low_recurrent_nodes(model: ir.Model | None) -> list[str]:
@@ -47,7 +47,7 @@ def low_recurrent_nodes(model: ir.Model | None) -> list[str]:
     that the emulation runs step by step (none when the model is not in memory)."""
     if model is None:
         return []
-    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
+    opset = default_domain_version(model.opset_imports)
     return [
         node.name or node.op_type
         for graph in model.graphs() for node in graph
@@ -79,29 +79,28 @@ def round_state_each_step(
     """Replace `node` (see :func:`steps_by_itself`) by a Scan per direction whose one-step
     copies read a hidden state rounded through `low`; the node's outputs' readers read the
     Scans' results (the outputs keep their FLOAT types)."""
-    builder = _Builder(graph, node, opset, value_name, node_name)
-    directions = ("forward", "reverse") if node.attributes.get_string("direction", "forward") == "bidirectional" else (
-        node.attributes.get_string("direction", "forward"),
-    )
+    builder = _Builder(node, opset, value_name, node_name)
+    direction = node.attributes.get_string("direction", "forward")
+    directions = ("forward", "reverse") if direction == "bidirectional" else (direction,)
     layout = node.attributes.get_int("layout", 0)
     x = node.inputs[0]
     if layout == 1:  # [batch, seq, input] -> [seq, batch, input]
         x = builder.op("Transpose", [x], perm=[1, 0, 2])
-    initial = [builder.input(index) for index in (5, _INITIAL_C)]
+    initial = [builder.input(index) for index in (_INITIAL_H, _INITIAL_C)]
     if layout == 1:  # [batch, dirs, hidden] -> [dirs, batch, hidden]
         initial = [None if v is None else builder.op("Transpose", [v], perm=[1, 0, 2]) for v in initial]
     is_lstm = node.op_type == "LSTM"
     states = 2 if is_lstm else 1
     per_direction = []
-    for index, direction in enumerate(directions):
-        weights = [builder.direction_slice(builder.input(i), index, len(directions)) for i in (1, 2, 3)]
+    for index, way in enumerate(directions):
+        weights = [builder.direction_slice(builder.input(i), index, len(directions)) for i in _WEIGHTS]
         peepholes = builder.direction_slice(builder.input(_PEEPHOLES), index, len(directions)) if is_lstm else None
         starts = [
             builder.direction_slice(value, index, len(directions)) if value is not None else builder.zero_state(x)
             for value in initial[:states]
         ]
         per_direction.append(
-            builder.scan(x, weights, peepholes, starts, direction, index, len(directions), low)
+            builder.scan(x, weights, peepholes, starts, way, index, len(directions), low)
         )
     # Scan results per direction: final h, (final c), stacked h [seq, 1, batch, hidden].
     y = per_direction[0][-1] if len(per_direction) == 1 else builder.op("Concat", [d[-1] for d in per_direction], axis=1)
@@ -123,8 +122,8 @@ def round_state_each_step(
 class _Builder:
     """Nodes replacing one recurrent node, collected in order."""
 
-    def __init__(self, graph: ir.Graph, node: ir.Node, opset: int, value_name: Fresh, node_name: Fresh) -> None:
-        self.graph, self.node, self.opset = graph, node, opset
+    def __init__(self, node: ir.Node, opset: int, value_name: Fresh, node_name: Fresh) -> None:
+        self.node, self.opset = node, opset
         self.value_name, self.node_name = value_name, node_name
         self.base = node.name or node.op_type
         self.hidden = node.attributes.get_int("hidden_size", 0)

@@ -282,9 +282,7 @@ def _run_check(
     if tolerance is not None:
         _raise_beyond_tolerance(result, tolerance, origin)
     else:
-        _note_large_errors(
-            result, target, generated=data is None, quantized=quantized, recurrent=low_recurrent_nodes(model)
-        )
+        _note_large_errors(result, target, generated=data is None, quantized=quantized, model=model)
 
 
 def _random_outputs(
@@ -452,11 +450,11 @@ def _note_large_errors(
     *,
     generated: bool,
     quantized: bool = False,
-    recurrent: Sequence[str] = (),
+    model: ir.Model | None = None,
 ) -> None:
     """Say where an output differs from the FP32 model by more than rounding explains (no
-    tolerance was given, so nothing failed), and what to do about it (`recurrent`: the 16-bit
-    recurrent nodes, whose rounding compounds over time steps)."""
+    tolerance was given, so nothing failed), and what to do about it (`model`: the converted
+    model, whose 16-bit recurrent nodes' rounding compounds over time steps)."""
     reshaped = next((out for out in (*result.outputs, *result.real_outputs) if out.shapes is not None), None)
     if reshaped is not None:
         result.notes.append(
@@ -473,7 +471,7 @@ def _note_large_errors(
                     f"{target.value} rounding can move a value to the next quantization step, and "
                     "steps add up over layers: judge by the task's output"
                 )
-            elif recurrent:
+            elif recurrent := low_recurrent_nodes(model):
                 named = ", ".join(recurrent[:3]) + (f" and {len(recurrent) - 3} more" if len(recurrent) > 3 else "")
                 verb = "rounds its" if len(recurrent) == 1 else "round their"
                 why = (
