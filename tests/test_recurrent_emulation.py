@@ -289,3 +289,26 @@ def test_recurrent_flops_count_every_gate_step_and_direction(layout):
     dirs, gates = 2, GATES["LSTM"]
     expected = 2.0 * SEQ * BATCH * (dirs * gates * HIDDEN * INPUT + dirs * gates * HIDDEN * HIDDEN)
     assert flops_of(node) == expected
+
+
+def test_the_note_names_recurrent_nodes_only_for_an_output_computed_from_them(tmp_path):
+    """A large error on an output that no recurrent node feeds (a cancellation after a MatMul)
+    is not put down to the GRU beside it."""
+    model = recurrent_model("GRU", initial=False, seq=3)
+    rng = np.random.default_rng(5)
+    model.graph.initializer.extend([
+        onnx.numpy_helper.from_array(rng.standard_normal((INPUT, 4)).astype(np.float32), "wz"),
+        onnx.numpy_helper.from_array(np.array(1000.0, np.float32), "big"),
+    ])
+    model.graph.node.extend([
+        helper.make_node("MatMul", ["x", "wz"], ["m"]),
+        helper.make_node("Add", ["m", "big"], ["shifted"]),
+        helper.make_node("Sub", ["shifted", "big"], ["z"]),
+    ])
+    model.graph.output.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, [3, BATCH, 4]))
+    data = tmp_path / "data.npz"
+    np.savez(data, x=feeds_for(model)["x"])
+    result = mixprec.convert(model, tmp_path / "out.onnx", target_dtype="bfloat16", runtime="onnx", data=str(data))
+    notes = [note for note in result.report.validation.notes if "differs from the FP32 model" in note]
+    assert notes and "'z'" in notes[0], result.report.validation.notes
+    assert "hidden state" not in notes[0]

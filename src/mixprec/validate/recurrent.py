@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from mixprec.graphs import default_domain_version
+from mixprec.graphs import default_domain_version, subgraphs_of, walk_nodes
 
 __all__ = ["RECURRENT_OPS", "low_recurrent_nodes", "round_state_each_step", "steps_by_itself"]
 
@@ -42,17 +42,37 @@ _FIRST_SCAN_OPSET = 9
 Fresh = Callable[[str], str]
 
 
-def low_recurrent_nodes(model: ir.Model | None) -> list[str]:
-    """Names (op types where unnamed) of the 16-bit recurrent nodes of `model`, in all graphs,
-    that the emulation runs step by step (none when the model is not in memory)."""
+def low_recurrent_nodes(model: ir.Model | None, output: str | None = None) -> list[str]:
+    """Names (op types where unnamed) of the 16-bit recurrent nodes of `model` that the
+    emulation runs step by step: those the graph output called `output` is computed from
+    (None: all, in every graph); none when the model is not in memory."""
     if model is None:
         return []
     opset = default_domain_version(model.opset_imports)
+    nodes = _upstream(model.graph, output) if output is not None else [n for g in model.graphs() for n in g]
     return [
         node.name or node.op_type
-        for graph in model.graphs() for node in graph
+        for node in nodes
         if steps_by_itself(node, opset) and node.inputs[0] is not None and node.inputs[0].dtype in _LOW
     ]
+
+
+def _upstream(graph: ir.Graph, output: str) -> list[ir.Node]:
+    """The main-graph nodes the graph output `output` is computed from, with every node of
+    their subgraphs."""
+    start = next((v for v in graph.outputs if v.name == output), None)
+    found: dict[ir.Node, None] = {}
+    pending = [start] if start is not None else []
+    while pending:
+        producer = pending.pop().producer()
+        if producer is None or producer in found:
+            continue
+        found[producer] = None
+        pending.extend(v for v in producer.inputs if v is not None)
+        for sub in subgraphs_of(producer):
+            found.update(dict.fromkeys(walk_nodes(sub)))
+            pending.extend(v for n in walk_nodes(sub) for v in n.inputs if v is not None and v.graph is not sub)
+    return list(found)
 
 
 def steps_by_itself(node: ir.Node, opset: int | None) -> bool:

@@ -471,7 +471,7 @@ def _note_large_errors(
                     f"{target.value} rounding can move a value to the next quantization step, and "
                     "steps add up over layers: judge by the task's output"
                 )
-            elif recurrent := low_recurrent_nodes(model):
+            elif recurrent := low_recurrent_nodes(model, out.name):
                 named = ", ".join(recurrent[:3]) + (f" and {len(recurrent) - 3} more" if len(recurrent) > 3 else "")
                 verb = "rounds its" if len(recurrent) == 1 else "round their"
                 why = (
