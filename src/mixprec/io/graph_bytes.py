@@ -16,7 +16,6 @@ onnx's backend corpus).
 from __future__ import annotations
 
 import functools
-
 import os
 import struct
 import sys

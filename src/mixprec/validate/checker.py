@@ -11,7 +11,7 @@ import onnx
 import onnx.checker
 
 from mixprec.errors import ValidationFailure
-from mixprec.graphs import graph_protos
+from mixprec.graphs import default_domain_version, graph_protos
 from mixprec.io.onnx_file import FileChecks
 from mixprec.io.onnx_file import checker_error as onnx_checker_error
 from mixprec.policy.profiles import onnxruntime_onnx_domain_ops
@@ -102,8 +102,7 @@ def _graph_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
 def _relabel_runtime_ops(proto: onnx.ModelProto) -> tuple[str, ...]:
     """Move onnxruntime's own ONNX-domain ops of the model's graphs to
     :data:`RUNTIME_OPS_DOMAIN`; the ops moved."""
-    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
-    own = onnxruntime_onnx_domain_ops(opset)
+    own = onnxruntime_onnx_domain_ops(default_domain_version({o.domain: o.version for o in proto.opset_import}))
     if not own:
         return ()
     found = [node for node in _graph_nodes(proto.graph) if node.domain in ("", "ai.onnx") and node.op_type in own]
