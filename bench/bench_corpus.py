@@ -22,6 +22,7 @@ and runtime, `mixprec.convert(src, out, target_dtype=..., runtime=...)` with def
   (`mixprec.validate.emulate.emulate_low_precision`, every 16-bit value rounded as bfloat16,
   run in onnxruntime) and, in the `OV` column, the converted model on OpenVINO's CPU plugin
   with each op in the graph's own element type (bfloat16 arithmetic on AVX512-BF16/AMX);
+  `n/a` where OpenVINO cannot read the FP32 model either;
 - heavy 16/all: MatMul/Gemm/Conv/ConvTranspose/Attention/LSTM/GRU/RNN/Einsum/... nodes
   converted to 16 bits against all such nodes of the model (subgraphs included);
 - casts: Cast nodes the conversion added;
@@ -176,7 +177,19 @@ def one(name: str, src: Path, target: str, runtime: str, samples: list[Any], ref
             row["ov"], row["ov_detail"] = ("ok" if ok else "DIFF"), detail
         except Exception as exc:  # noqa: BLE001
             row["ov"], row["ov_detail"] = "error", f"{type(exc).__name__}: {exc}".splitlines()[0][:400]
+            if not _openvino_reads(src):
+                row["ov"] = "n/a"
+                row["ov_detail"] = "OpenVINO cannot read the FP32 model either: " + row["ov_detail"]
     return row
+
+
+def _openvino_reads(model: Path) -> bool:
+    """Whether OpenVINO reads and compiles `model` (a failure there is not the conversion's)."""
+    try:
+        corpus.openvino_runner(model)
+    except Exception:  # noqa: BLE001
+        return False
+    return True
 
 
 def _finite_to(scales: list[Any]) -> str:

