@@ -1,0 +1,86 @@
+"""The corpus's task rules (bench/corpus.py) judge what their packages would: a decision that
+flips is a disagreement, one within the margin of its threshold is not; a word matched to
+another table cell is a disagreement, a box that moves within its cell is not. These run on
+made-up model outputs, without the corpus."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import corpus  # noqa: E402
+
+
+def _maps(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"note": rng.uniform(0, 1, (2, 172, 88)), "onset": rng.uniform(0, 1, (2, 172, 88))}
+
+
+def test_note_decisions_agree_only_where_no_clear_cell_flips() -> None:
+    ref = _maps()
+    assert corpus._pitch_agree(ref, {k: v.copy() for k, v in ref.items()})[0]
+
+    near = {k: v.copy() for k, v in ref.items()}
+    near["note"][0, 0, 0], ref["note"][0, 0, 0] = 0.31, 0.29  # within 0.02 of the frame threshold
+    assert corpus._pitch_agree(ref, near)[0]
+
+    flipped = {k: v.copy() for k, v in ref.items()}
+    flipped["onset"][1, 5, 7], ref["onset"][1, 5, 7] = 0.2, 0.9  # a clear onset lost
+    ok, detail = corpus._pitch_agree(ref, flipped)
+    assert not ok and "onset: 1/" in detail
+
+
+def _table_run(boxes: np.ndarray, tokens: list[int]):
+    """A runner giving SLANet's two outputs for the structure `tokens` (then "eos") and `boxes`."""
+    steps = 501
+    probs = np.full((1, steps, 30), 1e-3, np.float32)
+    for k, t in enumerate([*tokens, 29]):
+        probs[0, k, t] = 1.0
+    out_boxes = np.zeros((1, steps, 4), np.float32)
+    out_boxes[0, : len(boxes)] = boxes
+
+    def run(feeds):
+        assert set(feeds) == {"x"}  # the word boxes are the matcher's, not the model's
+        return {"p2o.fill_constant_15.tmp_0.1": out_boxes, "softmax_1.tmp_0": probs}
+
+    return run
+
+
+# Two rows of two cells ("<tr>" = 2, "<td></td>" = 28, "</tr>" = 5), boxes as image fractions.
+_TOKENS = [2, 28, 28, 5, 2, 28, 28, 5]
+_CELLS = np.array([[0.0, 0.0, 0.0, 0.0], [0.1, 0.1, 0.4, 0.2], [0.4, 0.1, 0.7, 0.2], [0, 0, 0, 0],
+                   [0.0, 0.0, 0.0, 0.0], [0.1, 0.2, 0.4, 0.3], [0.4, 0.2, 0.7, 0.3], [0, 0, 0, 0]])
+_WORDS = np.array([[0.12, 0.12, 0.2, 0.18], [0.45, 0.12, 0.5, 0.18], [0.12, 0.22, 0.2, 0.28], [0.45, 0.22, 0.6, 0.28]])
+
+
+def test_table_words_are_matched_to_the_cells_the_structure_opens() -> None:
+    sample = {"x": np.zeros((1, 3, 488, 488), np.float32), "words": _WORDS}
+    tokens, cells, matched = corpus._table_decode(_table_run(_CELLS, _TOKENS), sample)
+    assert tokens == [*_TOKENS, 29]  # cut after the end token
+    assert len(cells) == 4 and matched == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("shift", "agree"),
+    [(0.005, True), (0.25, False)],  # a few pixels within the cell; a whole cell to the right
+)
+def test_table_agreement_is_the_cell_each_word_lands_in(shift: float, agree: bool) -> None:
+    sample = {"x": np.zeros((1, 3, 488, 488), np.float32), "words": _WORDS}
+    ref = corpus._table_decode(_table_run(_CELLS, _TOKENS), sample)
+    moved = _CELLS.copy()
+    moved[1, [0, 2]] += shift  # the first cell of the first row moves right
+    got = corpus._table_decode(_table_run(moved, _TOKENS), sample)
+    ok, detail = corpus._table_agree(ref, got)
+    assert ok is agree, detail
+
+
+def test_a_different_table_structure_disagrees() -> None:
+    sample = {"x": np.zeros((1, 3, 488, 488), np.float32), "words": _WORDS}
+    ref = corpus._table_decode(_table_run(_CELLS, _TOKENS), sample)
+    got = corpus._table_decode(_table_run(_CELLS, [*_TOKENS[:4], 5]), sample)
+    ok, detail = corpus._table_agree(ref, got)
+    assert not ok and "structure differs from token 4" in detail
