@@ -228,3 +228,122 @@ def test_token_ids_are_drawn_over_the_whole_embedding() -> None:
     ids = feeds["ids"]
     assert ids.dtype == np.int32 and ids.min() >= 0 and ids.max() < 50 and len(np.unique(ids)) > 10
     assert feeds["pos"].max() < 7 and set(np.unique(feeds["shape"])) <= {0, 1}
+
+
+def _cached_attention_model(head: int = 8) -> onnx.ModelProto:
+    """A decoder step as onnxruntime-genai writes it: GroupQueryAttention over a packed query,
+    key and value (4 query heads, 2 key/value heads) with a key/value cache whose head size is
+    a named dimension, "kv_cache_dim", then an output projection."""
+    heads, kv_heads = 4, 2
+    packed = (heads + 2 * kv_heads) * head
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("Shape", ["past_key"], ["past_shape"], start=2, end=3),
+        helper.make_node("Shape", ["query"], ["seq_shape"], start=1, end=2),
+        helper.make_node("Shape", ["query"], ["batch_shape"], start=0, end=1),
+        helper.make_node("Add", ["past_shape", "seq_shape"], ["total64"]),
+        helper.make_node("Cast", ["total64"], ["total_sequence_length"], to=TensorProto.INT32),
+        helper.make_node("Sub", ["total_sequence_length", "one"], ["last"]),
+        helper.make_node("Expand", ["last", "batch_shape"], ["seqlens_k"]),
+        helper.make_node(
+            "GroupQueryAttention",
+            ["query", "", "", "past_key", "past_value", "seqlens_k", "total_sequence_length"],
+            ["attn", "present.key", "present.value"], domain="com.microsoft", name="layer0/attn",
+            num_heads=heads, kv_num_heads=kv_heads,
+        ),
+        helper.make_node("MatMul", ["attn", "w_out"], ["out"]),
+    ]
+    cache = ["batch", kv_heads, "past_sequence_length", "kv_cache_dim"]
+    graph = helper.make_graph(
+        nodes, "decoder_step",
+        [
+            helper.make_tensor_value_info("query", TensorProto.FLOAT, ["batch", "sequence_length", packed]),
+            helper.make_tensor_value_info("past_key", TensorProto.FLOAT, cache),
+            helper.make_tensor_value_info("past_value", TensorProto.FLOAT, cache),
+        ],
+        [
+            helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", "sequence_length", 16]),
+            helper.make_tensor_value_info("present.key", TensorProto.FLOAT, ["batch", 2, "total", "kv_cache_dim"]),
+        ],
+        [
+            numpy_helper.from_array(rng.standard_normal((heads * head, 16)).astype(np.float32), "w_out"),
+            numpy_helper.from_array(np.array([1], np.int32), "one"),
+        ],
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+
+
+def test_a_key_value_cache_takes_the_head_size_its_attention_computes_with() -> None:
+    """A cache dimension named "kv_cache_dim" is the head size, which the packed query fixes:
+    (4 + 2 * 2) heads of 8 in 64; no size of the generated-input ladder is 8."""
+    from mixprec.analysis.input_indices import cache_head_sizes, with_fixed_dims
+
+    model = _cached_attention_model()
+    assert cache_head_sizes(model) == {"kv_cache_dim": (8, "layer0/attn")}
+    specs = {s.name: s.shape for s in with_fixed_dims(input_specs(model), cache_head_sizes(model))}
+    assert specs["past_key"] == ("batch", 2, "past_sequence_length", 8)
+    assert specs["query"] == ("batch", "sequence_length", 64)
+
+
+def test_the_head_size_of_onnx_attention_and_multi_head_attention_caches() -> None:
+    """ONNX Attention (opset 23) with 3-D key and value of different head sizes, and
+    com.microsoft MultiHeadAttention: each cache takes its own head size; a cache of static
+    size, or one that is not a graph input, binds nothing."""
+    from mixprec.analysis.input_indices import cache_head_sizes
+
+    attention = helper.make_graph(
+        [helper.make_node("Attention", ["q", "k", "v", "", "pk", "pv"], ["y", "k_out", "v_out"],
+                          q_num_heads=4, kv_num_heads=2, name="attn")],
+        "g",
+        [
+            helper.make_tensor_value_info("q", TensorProto.FLOAT, ["b", "s", 64]),
+            helper.make_tensor_value_info("k", TensorProto.FLOAT, ["b", "s", 32]),
+            helper.make_tensor_value_info("v", TensorProto.FLOAT, ["b", "s", 48]),
+            helper.make_tensor_value_info("pk", TensorProto.FLOAT, ["b", 2, "p", "key_dim"]),
+            helper.make_tensor_value_info("pv", TensorProto.FLOAT, ["b", 2, "p", "value_dim"]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(attention, opset_imports=[helper.make_opsetid("", 23)])
+    assert cache_head_sizes(model) == {"key_dim": (16, "attn"), "value_dim": (24, "attn")}
+
+    mha = helper.make_graph(
+        [helper.make_node("MultiHeadAttention", ["q", "k", "v", "", "", "", "pk", "pv"], ["y", "pk_out", "pv_out"],
+                          domain="com.microsoft", num_heads=4, name="mha")],
+        "g",
+        [
+            helper.make_tensor_value_info("q", TensorProto.FLOAT, ["b", "s", 64]),
+            helper.make_tensor_value_info("k", TensorProto.FLOAT, ["b", "s", 64]),
+            helper.make_tensor_value_info("v", TensorProto.FLOAT, ["b", "s", 64]),
+            helper.make_tensor_value_info("pk", TensorProto.FLOAT, ["b", 4, "p", "head"]),
+            helper.make_tensor_value_info("pv", TensorProto.FLOAT, ["b", 4, "p", 16]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(mha, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    assert cache_head_sizes(model) == {"head": (16, "mha")}
+
+
+def test_a_decoder_step_with_a_named_cache_dimension_is_checked_on_generated_inputs(tmp_path: Path) -> None:
+    """The FP32 model runs only with the cache's head size (onnxruntime: "Input 'past_key'
+    dimension 3 should match the packed KV head dimension"): converted without data, its
+    numerics are checked, and the report says which size the generated cache took."""
+    import onnxruntime as ort
+
+    import mixprec
+
+    model = _cached_attention_model()
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    ladder = {"query": (2, 16, 64), "past_key": (2, 2, 16, 16), "past_value": (2, 2, 16, 16)}
+    with pytest.raises(Exception, match="head"):  # the ladder's own size for every name fails
+        session.run(None, {k: np.ones(v, np.float32) for k, v in ladder.items()})
+
+    result = mixprec.convert(model, tmp_path / "out.onnx", target_dtype="float16", runtime="ort-cuda")
+    validation = result.report.validation
+    assert not validation.numerics_unchecked, validation.numerics
+    assert result.report.low_by_op.get("GroupQueryAttention") == 1
+    assert any("dimension 'kv_cache_dim' 8" in note and "layer0/attn" in note for note in validation.notes)
+    worst = max(o.max_abs_error for o in validation.outputs if o.name == "out")
+    assert 0 < worst < 0.05

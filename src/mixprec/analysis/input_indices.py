@@ -1,5 +1,6 @@
 """How a model uses its inputs, for the data generated to run it: token ids index an
-embedding, so they are drawn over its rows, not only 0 and 1."""
+embedding, so they are drawn over its rows, not only 0 and 1; a key/value cache's head size
+is the one its attention op computes with, whatever the dimension is named."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from mixprec.analysis.constants import constant_tensor
 from mixprec.policy.opfacts import Carrier, op_facts
 from mixprec.runtime.data import InputSpec
 
-__all__ = ["with_index_limits"]
+__all__ = ["cache_head_sizes", "with_fixed_dims", "with_index_limits"]
 
 
 @dataclass(frozen=True)
@@ -96,3 +97,89 @@ def with_index_limits(specs: list[InputSpec], model: onnx.ModelProto | ir.Model)
         if found and min(found) > 0:
             limits[name] = min(found)
     return [replace(s, index_limit=limits[s.name]) if s.name in limits else s for s in specs]
+
+
+# Attention ops that read a key/value cache whose last dimension is the head size, by the
+# input positions of the past key and past value; the head size follows from the op's other
+# inputs and attributes (`_head_sizes`). onnxruntime refuses any other size.
+_CACHES: dict[tuple[str, str], tuple[int, int]] = {
+    ("com.microsoft", "GroupQueryAttention"): (3, 4),
+    ("com.microsoft", "MultiHeadAttention"): (6, 7),
+    ("", "Attention"): (4, 5),
+}
+
+
+def _head_sizes(op: tuple[str, str], dims: list[tuple[int | str, ...] | None], attrs: dict[str, int]
+                ) -> tuple[int | None, int | None]:
+    """(key head size, value head size) of one attention node, from the static dims of its
+    query/key/value inputs (`dims`, None where absent or unknown) and its head counts."""
+
+    def split(shape: tuple[int | str, ...] | None, heads: int) -> int | None:
+        if shape is None or not shape or not isinstance(shape[-1], int) or heads <= 0:
+            return None
+        if len(shape) == 4:  # (batch, heads, sequence, head size)
+            return shape[-1]
+        return shape[-1] // heads if shape[-1] % heads == 0 else None
+
+    query, key, value = (dims + [None, None, None])[:3]
+    heads, kv_heads = attrs.get("num_heads", 0), attrs.get("kv_num_heads", attrs.get("num_heads", 0))
+    if op == ("com.microsoft", "GroupQueryAttention") and key is None:  # packed query, key, value
+        size = split(query, heads + 2 * kv_heads)
+        return size, size
+    if op == ("com.microsoft", "MultiHeadAttention"):
+        return split(key or query, heads), split(value or query, heads)
+    return split(key, kv_heads), split(value, kv_heads)
+
+
+def cache_head_sizes(model: onnx.ModelProto) -> dict[str, tuple[int, str]]:
+    """Symbolic dimension names that a key/value cache input of `model`'s main graph takes as
+    its head size, each with the size the attention op reading it computes with and that op's
+    name: a name such as "kv_cache_dim" does not say that it must be, say, 32. Reads the
+    graph's value_info, and infers shapes (without weights) when an attention input has none."""
+    graph = model.graph
+    nodes = [n for n in graph.node if _op(n) in _CACHES]
+    inputs = {i.name for i in graph.input}
+    if not any(n.input[i] in inputs for n in nodes for i in _CACHES[_op(n)] if i < len(n.input)):
+        return {}
+    shapes = _static_shapes(graph)
+    if any(name and name not in shapes for n in nodes for name in n.input[:3]):
+        try:
+            shapes = _static_shapes(onnx.shape_inference.infer_shapes(model).graph)
+        except Exception:  # noqa: BLE001 - a shape inference failure only leaves names unbound
+            pass
+    fixed: dict[str, tuple[int, str]] = {}
+    for node in nodes:
+        op = _op(node)
+        attrs = {a.name: int(a.i) for a in node.attribute if a.type == onnx.AttributeProto.INT}
+        sizes = _head_sizes(op, [shapes.get(name) if name else None for name in node.input[:3]], attrs)
+        for index, size in zip(_CACHES[op], sizes):
+            name = node.input[index] if index < len(node.input) else ""
+            shape = shapes.get(name) if name in inputs else None
+            if size and shape and isinstance(shape[-1], str) and shape[-1]:
+                fixed.setdefault(shape[-1], (size, node.name or node.op_type))
+    return fixed
+
+
+def _op(node: onnx.NodeProto) -> tuple[str, str]:
+    return ("" if node.domain == "ai.onnx" else node.domain, node.op_type)
+
+
+def _static_shapes(graph: onnx.GraphProto) -> dict[str, tuple[int | str, ...]]:
+    """Shapes of the graph's typed values: ints for fixed dims, names for symbolic ones ("" unnamed)."""
+    shapes = {}
+    for info in (*graph.input, *graph.value_info, *graph.output):
+        t = info.type.tensor_type
+        if t.HasField("shape"):
+            shapes[info.name] = tuple(d.dim_value if d.HasField("dim_value") else d.dim_param for d in t.shape.dim)
+    return shapes
+
+
+def with_fixed_dims(specs: list[InputSpec], fixed: dict[str, tuple[int, str]]) -> list[InputSpec]:
+    """`specs` with each symbolic dimension named in `fixed` at its size there."""
+    if not fixed:
+        return specs
+    return [
+        replace(s, shape=tuple(fixed[d][0] if isinstance(d, str) and d in fixed else d for d in s.shape))
+        if s.shape is not None else s
+        for s in specs
+    ]

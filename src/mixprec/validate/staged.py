@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from mixprec.analysis.input_indices import with_index_limits
+from mixprec.analysis.input_indices import cache_head_sizes, with_fixed_dims, with_index_limits
 from mixprec.analysis.qdq import has_qdq
 from mixprec.dtypes import LowPrecision, is_float_dtype
 from mixprec.errors import InputError, MixprecError, RunError, ValidationFailure
@@ -809,7 +809,13 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
     (a model whose batch must match a fixed size elsewhere, e.g. a recurrent state of batch 1)."""
     proto = onnx.load(str(reference), load_external_data=False)
     specs = with_index_limits(data_mod.input_specs(proto), proto)
+    head_sizes = cache_head_sizes(proto)
+    specs = with_fixed_dims(specs, head_sizes)
     del proto
+    for name, (size, node) in head_sizes.items():
+        result.notes.append(
+            f"generated inputs give dimension {name!r} {size}: the head size of the key/value cache {node!r} reads"
+        )
     first_climb: list[str] = []  # the failures with the usual batch, told when both climbs fail
     for largest_batch in (_GENERATED_BATCH, 1):
         try:
