@@ -74,6 +74,7 @@ def make_plan(model: ir.Model, keys: Mapping[ir.Node, str], config: Config, inpu
         result = weights_only_plan(result)
     else:
         notes.extend(_nothing_worth_converting(result, policy, profile))
+    notes.extend(_already_16_bit(model, result))
     notes.extend(_ops_the_runtime_refuses(model, keys, profile))
     unused = matcher.unused()
     if unused:
@@ -117,6 +118,20 @@ def _nothing_worth_converting(plan: PrecisionPlan, policy: Policy, profile: Runt
         f"{', '.join(blocked)}; --weights-only stores the weights in {plan.target.value} (half the "
         "file) and computes in FP32"
     ]
+
+
+def _already_16_bit(model: ir.Model, plan: PrecisionPlan) -> list[str]:
+    """A note when no node computes in FP32 and the model holds 16-bit float values: the model
+    is a 16-bit one already, and nothing is converted."""
+    if any(d.precision is not Precision.NONE for d in plan.decisions.values()):
+        return []
+    kinds = sorted({
+        v.dtype.name.lower() for v in main_values(model)
+        if v.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+    })
+    if not kinds:
+        return []
+    return [f"the model computes in {' and '.join(kinds)} already (no node computes in FP32): nothing to convert"]
 
 
 def _ops_the_runtime_refuses(model: ir.Model, nodes: Iterable[ir.Node], profile: RuntimeProfile) -> list[str]:
