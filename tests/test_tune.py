@@ -406,3 +406,44 @@ def test_bfloat16_probe_of_an_opset_12_model(tmp_path):
     result = tune(path, data, target_dtype="bf16", tolerance=Tolerance(min_cosine=0.999))
     assert not [n for n in result.notes if "probe failed" in n or "could not be probed" in n], result.notes
     assert result.met and result.contributions
+
+
+def _cancellation_model() -> onnx.ModelProto:
+    """Two nearly equal matrix products subtracted (each rounded to 16 bits, their difference
+    loses most of its digits), each product reshaped and transposed on the way: the error is the
+    products', which the value-moving nodes after them only carry."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((32, 64)).astype(np.float32)
+    nodes = [
+        oh.make_node("MatMul", ["x", "w1"], ["p1"], name="product_1"),
+        oh.make_node("MatMul", ["x", "w2"], ["p2"], name="product_2"),
+    ]
+    for k in (1, 2):
+        nodes += [
+            oh.make_node("Reshape", [f"p{k}", "shape"], [f"r{k}"], name=f"reshape_{k}"),
+            oh.make_node("Transpose", [f"r{k}"], [f"t{k}"], perm=[0, 2, 1], name=f"transpose_{k}"),
+        ]
+    nodes += [oh.make_node("Sub", ["t1", "t2"], ["d"], name="difference"),
+              oh.make_node("Relu", ["d"], ["y"], name="relu")]
+    graph = oh.make_graph(
+        nodes, "cancellation", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [4, 32])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8, 8])],
+        [nh.from_array(w, "w1"), nh.from_array(w + np.float32(1e-3), "w2"),
+         nh.from_array(np.array([4, 8, 8], np.int64), "shape")],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+
+
+def test_nodes_that_only_move_values_are_not_kept_fp32_for_the_rounding_they_carry() -> None:
+    """The probe measures a Reshape or Transpose at its input's rounding, as large as the
+    product before it; keeping the products FP32 is what meets the tolerance, and the value-moving
+    nodes then follow them without being named."""
+    model = _cancellation_model()
+    rng = np.random.default_rng(0)
+    batches = [{"x": rng.standard_normal((4, 32)).astype(np.float32)} for _ in range(2)]
+    result = tune(model, batches, target_dtype="float16", tolerance=Tolerance(atol=1e-4, rtol=1e-3))
+    assert result.met, result
+    assert set(result.fp32_nodes) <= {"product_1", "product_2", "difference", "relu"}, result.fp32_nodes
+    assert {"product_1", "product_2"} <= set(result.fp32_nodes)
+    moved = {name: error for name, op, error in result.contributions if op in ("Reshape", "Transpose")}
+    assert moved and all(error == 0.0 for error in moved.values())

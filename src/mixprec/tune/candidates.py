@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from mixprec.plan.model import Precision, PrecisionPlan
+from mixprec.policy.opfacts import op_facts
 
 _FLOAT_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
 _EXACT_DTYPES = frozenset(
@@ -30,6 +31,10 @@ class Candidate:
     index: int  # position in all_nodes order
     lowered_inputs: frozenset[int]
     outputs: tuple[tuple[int, str], ...]  # (output index, "round" | "float" | "exact")
+    # Its 16-bit outputs only copy values of its 16-bit inputs (Reshape, Transpose, Concat...):
+    # it rounds nothing itself. What the probe measures there is its input's rounding, which
+    # keeping the node's producer FP32 removes, and the node then follows that producer.
+    moves_values: bool = False
 
 
 def candidates_of(plan: PrecisionPlan) -> list[Candidate]:
@@ -51,7 +56,8 @@ def candidates_of(plan: PrecisionPlan) -> list[Candidate]:
                 outputs.append((i, "float"))
             elif isinstance(value.type, ir.TensorType) and value.dtype in _EXACT_DTYPES:
                 outputs.append((i, "exact"))
-        candidates.append(Candidate(names[node], node.op_type, index, lowered, tuple(outputs)))
+        moves = op_facts(node.domain, node.op_type).value_preserving
+        candidates.append(Candidate(names[node], node.op_type, index, lowered, tuple(outputs), moves))
     return candidates
 
 
@@ -77,6 +83,12 @@ def evaluation_bound(candidates: int, guess: int) -> int:
         return 1
     steps = math.ceil(math.log2(candidates)) if candidates > 1 else 0
     return 2 + steps + (1 if guess else 0)
+
+
+def own_error(candidate: Candidate, probed: float | None) -> float | None:
+    """The candidate's own error: the probe's, except 0 for a node that only moves values (its
+    input's rounding is its producer's to remove)."""
+    return 0.0 if candidate.moves_values and probed is not None else probed
 
 
 def rank_error(error: float | None) -> float:

@@ -30,6 +30,7 @@ from mixprec.tune.candidates import (
     Candidate,
     candidates_of,
     evaluation_bound,
+    own_error,
     outlier_count,
     rank_error,
 )
@@ -310,10 +311,12 @@ class _Search:
         candidates = candidates_of(default.plan)
         self.say(f"{len(candidates)} candidate node(s); probe run over {len(self.batches)} batch(es)")
         with tempfile.TemporaryDirectory(prefix="mixprec-probe-") as folder:
-            errors, costs = self._probe(self._probe_source(model_path, Path(folder)), candidates)
+            probed, costs = self._probe(self._probe_source(model_path, Path(folder)), candidates)
+        errors = {c.name: own_error(c, probed[c.name]) for c in candidates if c.name in probed}
         flops = costs.flops
         # Largest own error first; among equal errors the node cheapest to keep FP32 on the
-        # runtime (the cost model's estimate) first; unprobed nodes last, in graph order.
+        # runtime (the cost model's estimate) first; nodes that only move values after every
+        # node that rounds; unprobed nodes last, in graph order.
         ranked = sorted(
             candidates,
             key=lambda c: (
