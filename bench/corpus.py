@@ -1169,7 +1169,7 @@ def _table_image(seed: int) -> tuple[Any, list[tuple[float, float, float, float]
 
 def _table_samples() -> list[Any]:
     """The package's preprocessing (long side to 488, BGR, ImageNet statistics, padded at the
-    bottom right), with the word boxes in the same normalized frame as the model's cell boxes."""
+    bottom right), with the word boxes and the image size in pixels."""
     out = []
     for k in range(3):
         img, text_boxes = _table_image(50 + k)
@@ -1179,7 +1179,8 @@ def _table_samples() -> list[Any]:
         arr = (arr - np.array([0.485, 0.456, 0.406], np.float32)) / np.array([0.229, 0.224, 0.225], np.float32)
         canvas = np.zeros((_TABLE_SIZE, _TABLE_SIZE, 3), np.float32)
         canvas[: arr.shape[0], : arr.shape[1]] = arr
-        out.append({"x": canvas.transpose(2, 0, 1)[None], "words": np.asarray(text_boxes) * s / _TABLE_SIZE})
+        out.append({"x": canvas.transpose(2, 0, 1)[None], "words": np.asarray(text_boxes),
+                    "size": np.array([w, h, w, h], np.float64)})
     return out
 
 
@@ -1189,18 +1190,26 @@ def _table_samples() -> list[Any]:
 _TABLE_CELLS = frozenset({8, 28})
 
 
+def _corner_distance(a: np.ndarray, b: np.ndarray) -> float:
+    """The package's distance of two boxes: the L1 distance of both corners, plus the smaller
+    of the two corners' own."""
+    first, second = float(np.abs(a[:2] - b[:2]).sum()), float(np.abs(a[2:] - b[2:]).sum())
+    return first + second + min(first, second)
+
+
 def _table_decode(run: Runner, sample: Any) -> tuple[list[int], np.ndarray, list[int]]:
-    """Structure tokens (argmax per step, up to the end token), the cell boxes, and the cell
-    each word lands in: the package's matcher, least (1 - IoU, L1 distance of corners)."""
+    """Structure tokens (argmax per step, up to the end token), the cell boxes in pixels of the
+    original image (the model gives fractions of its width and height), and the cell each word
+    lands in by the package's rule: least 1 - IoU, then least corner distance."""
     out = run({"x": sample["x"]})
     boxes, probs = out["p2o.fill_constant_15.tmp_0.1"], out["softmax_1.tmp_0"]
     ids = probs[0].argmax(-1)
     ends = np.flatnonzero(ids == probs.shape[-1] - 1)  # "eos", the last class
     n = int(ends[0]) + 1 if len(ends) else len(ids)
     tokens = ids[:n].tolist()
-    cells = boxes[0][[k for k, t in enumerate(tokens) if t in _TABLE_CELLS]].astype(np.float64)
+    cells = boxes[0][[k for k, t in enumerate(tokens) if t in _TABLE_CELLS]].astype(np.float64) * sample["size"]
     matched = [
-        min(range(len(cells)), key=lambda c: (1.0 - iou(word, cells[c]), float(np.abs(word - cells[c]).sum())))
+        min(range(len(cells)), key=lambda c: (1.0 - iou(word, cells[c]), _corner_distance(word, cells[c])))
         if len(cells) else -1
         for word in sample["words"]
     ]
@@ -1214,9 +1223,9 @@ def _table_agree(ref: tuple[list[int], np.ndarray, list[int]], got: tuple[list[i
         first = next((i for i, (a, b) in enumerate(zip(ref[0], got[0])) if a != b), min(len(ref[0]), len(got[0])))
         return False, f"structure differs from token {first} ({len(ref[0])} vs {len(got[0])} tokens)"
     moved = sum(a != b for a, b in zip(ref[2], got[2]))
-    shift = float(np.abs(ref[1] - got[1]).max() * _TABLE_SIZE) if len(ref[1]) else 0.0
+    shift = float(np.abs(ref[1] - got[1]).max()) if len(ref[1]) else 0.0
     return moved == 0, (f"{len(ref[0])} structure tokens alike; {moved}/{len(ref[2])} words in another cell; "
-                        f"cell boxes move up to {shift:.1f} px of {_TABLE_SIZE}")
+                        f"cell boxes move up to {shift:.1f} px")
 
 
 TASKS: dict[str, Task] = {

@@ -34,6 +34,16 @@ def test_note_decisions_agree_only_where_no_clear_cell_flips() -> None:
     assert not ok and "onset: 1/" in detail
 
 
+def test_note_frames_and_onsets_have_the_package_thresholds() -> None:
+    """0.4 against 0.2 crosses the frame threshold (0.3), not the onset threshold (0.5)."""
+    ref = {"note": np.full((1, 4, 88), 0.05), "onset": np.full((1, 4, 88), 0.05)}
+    for key, agrees in (("note", False), ("onset", True)):
+        moved = {k: v.copy() for k, v in ref.items()}
+        before = {k: v.copy() for k, v in ref.items()}
+        before[key][0, 1, 2], moved[key][0, 1, 2] = 0.4, 0.2
+        assert corpus._pitch_agree(before, moved)[0] is agrees, key
+
+
 def _table_run(boxes: np.ndarray, tokens: list[int]):
     """A runner giving SLANet's two outputs for the structure `tokens` (then "eos") and `boxes`."""
     steps = 501
@@ -50,37 +60,42 @@ def _table_run(boxes: np.ndarray, tokens: list[int]):
     return run
 
 
-# Two rows of two cells ("<tr>" = 2, "<td></td>" = 28, "</tr>" = 5), boxes as image fractions.
-_TOKENS = [2, 28, 28, 5, 2, 28, 28, 5]
-_CELLS = np.array([[0.0, 0.0, 0.0, 0.0], [0.1, 0.1, 0.4, 0.2], [0.4, 0.1, 0.7, 0.2], [0, 0, 0, 0],
-                   [0.0, 0.0, 0.0, 0.0], [0.1, 0.2, 0.4, 0.3], [0.4, 0.2, 0.7, 0.3], [0, 0, 0, 0]])
-_WORDS = np.array([[0.12, 0.12, 0.2, 0.18], [0.45, 0.12, 0.5, 0.18], [0.12, 0.22, 0.2, 0.28], [0.45, 0.22, 0.6, 0.28]])
+# Two rows of two cells ("<tr>" = 2, "</tr>" = 4; cells "<td></td>" = 28, and "<td" = 8, which
+# "colspan" and ">" follow), boxes as fractions of a 200 x 100 image; each word inside a cell, in
+# pixels.
+_TOKENS = [2, 28, 8, 14, 11, 4, 2, 28, 28, 4]
+_CELLS = np.array([[0, 0, 0, 0], [0.1, 0.1, 0.4, 0.4], [0.4, 0.1, 0.7, 0.4], [0, 0, 0, 0], [0, 0, 0, 0],
+                   [0, 0, 0, 0], [0, 0, 0, 0], [0.1, 0.4, 0.4, 0.7], [0.4, 0.4, 0.7, 0.7], [0, 0, 0, 0]])
+_SIZE = np.array([200.0, 100.0, 200.0, 100.0])
+_WORDS = np.array([[24, 15, 40, 30], [90, 15, 100, 30], [24, 45, 40, 60], [90, 45, 120, 60]], np.float64)
+
+
+def _sample() -> dict[str, np.ndarray]:
+    return {"x": np.zeros((1, 3, 488, 488), np.float32), "words": _WORDS, "size": _SIZE}
 
 
 def test_table_words_are_matched_to_the_cells_the_structure_opens() -> None:
-    sample = {"x": np.zeros((1, 3, 488, 488), np.float32), "words": _WORDS}
-    tokens, cells, matched = corpus._table_decode(_table_run(_CELLS, _TOKENS), sample)
+    tokens, cells, matched = corpus._table_decode(_table_run(_CELLS, _TOKENS), _sample())
     assert tokens == [*_TOKENS, 29]  # cut after the end token
     assert len(cells) == 4 and matched == [0, 1, 2, 3]
+    assert np.allclose(cells[0], [20, 10, 80, 40])  # pixels: x by the width, y by the height
 
 
 @pytest.mark.parametrize(
     ("shift", "agree"),
-    [(0.005, True), (0.25, False)],  # a few pixels within the cell; a whole cell to the right
+    [(0.01, True), (0.3, False)],  # 2 pixels within the cell; a whole cell to the right
 )
 def test_table_agreement_is_the_cell_each_word_lands_in(shift: float, agree: bool) -> None:
-    sample = {"x": np.zeros((1, 3, 488, 488), np.float32), "words": _WORDS}
-    ref = corpus._table_decode(_table_run(_CELLS, _TOKENS), sample)
+    ref = corpus._table_decode(_table_run(_CELLS, _TOKENS), _sample())
     moved = _CELLS.copy()
     moved[1, [0, 2]] += shift  # the first cell of the first row moves right
-    got = corpus._table_decode(_table_run(moved, _TOKENS), sample)
+    got = corpus._table_decode(_table_run(moved, _TOKENS), _sample())
     ok, detail = corpus._table_agree(ref, got)
     assert ok is agree, detail
 
 
 def test_a_different_table_structure_disagrees() -> None:
-    sample = {"x": np.zeros((1, 3, 488, 488), np.float32), "words": _WORDS}
-    ref = corpus._table_decode(_table_run(_CELLS, _TOKENS), sample)
-    got = corpus._table_decode(_table_run(_CELLS, [*_TOKENS[:4], 5]), sample)
+    ref = corpus._table_decode(_table_run(_CELLS, _TOKENS), _sample())
+    got = corpus._table_decode(_table_run(_CELLS, [*_TOKENS[:5], 4]), _sample())
     ok, detail = corpus._table_agree(ref, got)
-    assert not ok and "structure differs from token 4" in detail
+    assert not ok and "structure differs from token 6" in detail

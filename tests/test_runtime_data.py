@@ -290,7 +290,7 @@ def test_a_key_value_cache_takes_the_head_size_its_attention_computes_with() -> 
 def test_the_head_size_of_onnx_attention_and_multi_head_attention_caches() -> None:
     """ONNX Attention (opset 23) with 3-D key and value of different head sizes, and
     com.microsoft MultiHeadAttention: each cache takes its own head size; a cache of static
-    size, or one that is not a graph input, binds nothing."""
+    size binds nothing."""
     from mixprec.analysis.input_indices import cache_head_sizes
 
     attention = helper.make_graph(
@@ -347,3 +347,58 @@ def test_a_decoder_step_with_a_named_cache_dimension_is_checked_on_generated_inp
     assert any("dimension 'kv_cache_dim' 8" in note and "layer0/attn" in note for note in validation.notes)
     worst = max(o.max_abs_error for o in validation.outputs if o.name == "out")
     assert 0 < worst < 0.05
+
+
+def test_a_cache_head_size_follows_the_spec_where_inputs_are_separate_or_unknown() -> None:
+    """GroupQueryAttention with a separate key of unknown shape fixes nothing (the query is not
+    packed then); MultiHeadAttention's caches both take the query's head size, whatever the
+    value's width."""
+    from mixprec.analysis.input_indices import cache_head_sizes
+
+    gqa = helper.make_graph(
+        [helper.make_node("Relu", ["k_in"], ["k"]),
+         helper.make_node("GroupQueryAttention", ["q", "k", "v", "pk", "pv", "seqlens", "total"], ["y", "k_out", "v_out"],
+                          domain="com.microsoft", num_heads=4, kv_num_heads=2, name="gqa")],
+        "g",
+        [
+            helper.make_tensor_value_info("q", TensorProto.FLOAT, ["b", "s", 64]),
+            helper.make_tensor_value_info("k_in", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("v", TensorProto.FLOAT, ["b", "s", 32]),
+            helper.make_tensor_value_info("pk", TensorProto.FLOAT, ["b", 2, "p", "key_dim"]),
+            helper.make_tensor_value_info("pv", TensorProto.FLOAT, ["b", 2, "p", "value_dim"]),
+            helper.make_tensor_value_info("seqlens", TensorProto.INT32, ["b"]),
+            helper.make_tensor_value_info("total", TensorProto.INT32, [1]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(gqa, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    assert cache_head_sizes(model) == {"value_dim": (16, "gqa")}  # the key's shape is unknown
+
+    mha = helper.make_graph(
+        [helper.make_node("MultiHeadAttention", ["q", "k", "v", "", "", "", "pk", "pv"], ["y", "pk_out", "pv_out"],
+                          domain="com.microsoft", num_heads=4, name="mha")],
+        "g",
+        [
+            helper.make_tensor_value_info("q", TensorProto.FLOAT, ["b", "s", 64]),
+            helper.make_tensor_value_info("k", TensorProto.FLOAT, ["b", "s", 64]),
+            helper.make_tensor_value_info("v", TensorProto.FLOAT, ["b", "s", 128]),
+            helper.make_tensor_value_info("pk", TensorProto.FLOAT, ["b", 4, "p", "kd"]),
+            helper.make_tensor_value_info("pv", TensorProto.FLOAT, ["b", 4, "p", "vd"]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(mha, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    assert cache_head_sizes(model) == {"kd": (16, "mha"), "vd": (16, "mha")}
+
+
+def test_generated_inputs_fall_back_to_the_ladder_where_a_bound_head_size_fails(tmp_path: Path, monkeypatch) -> None:
+    """A binding the FP32 model refuses is not the end: the ladder alone is tried, and no note
+    claims the binding."""
+    import mixprec
+    from mixprec.validate import staged
+
+    monkeypatch.setattr(staged, "cache_head_sizes", lambda proto: {"kv_cache_dim": (5, "layer0/attn")})
+    result = mixprec.convert(_cached_attention_model(head=16), tmp_path / "out.onnx", target_dtype="float16")
+    validation = result.report.validation
+    assert not validation.numerics_unchecked, validation.numerics
+    assert not any("kv_cache_dim" in note for note in validation.notes)

@@ -109,25 +109,29 @@ _CACHES: dict[tuple[str, str], tuple[int, int]] = {
 }
 
 
-def _head_sizes(op: tuple[str, str], dims: list[tuple[int | str, ...] | None], attrs: dict[str, int]
-                ) -> tuple[int | None, int | None]:
+def _head_sizes(op: tuple[str, str], dims: list[tuple[int | str, ...] | None], present: list[bool],
+                attrs: dict[str, int]) -> tuple[int | None, int | None]:
     """(key head size, value head size) of one attention node, from the static dims of its
-    query/key/value inputs (`dims`, None where absent or unknown) and its head counts."""
+    query/key/value inputs (`dims`: None where absent or of unknown shape), which of them the
+    node names (`present`) and its head counts; None where that does not fix it."""
 
     def split(shape: tuple[int | str, ...] | None, heads: int) -> int | None:
         if shape is None or not shape or not isinstance(shape[-1], int) or heads <= 0:
             return None
-        if len(shape) == 4:  # (batch, heads, sequence, head size)
+        if len(shape) in (4, 5):  # (batch, heads, sequence, head) or packed (..., heads, 2|3, head)
             return shape[-1]
         return shape[-1] // heads if shape[-1] % heads == 0 else None
 
     query, key, value = (dims + [None, None, None])[:3]
     heads, kv_heads = attrs.get("num_heads", 0), attrs.get("kv_num_heads", attrs.get("num_heads", 0))
-    if op == ("com.microsoft", "GroupQueryAttention") and key is None:  # packed query, key, value
-        size = split(query, heads + 2 * kv_heads)
+    if op == ("com.microsoft", "GroupQueryAttention"):
+        if not present[1]:  # query, key and value packed in the query
+            size = split(query, heads + 2 * kv_heads) if query is not None and len(query) == 3 else None
+            return size, size
+        return split(key, kv_heads), split(value, kv_heads)
+    if op == ("com.microsoft", "MultiHeadAttention"):  # both caches at the query's head size
+        size = split(query, heads)
         return size, size
-    if op == ("com.microsoft", "MultiHeadAttention"):
-        return split(key or query, heads), split(value or query, heads)
     return split(key, kv_heads), split(value, kv_heads)
 
 
@@ -151,7 +155,8 @@ def cache_head_sizes(model: onnx.ModelProto) -> dict[str, tuple[int, str]]:
     for node in nodes:
         op = _op(node)
         attrs = {a.name: int(a.i) for a in node.attribute if a.type == onnx.AttributeProto.INT}
-        sizes = _head_sizes(op, [shapes.get(name) if name else None for name in node.input[:3]], attrs)
+        named = [i < len(node.input) and bool(node.input[i]) for i in range(3)]
+        sizes = _head_sizes(op, [shapes.get(name) if name else None for name in node.input[:3]], named, attrs)
         for index, size in zip(_CACHES[op], sizes):
             name = node.input[index] if index < len(node.input) else ""
             shape = shapes.get(name) if name in inputs else None

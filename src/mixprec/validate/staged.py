@@ -37,6 +37,7 @@ from mixprec.policy.profiles import load_runtime
 from mixprec.policy.quantized_groups import quantized_groups
 from mixprec.validate.results import InputScale, OutputError, Validation, shape_text
 from mixprec.validate import compare
+from mixprec.validate.branches import unrun_branches
 from mixprec.runtime import sessions
 from mixprec.runtime import data as data_mod
 from mixprec.validate.checker import check_model_file
@@ -267,6 +268,8 @@ def _run_check(
     if not_on_openvino is not None:
         _unchecked(result, f"{result.numerics}; not on OpenVINO: {not_on_openvino}")
     result.outputs = output_errors(merged, tolerance)
+    if model is not None:
+        result.notes.extend(unrun_branches(reference, model, [feeds for feeds, _ in batches]))
     for c in merged:
         if c.new_nonfinite:
             result.notes.append(
@@ -806,25 +809,26 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
     """One generated batch and its FP32 outputs: symbolic dimensions grow along the ladder until
     the FP32 model runs (memory bounded; see `_climb`).
     Leading dimensions take 2; when no size runs that way, the ladder is climbed again with 1
-    (a model whose batch must match a fixed size elsewhere, e.g. a recurrent state of batch 1)."""
+    (a model whose batch must match a fixed size elsewhere, e.g. a recurrent state of batch 1).
+    A key/value cache's head size, where its attention op fixes it, is given first; if no size
+    runs that way, the ladder alone is tried again."""
     proto = onnx.load(str(reference), load_external_data=False)
     specs = with_index_limits(data_mod.input_specs(proto), proto)
     head_sizes = cache_head_sizes(proto)
-    specs = with_fixed_dims(specs, head_sizes)
     del proto
-    for name, (size, node) in head_sizes.items():
-        result.notes.append(
-            f"generated inputs give dimension {name!r} {size}: the head size of the key/value cache {node!r} reads"
-        )
-    first_climb: list[str] = []  # the failures with the usual batch, told when both climbs fail
-    for largest_batch in (_GENERATED_BATCH, 1):
+    told: list[str] = []  # the first attempt's failures, told when every attempt fails
+    for fixed in ([head_sizes, {}] if head_sizes else [{}]):
         try:
-            found, errors = _climb(specs, reference, session, largest_batch, stop_at=first_climb[-1:])
+            found, largest_batch, errors = _climbs(with_fixed_dims(specs, fixed), reference, session)
         except InputError as e:
             _unchecked(result, f"not checked: {e}; {_PASS_DATA}")
             return
         if found is not None:
             feeds, expected, size, batch = found
+            for name, (head, node) in fixed.items():
+                result.notes.append(
+                    f"generated inputs give dimension {name!r} {head}: the head size of the key/value cache {node!r} reads"
+                )
             if size != _DIM_LADDER[0] or largest_batch != _GENERATED_BATCH:
                 why = "smaller ones fail in the FP32 model" if largest_batch == _GENERATED_BATCH else (
                     f"with {_GENERATED_BATCH} the FP32 model fails"
@@ -832,13 +836,29 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
                 result.notes.append(f"generated inputs use {size} for symbolic dimensions ({batch} for leading ones; {why})")
             yield feeds, expected
             return
+        told = told or errors
+    result.runtime = "reference-fails"
+    why = told[-1].split(": ", 1)[1] if told else "inputs too large to generate"
+    _unchecked(result, f"not checked: the FP32 model fails on generated inputs ({why}); {_PASS_DATA}")
+
+
+def _climbs(
+    specs: Sequence[data_mod.InputSpec], reference: Path, session: object
+) -> tuple[tuple[Batch, dict[str, np.ndarray], int, int] | None, int, list[str]]:
+    """`_climb` with leading dimensions at most 2, then (when no size runs and there is a
+    leading dimension to shrink) at most 1: the first run found, the largest batch it was
+    climbed with, and the failures to tell (the usual batch's; batch 1's when that one had
+    none). Raises InputError as `_climb` does."""
+    first_climb: list[str] = []
+    errors: list[str] = []
+    for largest_batch in (_GENERATED_BATCH, 1):
+        found, errors = _climb(specs, reference, session, largest_batch, stop_at=first_climb[-1:])
+        if found is not None:
+            return found, largest_batch, []
         first_climb = first_climb or errors
         if not _batch_sized(specs):
             break  # no leading dimension to shrink: a second climb would repeat the first
-    result.runtime = "reference-fails"
-    told = first_climb or errors  # the usual batch's failure; batch 1's when that one had none
-    why = told[-1].split(": ", 1)[1] if told else "inputs too large to generate"
-    _unchecked(result, f"not checked: the FP32 model fails on generated inputs ({why}); {_PASS_DATA}")
+    return None, _GENERATED_BATCH, first_climb or errors
 
 
 # How a failed size of generated inputs reads when onnxruntime crashed on the FP32 model.
