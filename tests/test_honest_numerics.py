@@ -271,3 +271,51 @@ def test_an_output_whose_shape_the_conversion_changes_is_reported_as_such(tmp_pa
     assert not any("differs from the FP32 model by up to" in n for n in result.report.validation.notes)
     page = render_html_report(result.report)
     assert "shape [30] where the FP32 model&#x27;s is [32]" in page or "shape [30] where the FP32 model's is [32]" in page
+
+
+def _branching_model(constant_condition: bool = False) -> onnx.ModelProto:
+    """y = If(sum(x) > 0, x @ A, relu(x @ B)): each branch computes in 16 bits."""
+    rng = np.random.default_rng(0)
+
+    def branch(name: str, weight: str, relu: bool) -> onnx.GraphProto:
+        nodes = [helper.make_node("MatMul", ["x", weight], [f"{name}_m"])]
+        if relu:
+            nodes.append(helper.make_node("Relu", [f"{name}_m"], [f"{name}_out"]))
+        out = f"{name}_out" if relu else f"{name}_m"
+        return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(out, TensorProto.FLOAT, [4, 8])])
+
+    condition = (
+        [helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.array(True)))]
+        if constant_condition else
+        [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0), helper.make_node("Greater", ["s", "zero"], ["c"])]
+    )
+    graph = helper.make_graph(
+        [*condition, helper.make_node("If", ["c"], ["y"], name="sign_switch", then_branch=branch("then", "a", False),
+                                      else_branch=branch("else", "b", True))],
+        "branching", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])],
+        [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "a"),
+         numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "b"),
+         numpy_helper.from_array(np.array(0.0, np.float32), "zero")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_branch_no_batch_took_is_said_to_be_unchecked(tmp_path: Path) -> None:
+    """The numeric check compares outputs: an If branch that no batch took never ran in 16 bits,
+    and the report names it; data that takes both branches checks both, and a constant
+    condition's other branch never runs anywhere."""
+    positive = {"x": np.abs(np.random.default_rng(1).standard_normal((4, 8))).astype(np.float32)}
+    negative = {"x": -positive["x"]}
+
+    def notes(model: onnx.ModelProto, data: list) -> list[str]:
+        result = mixprec.convert(model, tmp_path / "out.onnx", target_dtype="float16", data=data, overwrite=True)
+        assert not result.report.validation.numerics_unchecked
+        return [n for n in result.report.validation.notes if n.startswith("If ")]
+
+    only_then = notes(_branching_model(), [positive])
+    assert len(only_then) == 1 and "'sign_switch' took only its then branch on the 1 batch(es)" in only_then[0]
+    assert "its else branch (2 node(s) in 16 bits) did not run" in only_then[0]
+    assert "its then branch (1 node(s)" in notes(_branching_model(), [negative])[0]
+    assert notes(_branching_model(), [positive, negative]) == []
+    assert notes(_branching_model(constant_condition=True), [positive]) == []
