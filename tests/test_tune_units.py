@@ -364,3 +364,28 @@ def test_to_dict_is_json_with_nonfinite_as_strings() -> None:
     assert data["plan"]["target"] == "float16"
     assert set(data["plan"]["nodes"]) == {"mm", "relu", "am", "rs"}
     assert data["notes"] == ["calibration skipped: x"] and data["seconds"] == 1.5
+
+
+def test_flops_are_counted_where_value_info_names_the_batch_dimensions() -> None:
+    """Exporters write value_info with symbolic dims ("batch_size", "sequence_length"); after an
+    op shape inference does not know (a runtime's own op) it keeps them, so the data's sizes are
+    given to every value of those names."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from mixprec.policy.costs import runtime_cost
+    from mixprec.tune.flops import node_costs
+
+    dims = ["batch_size", "sequence_length", 16]
+    graph = helper.make_graph(
+        [helper.make_node("Act", ["x"], ["h"], name="act", domain="example.ops"),
+         helper.make_node("MatMul", ["h", "w"], ["y"], name="proj")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch_size", "sequence_length", 8])],
+        [numpy_helper.from_array(np.ones((16, 8), np.float32), "w")],
+        value_info=[helper.make_tensor_value_info("h", TensorProto.FLOAT, dims)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("example.ops", 1)])
+    costs = node_costs(model, {"x": np.zeros((2, 5, 16), np.float32)}, runtime_cost("ort-cuda"))
+    assert costs.flops["proj"] == 2 * 2 * 5 * 16 * 8
+    assert model.graph.value_info[0].type.tensor_type.shape.dim[0].dim_param == "batch_size"  # a copy was changed

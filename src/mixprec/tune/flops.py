@@ -35,14 +35,25 @@ def node_costs(proto: onnx.ModelProto, batch: Mapping[str, np.ndarray], cost: Ru
     """The cost model on the shapes this batch gives the model's values."""
     model = onnx.ModelProto()
     model.CopyFrom(proto)
+    sizes: dict[str, int] = {}  # symbolic dimension -> the batch's size for it
     for value in model.graph.input:
         array = batch.get(value.name)
         if array is None or not value.type.HasField("tensor_type"):
             continue
         shape = value.type.tensor_type.shape
+        for dim, size in zip(shape.dim, np.shape(array)):
+            if dim.dim_param:
+                sizes.setdefault(dim.dim_param, int(size))
         shape.ClearField("dim")
         for size in np.shape(array):
             shape.dim.add().dim_value = int(size)
+    # Shape inference keeps the symbolic dims an exporter wrote into value_info: give them the
+    # batch's sizes (a name is one size throughout the graph).
+    for value in (*model.graph.value_info, *model.graph.output):
+        if value.type.HasField("tensor_type"):
+            for dim in value.type.tensor_type.shape.dim:
+                if dim.dim_param in sizes:
+                    dim.dim_value = sizes[dim.dim_param]
     try:
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
         ir_model = value_types.deserialize(inferred)
