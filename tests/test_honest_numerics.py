@@ -319,3 +319,24 @@ def test_a_branch_no_batch_took_is_said_to_be_unchecked(tmp_path: Path) -> None:
     assert "its then branch (1 node(s)" in notes(_branching_model(), [negative])[0]
     assert notes(_branching_model(), [positive, negative]) == []
     assert notes(_branching_model(constant_condition=True), [positive]) == []
+
+
+def test_every_if_on_an_untaken_condition_is_named_and_a_fixed_one_is_not(tmp_path: Path) -> None:
+    """Two Ifs reading one condition get a note each; a condition no input reaches
+    (Identity of a Constant) never takes its other branch anywhere: no note."""
+    positive = {"x": np.abs(np.random.default_rng(1).standard_normal((4, 8))).astype(np.float32)}
+    shared = _branching_model()
+    second = onnx.NodeProto()
+    second.CopyFrom(shared.graph.node[-1])
+    second.name, second.output[0] = "second_switch", "y2"
+    shared.graph.node.append(second)
+    shared.graph.output.append(helper.make_tensor_value_info("y2", TensorProto.FLOAT, [4, 8]))
+    result = mixprec.convert(shared, tmp_path / "shared.onnx", target_dtype="float16", data=[positive])
+    named = [n.split("'")[1] for n in result.report.validation.notes if n.startswith("If ")]
+    assert named == ["sign_switch", "second_switch"]
+
+    fixed = _branching_model(constant_condition=True)
+    fixed.graph.node[0].output[0] = "c_const"
+    fixed.graph.node.insert(1, helper.make_node("Identity", ["c_const"], ["c"]))
+    result = mixprec.convert(fixed, tmp_path / "fixed.onnx", target_dtype="float16", data=[positive])
+    assert not [n for n in result.report.validation.notes if n.startswith("If ")]

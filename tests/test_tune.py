@@ -447,3 +447,31 @@ def test_nodes_that_only_move_values_are_not_kept_fp32_for_the_rounding_they_car
     assert {"product_1", "product_2"} <= set(result.fp32_nodes)
     moved = {name: error for name, op, error in result.contributions if op in ("Reshape", "Transpose")}
     assert moved and all(error == 0.0 for error in moved.values())
+
+
+def test_a_node_moving_a_constant_keeps_the_rounding_it_measures() -> None:
+    """Concat of a computed value and a constant (1024.49, which float16 rounds to 1024.5): the
+    rounding is the Concat's own to remove, since no other candidate makes that value, so it
+    keeps the error the probe measures and one node kept FP32 meets the tolerance."""
+    rng = np.random.default_rng(0)
+    nodes, previous = [], "x"
+    for i in range(4):
+        nodes += [oh.make_node("MatMul", [previous, f"w{i}"], [f"m{i}"], name=f"product_{i}"),
+                  oh.make_node("Relu", [f"m{i}"], [f"r{i}"], name=f"relu_{i}")]
+        previous = f"r{i}"
+    nodes.append(oh.make_node("Concat", [previous, "table"], ["y"], axis=1, name="with_table"))
+    weights = [nh.from_array((np.round(rng.standard_normal((16, 16)) * 2) / 8).astype(np.float32), f"w{i}")
+               for i in range(4)]
+    graph = oh.make_graph(
+        nodes, "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [4, 32])],
+        [*weights, nh.from_array(np.full((4, 16), 1024.49, np.float32), "table")],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    batches = [{"x": rng.standard_normal((4, 16)).astype(np.float16).astype(np.float32)} for _ in range(2)]
+    result = tune(model, batches, target_dtype="float16", tolerance=Tolerance(atol=0.1))
+    assert result.met and len(result.fp32_nodes) == 1, result.fp32_nodes
+    errors = {name: error for name, _, error in result.contributions}
+    assert errors["with_table"] > 0  # the constant's rounding, measured
+    relu_errors = {name: error for name, op, error in result.contributions if op == "Relu"}
+    assert relu_errors and all(e == 0.0 for e in relu_errors.values())  # they move the products' values

@@ -121,12 +121,12 @@ def _nothing_worth_converting(plan: PrecisionPlan, policy: Policy, profile: Runt
 
 
 def _already_16_bit(model: ir.Model, plan: PrecisionPlan) -> list[str]:
-    """A note when no node computes in FP32 and the model holds 16-bit float values: the model
-    is a 16-bit one already, and nothing is converted."""
+    """A note when no node computes in FP32 and nodes compute 16-bit float values: the model is
+    a 16-bit one already, and nothing is converted."""
     if any(d.precision is not Precision.NONE for d in plan.decisions.values()):
         return []
     kinds = sorted({
-        v.dtype.name.lower() for v in main_values(model)
+        v.dtype.name.lower() for node in model.graph for v in node.outputs
         if v.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
     })
     if not kinds:

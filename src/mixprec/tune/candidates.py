@@ -31,9 +31,9 @@ class Candidate:
     index: int  # position in all_nodes order
     lowered_inputs: frozenset[int]
     outputs: tuple[tuple[int, str], ...]  # (output index, "round" | "float" | "exact")
-    # Its 16-bit outputs only copy values of its 16-bit inputs (Reshape, Transpose, Concat...):
-    # it rounds nothing itself. What the probe measures there is its input's rounding, which
-    # keeping the node's producer FP32 removes, and the node then follows that producer.
+    # Its 16-bit outputs only copy values of its 16-bit inputs (Reshape, Transpose, Concat...),
+    # each made by another candidate: it rounds nothing itself. What the probe measures there is
+    # its producers' rounding, which keeping them FP32 removes, and the node then follows them.
     moves_values: bool = False
 
 
@@ -56,7 +56,11 @@ def candidates_of(plan: PrecisionPlan) -> list[Candidate]:
                 outputs.append((i, "float"))
             elif isinstance(value.type, ir.TensorType) and value.dtype in _EXACT_DTYPES:
                 outputs.append((i, "exact"))
-        moves = op_facts(node.domain, node.op_type).value_preserving
+        moves = op_facts(node.domain, node.op_type).value_preserving and bool(lowered) and all(
+            (producer := node.inputs[i].producer()) is not None  # type: ignore[union-attr]
+            and (made := plan.decisions.get(producer)) is not None and made.precision is Precision.LOW
+            for i in lowered
+        )
         candidates.append(Candidate(names[node], node.op_type, index, lowered, tuple(outputs), moves))
     return candidates
 
@@ -86,8 +90,8 @@ def evaluation_bound(candidates: int, guess: int) -> int:
 
 
 def own_error(candidate: Candidate, probed: float | None) -> float | None:
-    """The candidate's own error: the probe's, except 0 for a node that only moves values (its
-    input's rounding is its producer's to remove)."""
+    """The candidate's own error: the probe's, except 0 for a node that only moves values made
+    by other candidates (their rounding is theirs to remove)."""
     return 0.0 if candidate.moves_values and probed is not None else probed
 
 

@@ -16,7 +16,6 @@ import onnx
 import onnx_ir as ir
 
 from mixprec.analysis.constants import is_constant
-from mixprec.errors import MixprecError
 from mixprec.graphs import is_default_domain, walk_nodes
 from mixprec.runtime.batches import Batch
 from mixprec.runtime.intermediates import IntermediateRunner
@@ -35,17 +34,34 @@ def _computes_in_16_bits(graph: ir.Graph) -> int:
     )
 
 
+def _reads_inputs(value: ir.Value) -> bool:
+    """Whether `value` depends on a graph input of its graph (what data can change)."""
+    pending, seen = [value], {id(value)}
+    while pending:
+        current = pending.pop()
+        if current.is_graph_input():
+            return True
+        producer = current.producer()
+        for source in producer.inputs if producer is not None else ():
+            if source is not None and id(source) not in seen:
+                seen.add(id(source))
+                pending.append(source)
+    return False
+
+
 def unrun_branches(reference: Path, model: ir.Model, batches: Sequence[Batch]) -> list[str]:
     """Notes, one per If node of `model`'s main graph whose condition was the same on every
     batch, naming the branch no batch took when that branch computes in 16 bits. Conditions
-    that are constants (a branch that never runs anywhere) are not noted; an If whose condition
-    the reference does not hold by name, or a failed run, gives no note (logged)."""
-    untaken: dict[str, tuple[ir.Node, dict[bool, int]]] = {}
+    that no graph input reaches (a branch that never runs anywhere) are not noted; conditions
+    that are graph inputs are read from the batches, the others from the FP32 reference run
+    with them as outputs; an If whose condition the reference does not hold by name, or a
+    failed run, gives no note (logged)."""
+    untaken: dict[str, list[tuple[ir.Node, dict[bool, int]]]] = {}
     for node in model.graph:
         if not (is_default_domain(node.domain) and node.op_type == "If") or not node.inputs:
             continue
         condition = node.inputs[0]
-        if condition is None or not condition.name or is_constant(condition):
+        if condition is None or not condition.name or is_constant(condition) or not _reads_inputs(condition):
             continue
         sizes = {}
         for attr_name, taken in _BRANCHES:
@@ -53,30 +69,38 @@ def unrun_branches(reference: Path, model: ir.Model, batches: Sequence[Batch]) -
             if attr is not None:
                 sizes[taken] = _computes_in_16_bits(attr.as_graph())
         if any(sizes.values()):
-            untaken[condition.name] = (node, sizes)
+            untaken.setdefault(condition.name, []).append((node, sizes))
     if not untaken or not batches:
         return []
     seen: dict[str, set[bool]] = {name: set() for name in untaken}
-    try:
-        types = {name: onnx.TensorProto.BOOL for name in untaken}
-        with IntermediateRunner(reference, elem_types=types) as runner:
-            for _feeds, values in runner.run(list(untaken), batches):
-                for name, value in values.items():
-                    seen[name].update(bool(v) for v in np.asarray(value).reshape(-1))
-    except MixprecError as e:
-        logger.info("If conditions not read: %s", e)
-        return []
+    computed = [name for name in untaken if any(name not in feeds for feeds in batches)]
+    for feeds in batches:
+        for name in untaken:
+            if name in feeds:
+                seen[name].update(bool(v) for v in np.asarray(feeds[name]).reshape(-1))
+    if computed:
+        try:
+            with IntermediateRunner(reference, elem_types={name: onnx.TensorProto.BOOL for name in computed}) as runner:
+                for _feeds, values in runner.run(computed, batches):
+                    for name, value in values.items():
+                        seen[name].update(bool(v) for v in np.asarray(value).reshape(-1))
+        except Exception as e:  # noqa: BLE001 - an advisory note never stops a conversion
+            logger.info("If conditions not read: %s", e)
+            for name in computed:
+                seen[name] = set()
     notes = []
-    for name, (node, sizes) in untaken.items():
+    for name, nodes in untaken.items():
         if len(seen[name]) != 1:
             continue  # both branches ran, or the condition was not read
         (took,) = seen[name]
-        count = sizes.get(not took, 0)
-        if count:
-            ran, idle = ("then", "else") if took else ("else", "then")
-            notes.append(
-                f"If {node.name or name!r} took only its {ran} branch on the {len(batches)} batch(es): "
-                f"its {idle} branch ({count} node(s) in 16 bits) did not run, so its numerics are not "
-                "checked; --data with inputs that take it checks it"
-            )
+        ran, idle = ("then", "else") if took else ("else", "then")
+        for node, sizes in nodes:
+            count = sizes.get(not took, 0)
+            if count:
+                which = repr(node.name) if node.name else f"reading condition {name!r}"
+                notes.append(
+                    f"If {which} took only its {ran} branch on the {len(batches)} batch(es): its {idle} "
+                    f"branch ({count} node(s) in 16 bits) did not run, so its numerics are not checked; "
+                    "--data with inputs that take it checks it"
+                )
     return notes

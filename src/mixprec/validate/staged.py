@@ -268,8 +268,6 @@ def _run_check(
     if not_on_openvino is not None:
         _unchecked(result, f"{result.numerics}; not on OpenVINO: {not_on_openvino}")
     result.outputs = output_errors(merged, tolerance)
-    if model is not None:
-        result.notes.extend(unrun_branches(reference, model, [feeds for feeds, _ in batches]))
     for c in merged:
         if c.new_nonfinite:
             result.notes.append(
@@ -286,6 +284,8 @@ def _run_check(
         _raise_beyond_tolerance(result, tolerance, origin)
     else:
         _note_large_errors(result, target, generated=data is None, quantized=quantized, model=model)
+    if model is not None:
+        result.notes.extend(unrun_branches(reference, model, [feeds for feeds, _ in batches]))
 
 
 def _random_outputs(
