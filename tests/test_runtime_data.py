@@ -287,6 +287,24 @@ def test_a_key_value_cache_takes_the_head_size_its_attention_computes_with() -> 
     assert specs["query"] == ("batch", "sequence_length", 64)
 
 
+def _multi_head_model(value_width: int, key_dim: str | int, value_dim: str | int) -> onnx.ModelProto:
+    """com.microsoft MultiHeadAttention, 4 heads over a 64-wide query and key, with a cache."""
+    graph = helper.make_graph(
+        [helper.make_node("MultiHeadAttention", ["q", "k", "v", "", "", "", "pk", "pv"], ["y", "pk_out", "pv_out"],
+                          domain="com.microsoft", num_heads=4, name="mha")],
+        "g",
+        [
+            helper.make_tensor_value_info("q", TensorProto.FLOAT, ["b", "s", 64]),
+            helper.make_tensor_value_info("k", TensorProto.FLOAT, ["b", "s", 64]),
+            helper.make_tensor_value_info("v", TensorProto.FLOAT, ["b", "s", value_width]),
+            helper.make_tensor_value_info("pk", TensorProto.FLOAT, ["b", 4, "p", key_dim]),
+            helper.make_tensor_value_info("pv", TensorProto.FLOAT, ["b", 4, "p", value_dim]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+
+
 def test_the_head_size_of_onnx_attention_and_multi_head_attention_caches() -> None:
     """ONNX Attention (opset 23) with 3-D key and value of different head sizes, and
     com.microsoft MultiHeadAttention: each cache takes its own head size; a cache of static
@@ -309,21 +327,7 @@ def test_the_head_size_of_onnx_attention_and_multi_head_attention_caches() -> No
     model = helper.make_model(attention, opset_imports=[helper.make_opsetid("", 23)])
     assert cache_head_sizes(model) == {"key_dim": (16, "attn"), "value_dim": (24, "attn")}
 
-    mha = helper.make_graph(
-        [helper.make_node("MultiHeadAttention", ["q", "k", "v", "", "", "", "pk", "pv"], ["y", "pk_out", "pv_out"],
-                          domain="com.microsoft", num_heads=4, name="mha")],
-        "g",
-        [
-            helper.make_tensor_value_info("q", TensorProto.FLOAT, ["b", "s", 64]),
-            helper.make_tensor_value_info("k", TensorProto.FLOAT, ["b", "s", 64]),
-            helper.make_tensor_value_info("v", TensorProto.FLOAT, ["b", "s", 64]),
-            helper.make_tensor_value_info("pk", TensorProto.FLOAT, ["b", 4, "p", "head"]),
-            helper.make_tensor_value_info("pv", TensorProto.FLOAT, ["b", 4, "p", 16]),
-        ],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-    )
-    model = helper.make_model(mha, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
-    assert cache_head_sizes(model) == {"head": (16, "mha")}
+    assert cache_head_sizes(_multi_head_model(64, "head", 16)) == {"head": (16, "mha")}
 
 
 def test_a_decoder_step_with_a_named_cache_dimension_is_checked_on_generated_inputs(tmp_path: Path) -> None:
@@ -374,21 +378,7 @@ def test_a_cache_head_size_follows_the_spec_where_inputs_are_separate_or_unknown
     model = helper.make_model(gqa, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
     assert cache_head_sizes(model) == {"value_dim": (16, "gqa")}  # the key's shape is unknown
 
-    mha = helper.make_graph(
-        [helper.make_node("MultiHeadAttention", ["q", "k", "v", "", "", "", "pk", "pv"], ["y", "pk_out", "pv_out"],
-                          domain="com.microsoft", num_heads=4, name="mha")],
-        "g",
-        [
-            helper.make_tensor_value_info("q", TensorProto.FLOAT, ["b", "s", 64]),
-            helper.make_tensor_value_info("k", TensorProto.FLOAT, ["b", "s", 64]),
-            helper.make_tensor_value_info("v", TensorProto.FLOAT, ["b", "s", 128]),
-            helper.make_tensor_value_info("pk", TensorProto.FLOAT, ["b", 4, "p", "kd"]),
-            helper.make_tensor_value_info("pv", TensorProto.FLOAT, ["b", 4, "p", "vd"]),
-        ],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-    )
-    model = helper.make_model(mha, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
-    assert cache_head_sizes(model) == {"kd": (16, "mha"), "vd": (16, "mha")}
+    assert cache_head_sizes(_multi_head_model(128, "kd", "vd")) == {"kd": (16, "mha"), "vd": (16, "mha")}
 
 
 def test_generated_inputs_fall_back_to_the_ladder_where_a_bound_head_size_fails(tmp_path: Path, monkeypatch) -> None:
