@@ -1,8 +1,9 @@
 """Which branches of the main graph's If nodes the checked batches ran.
 
 The numeric check compares outputs, so a branch that no batch took was never run in 16 bits:
-its numerics are unchecked, and the report says so (`unrun_branches`). The conditions are read
-from the FP32 reference model, run with them as outputs.
+its numerics are unchecked, and the report says so (`unrun_branches`). A condition that is a
+graph input is read from the batches; one the graph computes, from the FP32 reference model run
+with it as an output.
 """
 
 from __future__ import annotations
