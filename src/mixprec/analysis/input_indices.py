@@ -12,7 +12,7 @@ import onnx_ir as ir
 
 from mixprec.analysis.constants import constant_tensor
 from mixprec.policy.opfacts import Carrier, op_facts
-from mixprec.runtime.data import InputSpec
+from mixprec.runtime.data import InputSpec, Shape, shape_from_proto
 
 __all__ = ["cache_head_sizes", "with_fixed_dims", "with_index_limits"]
 
@@ -109,13 +109,13 @@ _CACHES: dict[tuple[str, str], tuple[int, int]] = {
 }
 
 
-def _head_sizes(op: tuple[str, str], dims: list[tuple[int | str, ...] | None], present: list[bool],
+def _head_sizes(op: tuple[str, str], dims: list[Shape | None], present: list[bool],
                 attrs: dict[str, int]) -> tuple[int | None, int | None]:
     """(key head size, value head size) of one attention node, from the static dims of its
     query/key/value inputs (`dims`: None where absent or of unknown shape), which of them the
     node names (`present`) and its head counts; None where that does not fix it."""
 
-    def split(shape: tuple[int | str, ...] | None, heads: int) -> int | None:
+    def split(shape: Shape | None, heads: int) -> int | None:
         if shape is None or not shape or not isinstance(shape[-1], int) or heads <= 0:
             return None
         if len(shape) in (4, 5):  # (batch, heads, sequence, head) or packed (..., heads, 2|3, head)
@@ -169,13 +169,12 @@ def _op(node: onnx.NodeProto) -> tuple[str, str]:
     return ("" if node.domain == "ai.onnx" else node.domain, node.op_type)
 
 
-def _static_shapes(graph: onnx.GraphProto) -> dict[str, tuple[int | str, ...]]:
-    """Shapes of the graph's typed values: ints for fixed dims, names for symbolic ones ("" unnamed)."""
+def _static_shapes(graph: onnx.GraphProto) -> dict[str, Shape]:
+    """Shapes of the graph's typed values (see `shape_from_proto`)."""
     shapes = {}
     for info in (*graph.input, *graph.value_info, *graph.output):
-        t = info.type.tensor_type
-        if t.HasField("shape"):
-            shapes[info.name] = tuple(d.dim_value if d.HasField("dim_value") else d.dim_param for d in t.shape.dim)
+        if info.type.HasField("tensor_type") and (shape := shape_from_proto(info.type.tensor_type)) is not None:
+            shapes[info.name] = shape
     return shapes
 
 

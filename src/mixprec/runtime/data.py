@@ -95,8 +95,8 @@ def _spec_from_type_proto(name: str, type_proto: onnx.TypeProto) -> InputSpec:
         tensor_type = type_proto.tensor_type
         dtype = _np_dtype(tensor_type.elem_type)
         if dtype is None:
-            return InputSpec(name, np.dtype(object), _shape_from_proto(tensor_type), "unknown")
-        return InputSpec(name, dtype, _shape_from_proto(tensor_type), "tensor")
+            return InputSpec(name, np.dtype(object), shape_from_proto(tensor_type), "unknown")
+        return InputSpec(name, dtype, shape_from_proto(tensor_type), "tensor")
     if field in ("sequence_type", "optional_type"):
         inner = getattr(type_proto, field).elem_type
         inner_spec = _spec_from_type_proto(name, inner)
@@ -107,7 +107,7 @@ def _spec_from_type_proto(name: str, type_proto: onnx.TypeProto) -> InputSpec:
         return InputSpec(
             name,
             np.dtype(object) if dtype is None else dtype,
-            _shape_from_proto(sparse),
+            shape_from_proto(sparse),
             "sparse_tensor",
         )
     if field == "map_type":
@@ -115,9 +115,11 @@ def _spec_from_type_proto(name: str, type_proto: onnx.TypeProto) -> InputSpec:
     return InputSpec(name, np.dtype(object), None, "unknown")
 
 
-def _shape_from_proto(
+def shape_from_proto(
     tensor_type: onnx.TypeProto.Tensor | onnx.TypeProto.SparseTensor,
 ) -> Shape | None:
+    """Dimensions of a tensor type: ``int`` fixed, ``str`` named, ``None`` unknown; None
+    without a shape."""
     if not tensor_type.HasField("shape"):
         return None
     dims: list[int | str | None] = []
