@@ -92,8 +92,10 @@ def read_inputs(node: ir.Node, facts: NodeFacts, context: PlanContext, evidence:
     rounding of the 16-bit sum) or moves them."""
     assert facts.rule is not None  # noqa: S101 (unknown_op decided nodes without one)
     considered = _considered(node, facts, context.fp32)
-    states = {v: context.value_state(v) for _, v, _ in considered}
-    if State.WIDE not in states.values() and State.TINY not in states.values() and not facts.pinned_evidence:
+    value_state = context.value_state
+    states = {v: value_state(v) for _, v, _ in considered}
+    found = states.values()
+    if State.WIDE not in found and State.TINY not in found and not facts.pinned_evidence:
         # Nothing to saturate, flush or pin: the facts are those given.
         return Inputs(facts, considered, states, (), {}, False, considered)
     fact = op_facts(node.domain, node.op_type)
@@ -167,12 +169,16 @@ def _considered(node: ir.Node, facts: NodeFacts, fp32: Container[ir.Value]) -> t
     values) bound to lowerable type variables (flexible inputs are taken as they are)."""
     sig = facts.sig
     assert sig is not None  # noqa: S101 (unknown_op decided nodes without one)
-    return tuple(
-        (index, value, var)
-        for index, (value, var) in enumerate(zip(node.inputs, sig.input_vars))
-        if value is not None and var is not None and var in facts.lowerable
-        and index not in facts.flexible and value in fp32
-    )
+    lowerable, flexible = facts.lowerable, facts.flexible
+    found = []
+    index = 0
+    # A plain loop: this runs once per node. None (a missing input, an unbound variable) is in
+    # neither `lowerable` (variable names) nor `fp32` (values).
+    for value, var in zip(node.inputs, sig.input_vars):
+        if var in lowerable and value in fp32 and index not in flexible:
+            found.append((index, value, var))
+        index += 1
+    return tuple(found)
 
 
 def _only_flexible_tiny(values: list[ir.Value], states: Mapping[ir.Value, State], context: PlanContext) -> bool:

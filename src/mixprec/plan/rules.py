@@ -36,6 +36,7 @@ The rules, in order:
 from __future__ import annotations
 
 import enum
+import functools
 from collections import ChainMap
 from collections.abc import Callable, Container, Mapping
 from dataclasses import replace
@@ -463,12 +464,18 @@ def follow_low(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Ruling 
         return None
     found = context.classify(node, facts)
     condition = found.category is Category.CONDITION
-    reason = found.reason if condition else f"follows 16-bit inputs ({format_op_name(node.domain, node.op_type)})"
+    reason = found.reason if condition else _follows_low_reason(node.domain, node.op_type)
     safe = _safe(inputs, context)
     cast = next((v for _, v, _ in considered if inputs.states[v] is State.HIGH and v in safe), None)
     if cast is not None:
         reason += f"; its FP32 input {cast.name!r} is cast to 16 bits ({safe[cast]})"
     return _lower(Category.CONDITION if condition else Category.FOLLOW, reason)
+
+
+@functools.lru_cache(maxsize=None)
+def _follows_low_reason(domain: str, op_type: str) -> str:
+    """The reason of a follow op lowered with its 16-bit inputs (made once per op)."""
+    return f"follows 16-bit inputs ({format_op_name(domain, op_type)})"
 
 
 def flexible(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Ruling:
@@ -508,6 +515,7 @@ RULES: tuple[Rule, ...] = (
 # patterns, forced nodes, measured values): where its condition is false, the rule passes on every
 # such node. Rules not listed may decide any node.
 _MAY_DECIDE: dict[Rule, Callable[[ir.Node, NodeFacts, PlanContext], bool]] = {
+    unknown_op: lambda node, facts, context: facts.rule is None or facts.sig is None,
     excluded: lambda node, facts, context: bool(context.exclude.patterns),
     forced: lambda node, facts, context: bool(context.forced),
     measured_wide: lambda node, facts, context: bool(context.wide_values),
