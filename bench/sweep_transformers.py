@@ -45,6 +45,8 @@ SEQ = 8
 BATCH = 2
 VOCAB = 256
 IMG = 32
+SERIES_LEN, SERIES_CHANNELS = 64, 3  # time series: context length and channels
+SPEC_FRAMES, SPEC_BINS = 32, 16  # spectrogram transformers: frames and mel bins
 
 VARIANTS = [  # (target, runtime, calibrate on data) ; runtime None = mixprec's default profile
     ("float16", None, False),
@@ -310,6 +312,60 @@ def specs():
                                     audio_channels=1, hidden_size=32, num_filters=8,
                                     num_residual_layers=1, upsampling_ratios=[8, 5, 4, 2],
                                     codebook_size=1024, num_lstm_layers=2)),
+        # third wave: time series (instance scaling of series far from 0), speech with gated
+        # relative position bias, spectrogram transformers, dense prediction (depth, segmentation
+        # heads), hybrid CNN/attention backbones and open-vocabulary detection
+        "patchtst": ("series", *_text(t, "PatchTSTForPrediction", "PatchTSTConfig", "series",
+                                      num_input_channels=SERIES_CHANNELS, context_length=SERIES_LEN,
+                                      patch_length=8, patch_stride=8, prediction_length=16,
+                                      d_model=32, num_attention_heads=4, num_hidden_layers=2,
+                                      ffn_dim=64, scaling="std")),
+        "patchtsmixer": ("series", *_text(t, "PatchTSMixerForPrediction", "PatchTSMixerConfig",
+                                          "series", num_input_channels=SERIES_CHANNELS,
+                                          context_length=SERIES_LEN, patch_length=8, patch_stride=8,
+                                          prediction_length=16, d_model=32, num_layers=2,
+                                          scaling="std")),
+        "wavlm": ("audio", *_text(t, "WavLMModel", "WavLMConfig", "audio", hidden_size=32,
+                                  conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                  num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+                                  num_buckets=32, max_bucket_distance=64, **L)),
+        "data2vec_audio": ("audio", *_text(t, "Data2VecAudioModel", "Data2VecAudioConfig", "audio",
+                                           hidden_size=32, conv_dim=(16, 16), conv_stride=(5, 2),
+                                           conv_kernel=(10, 3), num_conv_pos_embeddings=5,
+                                           num_conv_pos_embedding_groups=4, **L)),
+        "ast": ("audio", *_text(t, "ASTForAudioClassification", "ASTConfig", "spectrogram",
+                                hidden_size=32, patch_size=8, frequency_stride=8, time_stride=8,
+                                max_length=SPEC_FRAMES, num_mel_bins=SPEC_BINS, num_labels=10, **L)),
+        "dpt": ("vision", *_text(t, "DPTForDepthEstimation", "DPTConfig", "image", image_size=IMG,
+                                 patch_size=8, hidden_size=32, num_hidden_layers=4,
+                                 num_attention_heads=4, intermediate_size=64,
+                                 backbone_out_indices=[0, 1, 2, 3], neck_hidden_sizes=[8, 16, 16, 32],
+                                 fusion_hidden_size=16, head_in_index=-1)),
+        "glpn": ("vision", *_text(t, "GLPNForDepthEstimation", "GLPNConfig", "image",
+                                  num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+                                  hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2],
+                                  num_attention_heads=[1, 2], mlp_ratios=[2, 2],
+                                  decoder_hidden_size=16)),
+        "levit": ("vision", *_text(t, "LevitForImageClassification", "LevitConfig", "image",
+                                   image_size=IMG, hidden_sizes=[32, 48, 64], num_attention_heads=[2, 2, 2],
+                                   depths=[1, 1, 1], key_dim=[8, 8, 8], num_labels=10)),
+        "focalnet": ("vision", *_text(t, "FocalNetForImageClassification", "FocalNetConfig", "image",
+                                      image_size=IMG, patch_size=4, embed_dim=16, depths=[1, 1],
+                                      focal_levels=[2, 2], focal_windows=[3, 3], num_labels=10)),
+        "pvt_v2": ("vision", *_text(t, "PvtV2ForImageClassification", "PvtV2Config", "image",
+                                    num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+                                    hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2],
+                                    num_attention_heads=[1, 2], mlp_ratios=[2, 2], num_labels=10)),
+        "owlvit": ("multimodal", *_text(t, "OwlViTForObjectDetection", "OwlViTConfig", "clip",
+                                        text_config=dict(vocab_size=VOCAB, hidden_size=32,
+                                                         intermediate_size=64, num_hidden_layers=2,
+                                                         num_attention_heads=4,
+                                                         max_position_embeddings=16),
+                                        vision_config=dict(image_size=IMG, patch_size=8,
+                                                           hidden_size=32, intermediate_size=64,
+                                                           num_hidden_layers=2,
+                                                           num_attention_heads=4),
+                                        projection_dim=32)),
     }
     return out
 
@@ -321,7 +377,9 @@ NAMES = ["bert", "roberta", "distilbert", "albert", "deberta_v2", "electra", "xl
          "xlnet", "funnel", "convbert", "squeezebert", "mobilebert", "fnet", "longformer",
          "modernbert", "esm", "mamba", "rwkv", "gpt_bigcode", "mixtral", "phi3", "pegasus",
          "m2m100", "beit", "dinov2", "segformer", "mobilevit", "efficientnet", "regnet",
-         "convnextv2", "siglip", "speech2text", "sew", "yolos", "detr", "encodec"]
+         "convnextv2", "siglip", "speech2text", "sew", "yolos", "detr", "encodec",
+         "patchtst", "patchtsmixer", "wavlm", "data2vec_audio", "ast", "dpt", "glpn", "levit",
+         "focalnet", "pvt_v2", "owlvit"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,6 +397,8 @@ def input_names(kind):
         "ids": ["input_ids"],
         "s2t": ["input_features", "attention_mask", "decoder_input_ids"],
         "codec": ["input_values"],
+        "series": ["past_values"],
+        "spectrogram": ["input_values"],
     }[kind]
 
 
@@ -359,6 +419,8 @@ def dynamic_axes(kind):
         "s2t": {"input_features": {0: "batch", 1: "frames"}, "attention_mask": {0: "batch", 1: "frames"},
                 "decoder_input_ids": {0: "batch", 1: "dec_seq"}},
         "codec": {"input_values": {0: "batch", 2: "samples"}},
+        "series": {"past_values": {0: "batch"}},
+        "spectrogram": {"input_values": {0: "batch"}},
     }[kind]
 
 
@@ -400,6 +462,18 @@ def make_inputs(kind, rng, batch=BATCH, seq=SEQ, pad=False, config=None):
     if kind == "codec":
         n = 80 * seq
         return {"input_values": (0.1 * rng.standard_normal((batch, 1, n))).astype(np.float32)}
+    if kind == "series":
+        # Seasonal series around a level far from 0 (loads, prices, sales): level and spread
+        # differ per series, as instance scaling expects.
+        t = np.arange(SERIES_LEN)[None, :, None]
+        level = rng.uniform(500, 5000, (batch, 1, SERIES_CHANNELS))
+        spread = level * rng.uniform(0.05, 0.2, (batch, 1, SERIES_CHANNELS))
+        phase = rng.uniform(0, 2 * np.pi, (batch, 1, SERIES_CHANNELS))
+        noise = 0.2 * rng.standard_normal((batch, SERIES_LEN, SERIES_CHANNELS))
+        return {"past_values": (level + spread * (np.sin(t / 4 + phase) + noise)).astype(np.float32)}
+    if kind == "spectrogram":
+        # Log-mel features as AST's extractor normalizes them (about N(0, 0.5)).
+        return {"input_values": (0.5 * rng.standard_normal((batch, SPEC_FRAMES, SPEC_BINS))).astype(np.float32)}
     raise ValueError(kind)
 
 
