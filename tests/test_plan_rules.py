@@ -319,3 +319,26 @@ def test_decide_takes_the_first_rule_that_decides(name: str) -> None:
     ruling = _rule_at(planner, name, rules.decide)
     expected = rules.follow_fp32 if name == "add" else rules.policy_class
     assert ruling == _rule_at(Planner(planner.model, planner.policy, NodeMatcher(), True), name, expected)
+
+
+def test_the_rules_a_template_may_need_decide_each_node_as_all_rules_do() -> None:
+    """`rules_for` leaves out rules that pass on every node of an op template: the unknown-op rule
+    is kept for an op without a schema and left out for one with a rule and a schema, and each
+    node's ruling from the template's rules is that of all rules."""
+    planner = _planner(
+        [
+            oh.make_node("Foo", ["x"], ["f"], name="foo", domain="example"),
+            oh.make_node("Exp", ["x"], ["e"], name="exp"),
+            _add(b="e"),
+            oh.make_node("Shape", ["z"], ["s"], name="shape"),
+        ],
+        outputs=("z", "f"),
+    )
+    planner.model.opset_imports["example"] = 1
+    planner.start()
+    for node in planner.order:
+        facts = planner.node_facts(node)
+        chosen = rules.rules_for(node, facts, planner)
+        assert (rules.unknown_op in chosen) == (node.name == "foo")
+        assert rules.decide(node, facts, planner, chosen) == rules.decide(node, facts, planner)
+        planner.decide(node)
