@@ -85,6 +85,13 @@ def specs():
     ed = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
               encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
               decoder_ffn_dim=64, use_cache=False)
+    # The text and vision towers of the CLIP-style models (CLIP, SigLIP, OWL-ViT).
+    towers = (
+        dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=64),
+        dict(image_size=IMG, patch_size=8, hidden_size=32, intermediate_size=64,
+             num_hidden_layers=2, num_attention_heads=4),
+    )
     out = {
         # encoders
         "bert": ("encoder", *_text(t, "BertModel", "BertConfig", vocab_size=VOCAB, hidden_size=32,
@@ -171,14 +178,7 @@ def specs():
                                           "MobileNetV2Config", "image", image_size=IMG,
                                           depth_multiplier=0.25, num_labels=10)),
         "clip": ("multimodal", *_text(t, "CLIPModel", "CLIPConfig", "clip",
-                                      text_config=dict(vocab_size=VOCAB, hidden_size=32,
-                                                       intermediate_size=64, num_hidden_layers=2,
-                                                       num_attention_heads=4,
-                                                       max_position_embeddings=64),
-                                      vision_config=dict(image_size=IMG, patch_size=8,
-                                                         hidden_size=32, intermediate_size=64,
-                                                         num_hidden_layers=2,
-                                                         num_attention_heads=4),
+                                      text_config=dict(towers[0]), vision_config=dict(towers[1]),
                                       projection_dim=16)),
         # audio
         "wav2vec2": ("audio", *_text(t, "Wav2Vec2ForCTC", "Wav2Vec2Config", "audio", vocab_size=32,
@@ -276,15 +276,7 @@ def specs():
                                         "image", hidden_sizes=[16, 32], depths=[1, 1],
                                         num_stages=2, num_labels=10)),
         "siglip": ("multimodal", *_text(t, "SiglipModel", "SiglipConfig", "clip",
-                                        text_config=dict(vocab_size=VOCAB, hidden_size=32,
-                                                         intermediate_size=64,
-                                                         num_hidden_layers=2,
-                                                         num_attention_heads=4,
-                                                         max_position_embeddings=64),
-                                        vision_config=dict(image_size=IMG, patch_size=8,
-                                                           hidden_size=32, intermediate_size=64,
-                                                           num_hidden_layers=2,
-                                                           num_attention_heads=4))),
+                                        text_config=dict(towers[0]), vision_config=dict(towers[1]))),
         "speech2text": ("audio", *_text(t, "Speech2TextModel", "Speech2TextConfig", "s2t",
                                         input_feat_per_channel=16, input_channels=1,
                                         num_conv_layers=2, conv_channels=32,
@@ -357,15 +349,8 @@ def specs():
                                     hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2],
                                     num_attention_heads=[1, 2], mlp_ratios=[2, 2], num_labels=10)),
         "owlvit": ("multimodal", *_text(t, "OwlViTForObjectDetection", "OwlViTConfig", "clip",
-                                        text_config=dict(vocab_size=VOCAB, hidden_size=32,
-                                                         intermediate_size=64, num_hidden_layers=2,
-                                                         num_attention_heads=4,
-                                                         max_position_embeddings=16),
-                                        vision_config=dict(image_size=IMG, patch_size=8,
-                                                           hidden_size=32, intermediate_size=64,
-                                                           num_hidden_layers=2,
-                                                           num_attention_heads=4),
-                                        projection_dim=32)),
+                                        text_config=dict(towers[0]), vision_config=dict(towers[1]),
+                                        projection_dim=32)),  # the text width: its class head needs it
     }
     return out
 
