@@ -11,7 +11,8 @@ Every model is built from a small config with a fixed seed (no downloads), expor
 
 Each converted model is then checked: ``onnx.checker.check_model(full_check=True)``, an
 onnxruntime CPU session with default options, and a run on 3 random batches (token ids in
-range with a padded row, images ~N(0,1), audio ~0.1*N(0,1)) compared with the FP32 ONNX model
+range with a padded row, images ~N(0,1), audio ~0.1*N(0,1), log-mel spectrograms ~N(0,0.5),
+seasonal time series around levels of 500 to 5000) compared with the FP32 ONNX model
 (cosine per output, max |err| / max |ref|, new NaN/Inf). A bfloat16 model that onnxruntime's
 CPU provider cannot load is compared through mixprec's emulation model
 (`mixprec.validate.emulate.emulate_low_precision`: FP32 compute, bf16 rounding), marked
@@ -304,9 +305,9 @@ def specs():
                                     audio_channels=1, hidden_size=32, num_filters=8,
                                     num_residual_layers=1, upsampling_ratios=[8, 5, 4, 2],
                                     codebook_size=1024, num_lstm_layers=2)),
-        # third wave: time series (instance scaling of series far from 0), speech with gated
-        # relative position bias, spectrogram transformers, dense prediction (depth, segmentation
-        # heads), hybrid CNN/attention backbones and open-vocabulary detection
+        # third wave: time series (instance scaling of series far from 0), speech (WavLM's gated
+        # relative position bias), a spectrogram transformer, depth estimation, image backbones
+        # (LeViT, PVTv2, FocalNet's focal modulation) and open-vocabulary detection
         "patchtst": ("series", *_text(t, "PatchTSTForPrediction", "PatchTSTConfig", "series",
                                       num_input_channels=SERIES_CHANNELS, context_length=SERIES_LEN,
                                       patch_length=8, patch_stride=8, prediction_length=16,

@@ -321,24 +321,37 @@ def test_decide_takes_the_first_rule_that_decides(name: str) -> None:
     assert ruling == _rule_at(Planner(planner.model, planner.policy, NodeMatcher(), True), name, expected)
 
 
-def test_the_rules_a_template_may_need_decide_each_node_as_all_rules_do() -> None:
+@pytest.mark.parametrize("model", ["mixed", "newer_op"])
+def test_the_rules_a_template_may_need_decide_each_node_as_all_rules_do(model: str) -> None:
     """`rules_for` leaves out rules that pass on every node of an op template: the unknown-op rule
-    is kept for an op without a schema and left out for one with a rule and a schema, and each
+    is kept for an op without a schema (a custom op; an op newer than the model's opset, which
+    has a policy rule) and for one without a policy rule, and left out for one with both; each
     node's ruling from the template's rules is that of all rules."""
-    planner = _planner(
-        [
-            oh.make_node("Foo", ["x"], ["f"], name="foo", domain="example"),
-            oh.make_node("Exp", ["x"], ["e"], name="exp"),
-            _add(b="e"),
-            oh.make_node("Shape", ["z"], ["s"], name="shape"),
-        ],
-        outputs=("z", "f"),
-    )
-    planner.model.opset_imports["example"] = 1
+    if model == "mixed":
+        planner = _planner(
+            [
+                oh.make_node("Foo", ["x"], ["f"], name="foo", domain="example"),  # no schema
+                oh.make_node("HannWindow", ["n"], ["w"], name="hann"),  # no policy rule
+                oh.make_node("Exp", ["x"], ["e"], name="exp"),
+                _add(b="e"),
+                oh.make_node("Shape", ["z"], ["s"], name="shape"),
+            ],
+            inputs=("x",),
+            outputs=("z", "f", "w"),
+            initializers=[numpy_helper.from_array(np.array(8, np.int64), "n")],
+        )
+        unknown = {"foo", "hann"}
+    else:  # RMSNormalization (opset 23) in an opset-17 model
+        planner = _planner(
+            [oh.make_node("RMSNormalization", ["x", "g"], ["r"], name="rms")],
+            inputs=("x",), outputs=("r",), initializers=[_const("g", 1.0, (3,))],
+        )
+        unknown = {"rms"}
     planner.start()
     for node in planner.order:
         facts = planner.node_facts(node)
         chosen = rules.rules_for(node, facts, planner)
-        assert (rules.unknown_op in chosen) == (node.name == "foo")
+        assert (rules.unknown_op in chosen) == (node.name in unknown)
         assert rules.decide(node, facts, planner, chosen) == rules.decide(node, facts, planner)
         planner.decide(node)
+    assert all(planner.decisions[_node(planner, name)].category is Category.UNKNOWN_OP for name in unknown)
