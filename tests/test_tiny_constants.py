@@ -235,6 +235,34 @@ def test_an_epsilon_that_guards_against_zero_stays_fp32(guard: str) -> None:
         np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2 * max(1.0, float(np.abs(expected).max())))
 
 
+@pytest.mark.parametrize("reader", ["Log", "Div", "Relu"])
+def test_a_clip_bound_that_flushes_saturates_only_where_it_guards_nothing(reader: str) -> None:
+    """`log(clip(mel, 1e-9, 1e9))`, as log-mel front ends write it: in float16 the lower bound
+    flushes to 0 and silent frames give log(0) = -inf, so the Clip keeps its FP32 bounds where
+    its output reaches a logarithm or divisor; before a Relu the flushed bound changes nothing
+    and the Clip converts (its upper bound saturates to the float16 maximum either way)."""
+    rng = np.random.default_rng(5)
+    inits = {"w": np.abs(rng.normal(size=(4, 4))), "lo": np.array(TINY), "hi": np.array(1e9)}
+    nodes = [oh.make_node("MatMul", ["x", "w"], ["h"]), oh.make_node("Clip", ["h", "lo", "hi"], ["c"])]
+    if reader == "Div":
+        nodes.append(oh.make_node("Div", ["x", "c"], ["y"]))
+    else:
+        nodes.append(oh.make_node(reader, ["c"], ["y"]))
+    model = _model(nodes, inits, [3, 4], [3, 4])
+    result, out = convert(model)
+    check_full(out)
+    clip = next(d for n, d in result.plan.decisions.items() if n.op_type == "Clip")
+    guards = reader != "Relu"
+    assert (clip.precision.value == "fp32") == guards, clip
+    if guards:
+        assert "flush to zero" in clip.reason and initializer_types(out)["lo"] == FLOAT
+    x = np.abs(_feeds([3, 4])["x"]) + 0.5
+    x[1] = 0.0  # silence: only the bound keeps the log finite
+    got, expected = run(out, {"x": x})[0], run(model, {"x": x})[0]
+    assert np.isfinite(got).all() == np.isfinite(expected).all()
+    np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-2)
+
+
 def test_a_flushing_fill_value_is_no_overflow() -> None:
     """ConstantOfShape filled with 1e-9 and added: converts, and no reason calls it out of range."""
     rng = np.random.default_rng(4)

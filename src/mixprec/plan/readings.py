@@ -142,7 +142,9 @@ class _Reading:
         state = self.states[value]
         if state not in (State.WIDE, State.TINY):
             return
-        if index in self.saturate_inputs and is_constant(value):
+        # A bound beyond the range saturates to the 16-bit maximum; one that flushes to zero
+        # does so harmlessly unless it guards a divisor or logarithm (Clip(x, 1e-9) before Log).
+        if index in self.saturate_inputs and is_constant(value) and (state is State.WIDE or not guards_zero(self.node)):
             self.saturated.append(value)
             self.states[value] = State.FLEX
             return
