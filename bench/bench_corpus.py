@@ -29,7 +29,7 @@ and runtime, `mixprec.convert(src, out, target_dtype=..., runtime=...)` with def
 - finite to: mixprec's own probe of generated inputs scaled to |x| 255 and 32767: the largest at
   which the converted model stayed finite where the FP32 model did (`<255`: not even there; the
   corpus converts without --data, so a model fed raw pixels or samples can fail its task here
-  while its report said so);
+  while its report said so), and `, not at 0` where all-zero inputs gave inf/NaN;
 - s: conversion wall seconds.
 
 The markdown table goes to stdout, then every failure with a command that reproduces it.
@@ -200,14 +200,17 @@ def _openvino_reads(model: Path) -> bool:
 
 def _finite_to(scales: list[Any]) -> str:
     """The largest generated-input magnitude at which the converted model stayed finite where
-    the FP32 model did ("<255" when none; "-" when not probed)."""
+    the FP32 model did ("<255" when none; "-" when not probed), and ", not at 0" where all-zero
+    inputs gave inf/NaN."""
     if not scales:
         return "-"
-    finite = [s.magnitude for s in scales if s.finite]
-    judged = [s for s in scales if s.finite is not None]
+    zeros = ", not at 0" if any(s.magnitude == 0 and s.finite is False for s in scales) else ""
+    scaled = [s for s in scales if s.magnitude > 0]
+    finite = [s.magnitude for s in scaled if s.finite]
+    judged = [s for s in scaled if s.finite is not None]
     if not judged:
-        return "-"
-    return f"{max(finite):g}" if finite else f"<{judged[0].magnitude:g}"
+        return "-" + zeros
+    return (f"{max(finite):g}" if finite else f"<{judged[0].magnitude:g}") + zeros
 
 
 def fmt_table(rows: list[dict[str, Any]], fp32: dict[str, str]) -> str:

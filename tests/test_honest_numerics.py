@@ -104,10 +104,10 @@ def test_generated_inputs_are_scaled_up_to_show_where_the_converted_model_overfl
     report, page = tmp_path / "r.json", tmp_path / "r.html"
     assert main(["convert", str(source), str(tmp_path / "o.onnx"), "--report", str(report), "--html", str(page)]) == 0
     html = page.read_text()
-    assert '<p class="warn" id="input-scale">Input scale: generated inputs (x) scaled to |x| up to 255' in html
+    assert '<p class="warn" id="input-scale">Input scale: generated inputs (x) set to 0 (silence, a black image, padding): finite; scaled to |x| up to 255' in html
     scales = json.loads(report.read_text())["validation"]["input_scales"]
-    assert [(s["magnitude"], s["finite"]) for s in scales] == [(255.0, True), (32767.0, False)]
-    assert "'sum'" in scales[1]["origin"], scales[1]["origin"]
+    assert [(s["magnitude"], s["finite"]) for s in scales] == [(0.0, True), (255.0, True), (32767.0, False)]
+    assert "'sum'" in scales[2]["origin"], scales[2]["origin"]
     text = capsys.readouterr().out
     assert "to 32767 (16-bit audio samples): inf/NaN where FP32 is finite" in text
     assert "pass --data" in text.split("input scale:")[1]
@@ -128,8 +128,11 @@ def test_a_model_finite_at_every_scale_or_without_float_inputs_says_so(tmp_path:
     # Sigmoid of one input (width 1: no sum): finite at both magnitudes (65504 is not reached).
     result = mixprec.convert(_summing_model(tmp_path / "m.onnx", width=1, op="Sigmoid"), tmp_path / "o.onnx")
     scales = result.report.validation.input_scales
-    assert [(s.magnitude, s.finite) for s in scales] == [(255.0, True), (32767.0, True)]
-    assert "input scale: generated inputs (x) scaled to |x| up to 255 (8-bit pixel values): finite; to 32767" in result.report.format_text()
+    assert [(s.magnitude, s.finite) for s in scales] == [(0.0, True), (255.0, True), (32767.0, True)]
+    assert (
+        "input scale: generated inputs (x) set to 0 (silence, a black image, padding): finite; "
+        "scaled to |x| up to 255 (8-bit pixel values): finite; to 32767"
+    ) in result.report.format_text()
     assert "inf/NaN" not in result.report.format_text()
 
     # Exp of the inputs: FP32 itself overflows at 255, so nothing is judged beyond it.
@@ -140,7 +143,7 @@ def test_a_model_finite_at_every_scale_or_without_float_inputs_says_so(tmp_path:
         [numpy_helper.from_array(np.eye(3, dtype=np.float32), "w")],
     )
     result = mixprec.convert(_save(graph, tmp_path / "e.onnx"), tmp_path / "eo.onnx")
-    assert [(s.magnitude, s.finite) for s in result.report.validation.input_scales] == [(255.0, None)]
+    assert [(s.magnitude, s.finite) for s in result.report.validation.input_scales] == [(0.0, True), (255.0, None)]
 
     # An output that holds -inf by design (a masked logit) is judged by its other positions.
     bias = np.zeros(3, np.float32)
@@ -152,7 +155,9 @@ def test_a_model_finite_at_every_scale_or_without_float_inputs_says_so(tmp_path:
         [numpy_helper.from_array(np.eye(3, dtype=np.float32), "w"), numpy_helper.from_array(bias, "mask")],
     )
     result = mixprec.convert(_save(graph, tmp_path / "k.onnx"), tmp_path / "ko.onnx")
-    assert [(s.magnitude, s.finite) for s in result.report.validation.input_scales] == [(255.0, True), (32767.0, True)]
+    assert [(s.magnitude, s.finite) for s in result.report.validation.input_scales] == [
+        (0.0, True), (255.0, True), (32767.0, True),
+    ]
 
     # Integer inputs only (token ids): nothing to scale.
     table = numpy_helper.from_array(np.random.default_rng(0).normal(size=(10, 4)).astype(np.float32), "table")
@@ -165,6 +170,32 @@ def test_a_model_finite_at_every_scale_or_without_float_inputs_says_so(tmp_path:
     result = mixprec.convert(_save(graph, tmp_path / "i.onnx"), tmp_path / "io.onnx")
     assert result.report.validation.numerics.startswith("checked")
     assert result.report.validation.input_scales == []
+
+
+def test_generated_inputs_set_to_zero_show_where_a_guard_no_longer_holds(tmp_path: Path) -> None:
+    """1 / (|x @ w| + 1e-5): finite on random inputs and on large ones, but all-zero inputs
+    (silence, a black image) give 1e5, beyond float16's 65504. The probe at 0 says so and names
+    where inf starts, and the larger magnitudes are still probed."""
+    weight = numpy_helper.from_array(np.random.default_rng(0).normal(size=(4, 4)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Abs", ["h"], ["a"]),
+         helper.make_node("Add", ["a", "eps"], ["d"]), helper.make_node("Div", ["one", "d"], ["y"], name="inverse")],
+        "inverse",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        [weight, numpy_helper.from_array(np.array(1e-5, np.float32), "eps"),
+         numpy_helper.from_array(np.array(1.0, np.float32), "one")],
+    )
+    result = mixprec.convert(_save(graph, tmp_path / "m.onnx"), tmp_path / "o.onnx", target_dtype="fp16")
+    scales = result.report.validation.input_scales
+    assert [(s.magnitude, s.finite) for s in scales] == [(0.0, False), (255.0, True), (32767.0, True)]
+    assert scales[0].origin is not None and "non-finite values start" in scales[0].origin
+    text = result.report.format_text()
+    assert "set to 0 (silence, a black image, padding): inf/NaN where FP32 is finite" in text
+    assert "if real inputs can be all zero" in text and "pass --data" not in text
+    zeros = {"x": np.zeros((2, 4), np.float32)}
+    assert np.isfinite(run(onnx.load(str(tmp_path / "m.onnx")), zeros)[0]).all()
+    assert not np.isfinite(run(emulate_low_precision(onnx.load(str(tmp_path / "o.onnx"))), zeros)[0]).all()
 
 
 def test_a_batch_tied_to_a_fixed_size_is_generated_as_1(tmp_path: Path) -> None:
@@ -199,7 +230,7 @@ def test_the_overflow_origin_is_located_only_in_small_graphs(tmp_path: Path) -> 
     )
     result = mixprec.convert(_save(graph, tmp_path / "m.onnx"), tmp_path / "o.onnx")
     scales = result.report.validation.input_scales
-    assert [(s.magnitude, s.finite, s.origin) for s in scales] == [(255.0, True, None), (32767.0, False, None)]
+    assert [(s.magnitude, s.finite, s.origin) for s in scales] == [(0.0, True, None), (255.0, True, None), (32767.0, False, None)]
     assert "to 32767 (16-bit audio samples): inf/NaN where FP32 is finite" in result.report.format_text()
 
 

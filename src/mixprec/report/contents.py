@@ -266,17 +266,24 @@ class Report:
 
 
 def input_scale_text(checks: Sequence[InputScale], target: str) -> str:
-    """E.g. "generated inputs (x) scaled to |x| up to 255 (8-bit pixel values): finite; to 32767
-    (16-bit audio samples): inf/NaN where FP32 is finite; if real inputs ..." """
+    """E.g. "generated inputs (x) set to 0 (silence, a black image, padding): finite; scaled to
+    |x| up to 255 (8-bit pixel values): finite; to 32767 (16-bit audio samples): inf/NaN where
+    FP32 is finite; if real inputs ..." """
     names = checks[0].inputs
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    parts = [
-        f"{f'generated inputs ({shown}) scaled to |x| up to ' if index == 0 else 'to '}"
-        f"{check.magnitude:g} ({check.meaning}): {_scale_outcome(check)}"
-        for index, check in enumerate(checks)
-    ]
-    text = "; ".join(parts)
-    if any(check.finite is False for check in checks):
+    parts = []
+    scaled = False  # "scaled to |x| up to" said once
+    for check in checks:
+        if check.magnitude == 0:
+            what = "set to 0"
+        else:
+            what = f"{'to' if scaled else 'scaled to |x| up to'} {check.magnitude:g}"
+            scaled = True
+        parts.append(f"{what} ({check.meaning}): {_scale_outcome(check)}")
+    text = f"generated inputs ({shown}) " + "; ".join(parts)
+    if any(check.finite is False and check.magnitude == 0 for check in checks):
+        text += "; if real inputs can be all zero, keep the nodes where inf/NaN start FP32 (--exclude-node)"
+    if any(check.finite is False and check.magnitude > 0 for check in checks):
         text += (
             f"; if real inputs are that large, pass --data with them: values beyond the {target} "
             "range then stay FP32"
@@ -286,6 +293,8 @@ def input_scale_text(checks: Sequence[InputScale], target: str) -> str:
 
 def _scale_outcome(check: InputScale) -> str:
     if check.finite is None:
+        if check.magnitude == 0:
+            return "not judged (FP32 is not finite there either, or does not run)"
         return "not judged (FP32 overflows there too, or does not run)"
     if check.finite:
         return "finite"

@@ -57,7 +57,9 @@ _LATENCY_BUDGET_S = 2.0
 # Magnitudes of inputs that models commonly take unnormalized. Generated inputs are standard
 # normal; after the numeric check they are scaled to each of these in turn (largest |x| of
 # every float input), to show whether the converted model stays finite where the FP32 one does.
-_INPUT_MAGNITUDES = ((255.0, "8-bit pixel values"), (32767.0, "16-bit audio samples"))
+# Generated float inputs are also run all zero (what silence, a black image or padding give: a
+# guard against log(0) or x/0 must hold there), then scaled up to magnitudes of raw inputs.
+_INPUT_MAGNITUDES = ((0.0, "silence, a black image, padding"), (255.0, "8-bit pixel values"), (32767.0, "16-bit audio samples"))
 # Where the converted model overflows at such a magnitude, the node where that starts is located
 # (two runs per chunk of intermediate values) for main graphs up to this many nodes.
 _ORIGIN_MAX_NODES = 200
@@ -564,10 +566,11 @@ def _input_scales(
     reference: Path, path: Path, target: LowPrecision, nodes: int,
 ) -> list[InputScale]:
     """The generated `batch` (feeds, FP32 outputs) scaled to each of :data:`_INPUT_MAGNITUDES`
-    in turn and run by the emulated converted model, until it gains non-finite values; then by
-    the FP32 model too: where that one stays finite, the converted one fails there (and, for a
-    main graph of at most :data:`_ORIGIN_MAX_NODES` nodes, the node where non-finite values
-    start is located), else it is not judged. Empty when the model has no float input."""
+    in turn (0 first: all zeros) and run by the emulated converted model, until a magnitude
+    above 0 gains non-finite values; where one does, by the FP32 model too: where that one
+    stays finite, the converted one fails there (and, for a main graph of at most
+    :data:`_ORIGIN_MAX_NODES` nodes, the node where non-finite values start is located), else
+    it is not judged. Empty when the model has no float input."""
     feeds, unscaled = batch
     baseline = _nonfinite(unscaled)
     checks: list[InputScale] = []
@@ -594,7 +597,8 @@ def _input_scales(
         else:
             origin = _nan_origin_note(reference, path, scaled, target) if nodes <= _ORIGIN_MAX_NODES else None
             checks.append(InputScale(magnitude, meaning, False, origin, inputs=names))
-        break
+        if magnitude > 0:
+            break  # larger inputs only overflow more
     return checks
 
 
@@ -604,8 +608,9 @@ def _nonfinite(outputs: Mapping[str, np.ndarray]) -> int:
 
 
 def _scaled_float_inputs(feeds: Batch, magnitude: float) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
-    """`feeds` with every float input scaled so that its largest |x| is `magnitude`, and the
-    names of the inputs scaled (none: no input is a float tensor with a non-zero value)."""
+    """`feeds` with every float input scaled so that its largest |x| is `magnitude` (0: all
+    zeros), and the names of the inputs scaled (none: no input is a float tensor with a
+    non-zero value)."""
     scaled = dict(feeds)
     names = []
     for name, array in feeds.items():
