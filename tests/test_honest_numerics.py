@@ -173,18 +173,18 @@ def test_a_model_finite_at_every_scale_or_without_float_inputs_says_so(tmp_path:
 
 
 def test_generated_inputs_set_to_zero_show_where_a_guard_no_longer_holds(tmp_path: Path) -> None:
-    """1 / (|x @ w| + 1e-5): finite on random inputs and on large ones, but all-zero inputs
+    """10 / (|x @ w| + 1e-4): finite on random inputs and on large ones, but all-zero inputs
     (silence, a black image) give 1e5, beyond float16's 65504. The probe at 0 says so and names
     where inf starts, and the larger magnitudes are still probed."""
     weight = numpy_helper.from_array(np.random.default_rng(0).normal(size=(4, 4)).astype(np.float32), "w")
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Abs", ["h"], ["a"]),
-         helper.make_node("Add", ["a", "eps"], ["d"]), helper.make_node("Div", ["one", "d"], ["y"], name="inverse")],
+         helper.make_node("Add", ["a", "eps"], ["d"]), helper.make_node("Div", ["ten", "d"], ["y"], name="inverse")],
         "inverse",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
-        [weight, numpy_helper.from_array(np.array(1e-5, np.float32), "eps"),
-         numpy_helper.from_array(np.array(1.0, np.float32), "one")],
+        [weight, numpy_helper.from_array(np.array(1e-4, np.float32), "eps"),
+         numpy_helper.from_array(np.array(10.0, np.float32), "ten")],
     )
     result = mixprec.convert(_save(graph, tmp_path / "m.onnx"), tmp_path / "o.onnx", target_dtype="fp16")
     scales = result.report.validation.input_scales

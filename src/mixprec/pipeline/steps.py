@@ -23,6 +23,7 @@ import onnx_ir as ir
 
 from mixprec.analysis.calibrate import RangeTable, measured_values
 from mixprec.analysis.integer_semantics import integer_semantics
+from mixprec.analysis.small_floors import small_floors
 from mixprec.analysis.qdq import has_qdq
 from mixprec.analysis.typeinfo import TypeInfo, assume_float_outputs, infer_types, retype_after_upgrade, untyped_values
 from mixprec.config import Config
@@ -396,7 +397,8 @@ class Analysis:
 
     Attributes:
         forced: Nodes to keep FP32, by key: integer semantics, then the unfused normalization
-            blocks.
+            blocks and the nodes computing values floored below the normal range
+            (`analysis.small_floors`).
         wide: Values measured (or given) beyond the 16-bit range -> evidence.
         safe: Values measured within it -> evidence.
         ranges: The FP32 ranges used, when any.
@@ -410,7 +412,8 @@ class Analysis:
 
 
 def analyze(normalized: Normalized, reference: Reference, config: Config) -> Analysis:
-    """Ranges (measured on data or given) and integer semantics."""
+    """Ranges (measured on data or given), integer semantics, and values floored below the
+    16-bit normal range before a logarithm or divisor."""
     model, target, notes = normalized.model, config.ops.target, []
     calibration = config.calibration
     ranges = calibration.ranges
@@ -430,8 +433,13 @@ def analyze(normalized: Normalized, reference: Reference, config: Config) -> Ana
                 f"{ranges.runs} run(s); {len(measured_wide)} leave the {target.value} range and stay FP32"
             )
     integer = integer_semantics(model, target)
-    # Integer semantics wins over the normalization blocks.
-    forced = {**normalized.kept, **{normalized.keys[n]: (Category.INTEGER, why) for n, why in integer.items()}}
+    floored = small_floors(model, target)
+    # Integer semantics wins over the normalization blocks and the small floors.
+    forced = {
+        **normalized.kept,
+        **{normalized.keys[n]: (Category.CONSTANT_RANGE, why) for n, why in floored.items()},
+        **{normalized.keys[n]: (Category.INTEGER, why) for n, why in integer.items()},
+    }
     return Analysis(forced, wide, safe, ranges, tuple(notes))
 
 
