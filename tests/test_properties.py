@@ -440,3 +440,23 @@ def test_generator_covers_every_op(op: str) -> None:
             decisions = {n.name: d.precision.value for n, d in result.plan.decisions.items() if n.name}
             assert_structure(built, out, target, True, decisions)
             assert assert_numbers(built.model, out, built.feeds, target, True)
+
+
+def test_a_cast_that_vanished_for_its_consumers_comes_back_when_the_placement_keeps_them_fp32() -> None:
+    """A converted model with 16-bit inputs, converted again: its `Cast(x1 -> FP32)` first
+    vanishes for its 16-bit consumers (the forward pass), then the cast placement keeps the
+    LayerNormalization and Add after it FP32. The Cast then stays as it was (the upcast they
+    need), so the second conversion gives the same model, names included."""
+    steps = [
+        Step("Relu", 0, 0, 0, -1), Step("Exp", 0, 0, 0, -1), Step("LayerNormalization", 3, 0, 0, -1),
+        Step("Add", 1, 24, 0, -1), Step("Relu", 0, 0, 0, -1), Step("ReduceSum", 0, 54, 0, -1),
+    ]
+    built = build(Recipe(2, steps, [0], seed=0))
+    _, out = convert(built.model, target_dtype="float16", keep_io_types=False)
+    again_result, again = convert(out, target_dtype="float16", keep_io_types=False)
+    cast = next(d for n, d in again_result.plan.decisions.items() if n.name == "x1_cast_fp32")
+    assert cast.precision.value == "fp32" and "some consumers compute in FP32" in cast.reason
+    assert [(n.op_type, list(n.input), list(n.output)) for n in again.graph.node] == [
+        (n.op_type, list(n.input), list(n.output)) for n in out.graph.node
+    ]
+    assert again_result.report.casts_inserted == 0

@@ -97,6 +97,7 @@ class Planner:
         # with the evidence: they do not hold the follow ops they feed in FP32.
         self.bounded: dict[ir.Value, str] = dict(safe_values or {})
         self.flex_nodes: list[ir.Node] = []
+        self.lowered_for_consumers: list[ir.Node] = []  # flexible nodes all of whose consumers were 16-bit
         # TINY values made from constants by data movement: like constants, their readers decide.
         self.tiny_flex: set[ir.Value] = set()
         # Values kept FP32 for carrying an input that must not be narrowed -> that input's origin.
@@ -477,6 +478,7 @@ class Planner:
             op_name = format_op_name(node.domain, node.op_type)
             if wanted == {State.LOW}:
                 self._lower(node, facts, Category.CONSUMERS, f"{op_name}: all consumers compute in {self.target.short_name}")
+                self.lowered_for_consumers.append(node)
             elif not wanted and quantizes_float_chain(node, self.runtime.name, self.target):
                 # A QuantizeLinear has no float output: in 16 bits it lets the ops before it
                 # (back to their DequantizeLinear) convert without a Cast.
@@ -540,13 +542,15 @@ class Planner:
                     self._keep(node, Category.CAST_COST, f"{op_name} in FP32: {why}", State.HIGH)
             changed = True
         if changed:
-            self._settle_constants()
+            self._settle_flexible()
 
-    def _settle_constants(self) -> None:
-        """Constant nodes decided 16-bit before the placement keep FP32 where a reader now
-        computes in FP32 (their FP32 value serves it; 16-bit readers get a stored copy)."""
-        for node in self.order:
-            if node.op_type != "Constant" or self.decisions[node].precision is not Precision.LOW:
+    def _settle_flexible(self) -> None:
+        """Flexible nodes decided 16-bit for their consumers before the placement keep FP32
+        where a consumer now computes in FP32: a Constant's FP32 value serves it (16-bit readers
+        get a stored copy), a Cast to FP32 of a 16-bit value is the upcast it needs. Consumers
+        first, as they were decided."""
+        for node in reversed(self.lowered_for_consumers):
+            if self.decisions[node].precision is not Precision.LOW:
                 continue
             if any(State.HIGH in self.demands(out) for out in node.outputs if is_fp32_tensor(out)):
                 op_name = format_op_name(node.domain, node.op_type)
