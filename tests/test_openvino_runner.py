@@ -9,6 +9,7 @@ the softmax probabilities. A bit-exact match would mean no bfloat16 math happene
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -200,3 +201,36 @@ def test_a_quantized_model_only_the_accuracy_mode_cannot_compile_is_checked_with
     # keep FP32, and the failure stands when even all of them FP32 fail.
     with pytest.raises(ValidationFailure, match="fails on OpenVINO's CPU plugin.*even with every converted node FP32"):
         mixprec.convert(models["fp32"], tmp_path / "cnn.onnx", target_dtype="bf16", runtime="openvino")
+
+
+def test_a_model_that_crashes_openvino_is_a_one_line_error_not_a_crash(
+    models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OpenVINO's ONNX frontend can kill the process reading a graph it mishandles (onnx-asr's
+    WeSpeaker front end). Each model is read and compiled in a child process first: a child
+    that dies from a signal is a RunError naming the file and the signal, in the converter's
+    own validation too. The stand-in child dies from SIGSEGV on its first request."""
+    from mixprec.runtime import openvino as openvino_module
+    from mixprec.runtime.isolated import Worker
+
+    (tmp_path / "segfaulting_child.py").write_text(
+        "import os, signal, sys\nsys.stdin.readline()\nos.kill(os.getpid(), signal.SIGSEGV)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setattr(openvino_module, "_PROBE", Worker("segfaulting_child", "OpenVINO"))
+    with pytest.raises(mixprec.ValidationError, match=r"cnn_fp32\.onnx: OpenVINO crashed \(SIGSEGV\)") as info:
+        OpenVinoSession(models["fp32"])
+    assert "\n" not in str(info.value)
+    result = mixprec.convert(models["fp32"], tmp_path / "o.onnx", target_dtype="bf16", runtime="openvino")
+    assert "OpenVINO crashed (SIGSEGV)" in result.report.validation.numerics
+    assert result.report.validation.numerics.startswith("checked")  # the emulation still checked it
+
+
+def test_models_are_read_in_a_child_before_this_process_reads_them(models: dict[str, Path]) -> None:
+    from mixprec.runtime import openvino as openvino_module
+
+    OpenVinoSession(models["bf16"])
+    child = openvino_module._PROBE.process
+    assert child is not None and child.poll() is None  # alive, and kept for the next session
+    OpenVinoSession(models["fp32"])
+    assert openvino_module._PROBE.process is child

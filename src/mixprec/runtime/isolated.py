@@ -73,18 +73,26 @@ class RuntimeOutcome:
         return self.error is not None and not self.crashed and any(m in self.error for m in _MISSING_KERNEL_MARKERS)
 
 
-class _Worker:
-    """One long-lived child process serving session requests (JSON lines on stdin/stdout),
-    so that each check pays for a session, not for starting Python and importing onnxruntime.
-    A crash kills only the child; the next request starts a new one."""
+class Worker:
+    """One long-lived child process serving a runtime's requests (JSON lines on stdin/stdout),
+    so that each check pays for a session, not for starting Python and importing the runtime.
+    A crash kills only the child; the next request starts a new one.
 
-    def __init__(self) -> None:
+    Args:
+        module: The module the child runs (`python -m MODULE`): it answers each request line.
+        runtime: The runtime's name, for the messages.
+    """
+
+    def __init__(self, module: str = "mixprec.runtime.isolated", runtime: str = "onnxruntime") -> None:
+        self.module = module
+        self.runtime = runtime
         self.process: subprocess.Popen[str] | None = None
+        atexit.register(self.stop)
 
     def _start(self) -> subprocess.Popen[str]:
         if self.process is None or self.process.poll() is not None:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "mixprec.runtime.isolated"],
+                [sys.executable, "-m", self.module],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             )
         return self.process
@@ -101,7 +109,7 @@ class _Worker:
         try:
             process = self._start()
         except OSError as e:
-            return f"the onnxruntime child process cannot be started ({e})", "start"
+            return f"the {self.runtime} child process cannot be started ({e})", "start"
         assert process.stdin is not None and process.stdout is not None
         try:
             process.stdin.write(json.dumps(arguments) + "\n")
@@ -115,16 +123,15 @@ class _Worker:
             return answer
         if not ready:
             self.stop()
-            return f"onnxruntime hung (no answer in {timeout:.0f} s)", "hung"
+            return f"{self.runtime} hung (no answer in {timeout:.0f} s)", "hung"
         code = process.wait()
         self.process = None
         if code < 0:
-            return f"onnxruntime crashed ({signal.Signals(-code).name})", "signal"
-        return f"onnxruntime child exited with code {code}", "exit"
+            return f"{self.runtime} crashed ({signal.Signals(-code).name})", "signal"
+        return f"{self.runtime} child exited with code {code}", "exit"
 
 
-_WORKER = _Worker()
-atexit.register(_WORKER.stop)
+_WORKER = Worker()
 
 
 def run_isolated(

@@ -74,9 +74,11 @@ silently wrong inputs. This module therefore writes bfloat16 inputs as bit patte
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import statistics
+import sys
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -88,6 +90,7 @@ import numpy as np
 import onnx
 
 from mixprec.errors import InputError, ModelLoadError, RunError
+from mixprec.runtime.isolated import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +109,13 @@ PRECISIONS: dict[str, dict[str, str]] = {
 _LATENCY_CONFIG: dict[str, str] = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": "1"}
 
 _DEVICE = "CPU"
+
+# Each model is read and compiled in a child process first: OpenVINO's ONNX frontend can crash
+# the process on a graph it mishandles (a segfault reading onnx-asr's WeSpeaker front end, a
+# Scan over frames with a DFT). The child lives on between sessions.
+_PROBE = Worker("mixprec.runtime.openvino", "OpenVINO")
+_PROBE_TIMEOUT_S = 600.0
+_in_child = False  # True in that child: it reads models itself
 
 
 @functools.cache
@@ -167,6 +177,9 @@ class OpenVinoSession:
             raise ModelLoadError(f"model file does not exist: {self.path}")
         self.precision = precision
         self._ov = _openvino()
+        crash = None if _in_child else _crash_of(self.path, precision)
+        if crash is not None:
+            raise RunError(f"OpenVINO cannot read or compile {self.path}: {crash} doing so in a child process")
         config = {**_LATENCY_CONFIG, **PRECISIONS[precision]}
         if num_threads is not None:
             config["INFERENCE_NUM_THREADS"] = str(num_threads)
@@ -343,6 +356,33 @@ def _from_tensor(tensor: Any) -> np.ndarray:
     return data.copy()
 
 
+def _crash_of(path: Path, precision: str) -> str | None:
+    """How OpenVINO dies (a signal, a hang) reading and compiling `path` in a child process;
+    None where it does not (its errors are found again in this process, with their text) or
+    no child can run."""
+    answer = _PROBE.request([str(path.resolve()), precision], _PROBE_TIMEOUT_S)
+    if isinstance(answer, tuple):
+        message, death = answer
+        return message if death in ("signal", "hung") else None
+    return None
+
+
+def _serve() -> None:
+    """The child's loop: read and compile each `[path, precision]` line's model, answer with a
+    JSON line."""
+    global _in_child  # noqa: PLW0603 - this process is the child from now on
+    _in_child = True
+    for line in sys.stdin:
+        path, precision = json.loads(line)
+        try:
+            OpenVinoSession(path, precision=precision)
+        except Exception as exc:  # noqa: BLE001 - any failure is an answer, not a crash
+            answer = {"ok": False, "error": _summary(exc)}
+        else:
+            answer = {"ok": True}
+        print(json.dumps(answer), flush=True)
+
+
 def _summary(exc: BaseException) -> str:
     """One line out of OpenVINO's multi-line error text."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -360,3 +400,7 @@ def _summary(exc: BaseException) -> str:
     if useful:
         return useful[-1]
     return lines[-1] if lines else type(exc).__name__
+
+
+if __name__ == "__main__":
+    _serve()
