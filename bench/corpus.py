@@ -821,11 +821,15 @@ def _oww_speech() -> list[np.ndarray]:
 
 
 def _asr_samples() -> list[dict[str, np.ndarray]]:
-    """Two batches of two utterances at 16 kHz in [-1, 1], each starting with 0.6 s of digital
-    silence; the second row of each batch is shorter and zero-padded (its length says so)."""
+    """Two batches of two utterances at 16 kHz in [-1, 1], each starting with 0.3 s of digital
+    silence (a muted microphone) and then quiet background noise; the second row of each batch
+    is shorter and zero-padded (its length says so)."""
     out = []
     for seed in (0, 2):
         long, short = synth_speech(seed), synth_speech(seed + 1)
+        short = short[: len(short) * 4 // 5]
+        for audio in (long, short):
+            audio[: 16000 * 3 // 10] = 0.0
         n = max(len(long), len(short))
         waveforms = np.zeros((2, n), np.float32)
         waveforms[0, : len(long)], waveforms[1, : len(short)] = long, short

@@ -99,3 +99,24 @@ def test_a_different_table_structure_disagrees() -> None:
     got = corpus._table_decode(_table_run(_CELLS, [*_TOKENS[:5], 4]), _sample())
     ok, detail = corpus._table_agree(ref, got)
     assert not ok and "structure differs from token 6" in detail
+
+
+def test_speech_features_agree_within_a_share_of_their_spread_and_never_lose_finiteness() -> None:
+    """Log-mel features: an error of 1% of their standard deviation agrees, 5% does not, and a
+    -inf where the FP32 features are finite (a silent frame's log(0)) never does."""
+    ref = np.random.default_rng(0).normal(-8.0, 4.0, size=(2, 64, 100))
+    spread = ref.std()
+    assert corpus._features_agree([ref], [ref + 0.01 * spread])[0]
+    ok, detail = corpus._features_agree([ref], [ref + 0.05 * spread])
+    assert not ok and "5.00% of the features' standard deviation" in detail
+    silent = ref.copy()
+    silent[0, :, :10] = -np.inf
+    ok, detail = corpus._features_agree([ref], [silent])
+    assert not ok and "640 non-finite" in detail
+    # Samples: 0.3 s of digital silence first, and a shorter second row padded with zeros.
+    samples = corpus._asr_samples()
+    assert len(samples) == 2
+    for sample in samples:
+        waves, lens = sample["waveforms"], sample["waveforms_lens"]
+        assert waves.dtype == np.float32 and np.abs(waves).max() <= 1.0 and lens[1] < waves.shape[1]
+        assert not waves[:, :4800].any() and not waves[1, lens[1]:].any() and waves[:, 4800:lens[1]].any()
