@@ -141,3 +141,38 @@ def test_a_log_mel_front_end_keeps_its_quiet_frames() -> None:
     got, expected = run(out, {"x": x})[0], run(model, {"x": x})[0]
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, expected, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("case", "forced"),
+    [
+        ("gem pooling", False),  # clamp(h, 1e-6) ** 3: a positive power is no singularity
+        ("negative power", True),  # (h + 1e-6) ** -0.5
+        ("selected", True),  # log(clip(where(h > lo, h, 0), lo)): the Where's data, not its condition
+        ("scaled", True),  # log(2 * h + 1e-10): through a product with a constant
+    ],
+)
+def test_the_walk_finds_the_node_that_computes_the_floored_value(case: str, forced: bool) -> None:
+    nodes = [oh.make_node("MatMul", ["x", "w"], ["h"])]
+    inits: dict[str, np.ndarray] = {"w": _weights()}
+    if case == "gem pooling":
+        nodes += [oh.make_node("Clip", ["h", "lo"], ["c"]), oh.make_node("Pow", ["c", "p"], ["y"])]
+        inits |= {"lo": np.array(1e-6), "p": np.array(3.0)}
+    elif case == "negative power":
+        nodes += [oh.make_node("Add", ["h", "lo"], ["c"]), oh.make_node("Pow", ["c", "p"], ["y"])]
+        inits |= {"lo": np.array(1e-6), "p": np.array(-0.5)}
+    elif case == "selected":
+        nodes += [oh.make_node("Greater", ["h", "lo"], ["m"]), oh.make_node("Where", ["m", "h", "zero"], ["s"]),
+                  oh.make_node("Clip", ["s", "lo"], ["c"]), oh.make_node("Log", ["c"], ["y"])]
+        inits |= {"lo": np.array(EPS32), "zero": np.array(0.0)}
+    else:
+        nodes += [oh.make_node("Mul", ["h", "two"], ["s"]), oh.make_node("Add", ["s", "lo"], ["c"]),
+                  oh.make_node("Log", ["c"], ["y"])]
+        inits |= {"lo": np.array(1e-10), "two": np.array(2.0)}
+    result, _ = convert(_model(nodes, inits), target_dtype="float16")
+    matmul = _decision(result, "MatMul")
+    assert (matmul.precision is Precision.FP32) == forced, matmul
+    if forced:
+        assert matmul.category is Category.CONSTANT_RANGE
+    else:  # the bound guards nothing singular either: the Clip converts with its flushed bound
+        assert _decision(result, "Clip").precision is Precision.LOW

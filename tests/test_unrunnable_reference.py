@@ -186,3 +186,39 @@ def test_the_child_runs_a_model_at_the_optimization_level_asked(tmp_path: Path) 
     unoptimized = run_isolated(path, feeds, graph_optimization="disable")
     assert unoptimized.ok and unoptimized.outputs is not None
     np.testing.assert_array_equal(unoptimized.outputs["y"], [[0, 1, 2, 3, 0, 0, 1, 2]])
+
+
+def test_a_child_that_writes_something_else_before_its_answer_is_no_hang(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runtime may log to standard output (OpenVINO's warnings do). A child that writes a line
+    that is not its answer ends the request at once, as a failure, instead of leaving the
+    converter waiting; a child that sends its answers through `answer_channel` is not disturbed
+    by what the runtime prints."""
+    import os
+    import time
+
+    from mixprec.runtime.isolated import Worker
+
+    (tmp_path / "chatty_child.py").write_text(
+        "import json, sys\n"
+        "for line in sys.stdin:\n"
+        "    print('runtime warning: something', flush=True)\n"
+        "    print(json.dumps({'ok': True}), flush=True)\n"
+    )
+    (tmp_path / "channelled_child.py").write_text(
+        "import json, sys\n"
+        "from mixprec.runtime.isolated import answer_channel\n"
+        "channel = answer_channel()\n"
+        "for line in sys.stdin:\n"
+        "    print('runtime warning: something', flush=True)\n"
+        "    print(json.dumps({'ok': True}), file=channel, flush=True)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
+    chatty = Worker("chatty_child", "a runtime")
+    start = time.perf_counter()
+    message, death = chatty.request(["x"], timeout=60)
+    assert death == "exit" and "answered something else: runtime warning" in message
+    assert time.perf_counter() - start < 30 and chatty.process is None
+    channelled = Worker("channelled_child", "a runtime")
+    assert channelled.request(["x"], timeout=60) == {"ok": True}
+    assert channelled.request(["y"], timeout=60) == {"ok": True}  # the same child answers again
+    channelled.stop()

@@ -6,8 +6,10 @@ floored value is meaningful down to that constant. Where the floor lies below th
 smallest normal number (6.1e-5 in float16; never in bfloat16), a 16-bit copy of those values is
 subnormal or zero: a few bits of them are left, and the logarithm or quotient turns that into
 large absolute errors (the quiet frames of a log-mel spectrogram). The node that computes the
-floored value (the first one behind the floors and the ops that only move values) therefore
-computes in FP32; what follows it then follows FP32 inputs.
+floored value (the first one behind the floors, the ops that only move values and the products
+with constants) therefore computes in FP32; what follows it then follows FP32 inputs. A power
+reads its base singularly only under a negative exponent (`clamp(x, 1e-6) ** 3`, GeM pooling,
+is no logarithm).
 
 Floors are the constant operands of the ops whose interval rule (op fact `interval`) bounds the
 output below by them: Clip's lower bound, Max's operands, Add's operands (an epsilon added to a
@@ -24,12 +26,32 @@ from mixprec.dtypes import LowPrecision
 from mixprec.graphs import all_nodes, format_op_name, is_default_domain
 from mixprec.policy.opfacts import op_facts
 
-__all__ = ["small_floors"]
+__all__ = ["reads_singularly", "small_floors"]
 
 # Interval rule -> the inputs that floor the output where they are constant (None: any input).
 _FLOOR_INPUTS: dict[str, tuple[int, ...] | None] = {"clip": (1,), "max": None, "add": None}
-# Producers looked through (floors, movers) before the node that computes the value.
+# Producers looked through (floors, movers, scalings by constants) before the node that
+# computes the value.
 _MAX_HOPS = 8
+# Interval rules of elementwise products (a value times or over constants is looked through;
+# a matrix product with constant weights computes the value).
+_PRODUCTS = frozenset({"mul", "div"})
+# Ops whose singular input is singular only under a negative exponent: the exponent's input.
+_EXPONENTS: dict[str, int] = {"Pow": 1}
+
+
+def reads_singularly(node: ir.Node, index: int) -> bool:
+    """Whether zero at input `index` of `node` is a singularity (the op fact `singular_inputs`),
+    for a power only where its exponent may be negative (`x ** 2` is not singular at 0,
+    `x ** -0.5` is)."""
+    fact = op_facts(node.domain, node.op_type)
+    if not fact.singular(index):
+        return False
+    position = _EXPONENTS.get(node.op_type) if is_default_domain(node.domain) else None
+    if position is None or position >= len(node.inputs) or node.inputs[position] is None:
+        return True
+    exponent = small_constant_array(node.inputs[position])  # type: ignore[arg-type]
+    return exponent is None or bool((np.asarray(exponent) < 0).any())
 
 
 def small_floors(model: ir.Model, target: LowPrecision) -> dict[ir.Node, str]:
@@ -38,13 +60,10 @@ def small_floors(model: ir.Model, target: LowPrecision) -> dict[ir.Node, str]:
     tiny = target.limits.tiny
     found: dict[ir.Node, str] = {}
     for reader in all_nodes(model):
-        if not is_default_domain(reader.domain):
-            continue
-        fact = op_facts(reader.domain, reader.op_type)
-        if not fact.singular_inputs:
+        if not is_default_domain(reader.domain) or not op_facts(reader.domain, reader.op_type).singular_inputs:
             continue
         for index, value in enumerate(reader.inputs):
-            if value is None or not fact.singular(index):
+            if value is None or not reads_singularly(reader, index):
                 continue
             source = _floored_source(value)
             if source is None:
@@ -70,16 +89,26 @@ def _floored_source(value: ir.Value) -> tuple[ir.Node, float, ir.Node] | None:
             return None
         fact = op_facts(producer.domain, producer.op_type)
         floored = _floor_of(producer, fact.interval)
+        data = _data_input(producer)
         if floored is not None:
-            found, data = floored
+            found, value = floored
             if found is not None and (floor is None or found < floor):
                 floor, guard = found, producer
-            value = data
-        elif fact.value_preserving and producer.inputs and producer.inputs[0] is not None:
-            value = producer.inputs[0]
+        elif data is not None and (fact.value_preserving or (fact.interval in _PRODUCTS and fact.scales(data[0]))):
+            value = data[1]  # moved, or multiplied by constants elementwise: its small values stay small
         else:
             return (producer, floor, guard) if floor is not None and guard is not None else None
     return None
+
+
+def _data_input(node: ir.Node) -> tuple[int, ir.Value] | None:
+    """(index, value) of the node's one float input that is not a constant; None where it has
+    none or several (a Where's condition, a Concat's constant part are not data)."""
+    found = [
+        (index, v) for index, v in enumerate(node.inputs)
+        if v is not None and v.dtype is not None and v.dtype.is_floating_point() and not is_constant(v)
+    ]
+    return found[0] if len(found) == 1 else None
 
 
 def _floor_of(node: ir.Node, interval: str | None) -> tuple[float | None, ir.Value] | None:

@@ -434,10 +434,10 @@ def analyze(normalized: Normalized, reference: Reference, config: Config) -> Ana
             )
     integer = integer_semantics(model, target)
     floored = small_floors(model, target)
-    # Integer semantics wins over the normalization blocks and the small floors.
+    # Integer semantics wins over the normalization blocks, and those over the small floors.
     forced = {
-        **normalized.kept,
         **{normalized.keys[n]: (Category.CONSTANT_RANGE, why) for n, why in floored.items()},
+        **normalized.kept,
         **{normalized.keys[n]: (Category.INTEGER, why) for n, why in integer.items()},
     }
     return Analysis(forced, wide, safe, ranges, tuple(notes))

@@ -546,13 +546,17 @@ class Planner:
 
     def _settle_flexible(self) -> None:
         """Flexible nodes decided 16-bit for their consumers before the placement keep FP32
-        where a consumer now computes in FP32: a Constant's FP32 value serves it (16-bit readers
-        get a stored copy), a Cast to FP32 of a 16-bit value is the upcast it needs. Consumers
-        first, as they were decided."""
-        for node in reversed(self.lowered_for_consumers):
+        where consumers now compute in FP32: a Constant where any does (its FP32 value serves
+        it; 16-bit readers get a stored copy), other nodes (a Cast to FP32 of a 16-bit value:
+        the upcast they need) where all do. Consumers first, as they were decided."""
+        for node in self.lowered_for_consumers:
             if self.decisions[node].precision is not Precision.LOW:
                 continue
-            if any(State.HIGH in self.demands(out) for out in node.outputs if is_fp32_tensor(out)):
+            wanted: set[State] = set()
+            for out in node.outputs:
+                if is_fp32_tensor(out):
+                    wanted |= self.demands(out)
+            if State.HIGH in wanted and (node.op_type == "Constant" or wanted == {State.HIGH}):
                 op_name = format_op_name(node.domain, node.op_type)
                 self._keep(node, Category.CONSUMERS, f"{op_name}: some consumers compute in FP32", State.HIGH)
 

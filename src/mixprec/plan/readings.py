@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import onnx_ir as ir
 
 from mixprec.analysis.constants import is_constant, small_constant_array
+from mixprec.analysis.small_floors import reads_singularly
 from mixprec.dtypes import is_fp32_tensor
 from mixprec.plan.model import Category, NodeFacts, State
 from mixprec.policy.conditions import CONDITIONS
@@ -192,17 +193,17 @@ def _only_flexible_tiny(values: list[ir.Value], states: Mapping[ir.Value, State]
 
 def guards_zero(node: ir.Node, hops: int = 4) -> bool:
     """Whether the node's output reaches an input where zero is a singularity (a divisor, a
-    logarithm) through ops that keep zeros or move values: an epsilon added there guards against
-    zero, and a flushed epsilon does not (``x / (norm + 1e-12)``)."""
+    logarithm, a negative power) through ops that keep zeros or move values: an epsilon added
+    there guards against zero, and a flushed epsilon does not (``x / (norm + 1e-12)``)."""
     frontier = [v for v in node.outputs if v is not None]
     seen: set[ir.Node] = set()
     for _ in range(hops):
         reached = []
         for value in frontier:
             for use in value.uses():
-                fact = op_facts(use.node.domain, use.node.op_type)
-                if fact.singular(use.idx):
+                if reads_singularly(use.node, use.idx):
                     return True
+                fact = op_facts(use.node.domain, use.node.op_type)
                 if (fact.value_preserving or fact.keeps_zero) and use.node not in seen:
                     seen.add(use.node)
                     reached.extend(out for out in use.node.outputs if out is not None)

@@ -281,8 +281,10 @@ def input_scale_text(checks: Sequence[InputScale], target: str) -> str:
             scaled = True
         parts.append(f"{what} ({check.meaning}): {_scale_outcome(check)}")
     text = f"generated inputs ({shown}) " + "; ".join(parts)
-    if any(check.finite is False and check.magnitude == 0 for check in checks):
-        text += "; if real inputs can be all zero, keep the nodes where inf/NaN start FP32 (--exclude-node)"
+    zero = next((check for check in checks if check.finite is False and check.magnitude == 0), None)
+    if zero is not None:
+        where = "the node named below" if zero.origin and zero.ran else "the nodes where inf/NaN start"
+        text += f"; if real inputs can be all zero, keep {where} FP32 (--exclude-node)"
     if any(check.finite is False and check.magnitude > 0 for check in checks):
         text += (
             f"; if real inputs are that large, pass --data with them: values beyond the {target} "

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
+from typing import TextIO
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,6 +125,9 @@ class Worker:
         if not ready:
             self.stop()
             return f"{self.runtime} hung (no answer in {timeout:.0f} s)", "hung"
+        if line:  # something other than an answer (the child writes answers alone; see `answer_channel`)
+            self.stop()
+            return f"the {self.runtime} child answered something else: {line.strip()[:200]}", "exit"
         code = process.wait()
         self.process = None
         if code < 0:
@@ -226,10 +230,20 @@ def _savable(array: np.ndarray) -> np.ndarray:
     return array.astype(np.float32) if array.dtype.name == "bfloat16" else array
 
 
+def answer_channel() -> TextIO:
+    """In a child: the stream its answers go to (the original standard output), with anything
+    else written to standard output (a runtime's own logging) sent to standard error instead."""
+    channel = os.fdopen(os.dup(1), "w")
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    return channel
+
+
 def _serve() -> None:
     """The child's loop: one JSON request per line, one JSON answer per line."""
+    channel = answer_channel()
     for line in sys.stdin:
-        print(json.dumps(_child(json.loads(line))), flush=True)
+        print(json.dumps(_child(json.loads(line))), file=channel, flush=True)
 
 
 if __name__ == "__main__":

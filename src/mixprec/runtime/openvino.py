@@ -90,7 +90,7 @@ import numpy as np
 import onnx
 
 from mixprec.errors import InputError, ModelLoadError, RunError
-from mixprec.runtime.isolated import Worker
+from mixprec.runtime.isolated import Worker, answer_channel
 
 logger = logging.getLogger(__name__)
 
@@ -372,6 +372,7 @@ def _serve() -> None:
     JSON line."""
     global _in_child  # noqa: PLW0603 - this process is the child from now on
     _in_child = True
+    channel = answer_channel()  # OpenVINO logs warnings to standard output
     for line in sys.stdin:
         path, precision = json.loads(line)
         try:
@@ -380,7 +381,7 @@ def _serve() -> None:
             answer = {"ok": False, "error": _summary(exc)}
         else:
             answer = {"ok": True}
-        print(json.dumps(answer), flush=True)
+        print(json.dumps(answer), file=channel, flush=True)
 
 
 def _summary(exc: BaseException) -> str:

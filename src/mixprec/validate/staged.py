@@ -617,7 +617,9 @@ def _scaled_float_inputs(feeds: Batch, magnitude: float) -> tuple[dict[str, np.n
         if isinstance(array, np.ndarray) and is_float_dtype(array.dtype) and array.size:
             peak = float(np.max(np.abs(array.astype(np.float32))))
             if peak > 0 and math.isfinite(peak):
-                scaled[name] = (array.astype(np.float32) * (magnitude / peak)).astype(array.dtype)
+                # Zeros of the input's own sign would be -0.0 where it was negative: +0 alike.
+                values = np.zeros_like(array) if magnitude == 0 else array.astype(np.float32) * (magnitude / peak)
+                scaled[name] = values.astype(array.dtype)
                 names.append(name)
     return scaled, tuple(names)
 
