@@ -18,13 +18,14 @@ value that is not negative).
 
 from __future__ import annotations
 
+import functools
 import numpy as np
 import onnx_ir as ir
 
 from mixprec.analysis.constants import is_constant, small_constant_array
 from mixprec.dtypes import LowPrecision
 from mixprec.graphs import all_nodes, format_op_name, is_default_domain
-from mixprec.policy.opfacts import op_facts
+from mixprec.policy.opfacts import all_op_facts, op_facts
 
 __all__ = ["reads_singularly", "small_floors"]
 
@@ -59,8 +60,9 @@ def small_floors(model: ir.Model, target: LowPrecision) -> dict[ir.Node, str]:
     input -> the evidence (see the module docstring)."""
     tiny = target.limits.tiny
     found: dict[ir.Node, str] = {}
+    singular_ops = _singular_ops()
     for reader in all_nodes(model):
-        if not is_default_domain(reader.domain) or not op_facts(reader.domain, reader.op_type).singular_inputs:
+        if reader.op_type not in singular_ops or not is_default_domain(reader.domain):
             continue
         for index, value in enumerate(reader.inputs):
             if value is None or not reads_singularly(reader, index):
@@ -76,6 +78,12 @@ def small_floors(model: ir.Model, target: LowPrecision) -> dict[ir.Node, str]:
                     f"the {target.value} normal range ({tiny:.2g}) and keep few bits there"
                 )
     return found
+
+
+@functools.cache
+def _singular_ops() -> frozenset[str]:
+    """The default-domain ops with a singular input (op fact `singular_inputs`)."""
+    return frozenset(op for (domain, op), fact in all_op_facts().items() if is_default_domain(domain) and fact.singular_inputs)
 
 
 def _floored_source(value: ir.Value) -> tuple[ir.Node, float, ir.Node] | None:
