@@ -19,6 +19,7 @@ value that is not negative).
 from __future__ import annotations
 
 import functools
+
 import numpy as np
 import onnx_ir as ir
 
@@ -31,6 +32,8 @@ __all__ = ["reads_singularly", "small_floors"]
 
 # Interval rule -> the inputs that floor the output where they are constant (None: any input).
 _FLOOR_INPUTS: dict[str, tuple[int, ...] | None] = {"clip": (1,), "max": None, "add": None}
+# Interval rule -> the attribute that floors the output where set (Clip's bounds before opset 11).
+_FLOOR_ATTRIBUTES: dict[str, str] = {"clip": "min"}
 # Producers looked through (floors, movers, scalings by constants) before the node that
 # computes the value.
 _MAX_HOPS = 8
@@ -134,8 +137,9 @@ def _floor_of(node: ir.Node, interval: str | None) -> tuple[float | None, ir.Val
         if v is not None and v is not data[0] and (positions is None or index in positions)
         and (array := small_constant_array(v)) is not None and array.size and np.isfinite(array).all() and array.min() > 0
     ]
-    if node.op_type == "Clip" and "min" in node.attributes:  # before opset 11: an attribute
-        low = node.attributes["min"].as_float()
+    attribute = _FLOOR_ATTRIBUTES.get(interval)
+    if attribute is not None and attribute in node.attributes:  # Clip before opset 11
+        low = node.attributes[attribute].as_float()
         if low > 0:
             floors.append(low)
     return (min(floors) if floors else None), data[0]

@@ -23,8 +23,8 @@ import onnx_ir as ir
 
 from mixprec.analysis.calibrate import RangeTable, measured_values
 from mixprec.analysis.integer_semantics import integer_semantics
-from mixprec.analysis.small_floors import small_floors
 from mixprec.analysis.qdq import has_qdq
+from mixprec.analysis.small_floors import small_floors
 from mixprec.analysis.typeinfo import TypeInfo, assume_float_outputs, infer_types, retype_after_upgrade, untyped_values
 from mixprec.config import Config
 from mixprec.errors import InputError, ModelLoadError, RunError

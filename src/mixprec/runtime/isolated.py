@@ -25,9 +25,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
-from typing import TextIO
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 

@@ -57,9 +57,11 @@ _LATENCY_BUDGET_S = 2.0
 # Magnitudes of inputs that models commonly take unnormalized. Generated inputs are standard
 # normal; after the numeric check they are scaled to each of these in turn (largest |x| of
 # every float input), to show whether the converted model stays finite where the FP32 one does.
-# Generated float inputs are also run all zero (what silence, a black image or padding give: a
-# guard against log(0) or x/0 must hold there), then scaled up to magnitudes of raw inputs.
-_INPUT_MAGNITUDES = ((0.0, "silence, a black image, padding"), (255.0, "8-bit pixel values"), (32767.0, "16-bit audio samples"))
+# First they are all zero (what silence, a black image or padding give: a guard against log(0)
+# or x/0 must hold there).
+_INPUT_MAGNITUDES = (
+    (0.0, "silence, a black image, padding"), (255.0, "8-bit pixel values"), (32767.0, "16-bit audio samples"),
+)
 # Where the converted model overflows at such a magnitude, the node where that starts is located
 # (two runs per chunk of intermediate values) for main graphs up to this many nodes.
 _ORIGIN_MAX_NODES = 200
