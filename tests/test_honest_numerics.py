@@ -371,3 +371,22 @@ def test_every_if_on_an_untaken_condition_is_named_and_a_fixed_one_is_not(tmp_pa
     fixed.graph.node.insert(1, helper.make_node("Identity", ["c_const"], ["c"]))
     result = mixprec.convert(fixed, tmp_path / "fixed.onnx", target_dtype="float16", data=[positive])
     assert not [n for n in result.report.validation.notes if n.startswith("If ")]
+
+
+def test_an_output_below_the_normal_range_is_named_as_the_cause(tmp_path: Path) -> None:
+    """x @ w with weights around 3e-7 (subnormal in float16, not flushed): every FP32 output
+    lies below float16's smallest normal (6.1e-5), where float16 keeps a few bits. The note on
+    the large error says so."""
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array((rng.uniform(1.0, 5.0, (8, 4)) * 1e-7).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], [weight],
+    )
+    result = mixprec.convert(_save(graph, tmp_path / "m.onnx"), tmp_path / "o.onnx", target_dtype="fp16")
+    note = next(n for n in result.report.validation.notes if n.startswith("output 'y' differs"))
+    assert "below the float16 normal range (6.1e-05)" in note and "its FP32 values are at most" in note
+    # In bfloat16 the same values are normal numbers: no such note.
+    result = mixprec.convert(tmp_path / "m.onnx", tmp_path / "b.onnx", target_dtype="bf16")
+    assert not any("normal range" in n for n in result.report.validation.notes)

@@ -485,6 +485,11 @@ def _note_large_errors(
                     f"more than one {target.value} rounding per op: {named} {verb} hidden state to "
                     f"{target.value} at every time step, and that rounding compounds over the sequence"
                 )
+            elif 0 < (largest := _reference_peak(out) or 0.0) < target.limits.tiny:
+                why = (
+                    f"its FP32 values are at most {largest:.2g}, below the {target.value} normal range "
+                    f"({target.limits.tiny:.2g}), where a 16-bit value keeps few bits or flushes to 0"
+                )
             else:
                 why = f"more than {target.value} rounding explains"
             result.notes.append(
@@ -494,6 +499,12 @@ def _note_large_errors(
                 + "; `mixprec tune --data ... --tolerance ...` finds the fewest ops to keep FP32"
             )
             return  # the first such output: one note
+
+
+def _reference_peak(out: OutputError) -> float | None:
+    """The largest |FP32 value| of an output (its error over its scaled error); None where the
+    error is 0 or the FP32 output is all zero."""
+    return out.max_abs_error / out.scaled_error if out.scaled_error and math.isfinite(out.scaled_error) else None
 
 
 def _reference_batches_or_check(
