@@ -99,42 +99,41 @@ def _floored_source(value: ir.Value) -> tuple[ir.Node, float, ir.Node] | None:
         if producer is None or not is_default_domain(producer.domain):
             return None
         fact = op_facts(producer.domain, producer.op_type)
-        floored = _floor_of(producer, fact.interval)
         data = _data_input(producer)
-        if floored is not None:
-            found, value = floored
+        if data is None:
+            break  # computed from constants alone, or from several values
+        index, source = data
+        if fact.interval in _FLOOR_INPUTS:
+            found = _floor_of(producer, fact.interval, index)
             if found is not None and (floor is None or found < floor):
                 floor, guard = found, producer
-        elif data is not None and (fact.value_preserving or (fact.interval in _PRODUCTS and fact.scales(data[0]))):
-            value = data[1]  # moved, or multiplied by constants elementwise: its small values stay small
-        else:
-            return (producer, floor, guard) if floor is not None and guard is not None else None
-    return None
+        elif not (fact.value_preserving or (fact.interval in _PRODUCTS and fact.scales(index))):
+            break  # it computes the value
+        value = source  # floored, moved, or multiplied by constants elementwise: small values stay small
+    else:
+        return None
+    return (producer, floor, guard) if floor is not None and guard is not None else None
 
 
 def _data_input(node: ir.Node) -> tuple[int, ir.Value] | None:
-    """(index, value) of the node's one float input that is not a constant; None where it has
-    none or several (a Where's condition, a Concat's constant part are not data)."""
+    """(index, value) of the node's one input that is not a constant and not known to hold
+    something other than floats; None where it has none or several (a Where's condition, a
+    Concat's constant part are not data)."""
     found = [
         (index, v) for index, v in enumerate(node.inputs)
-        if v is not None and v.dtype is not None and v.dtype.is_floating_point() and not is_constant(v)
+        if v is not None and (v.dtype is None or v.dtype.is_floating_point()) and not is_constant(v)
     ]
     return found[0] if len(found) == 1 else None
 
 
-def _floor_of(node: ir.Node, interval: str | None) -> tuple[float | None, ir.Value] | None:
-    """(the smallest positive constant that floors the node's output, or None; its one
-    non-constant input) for a floor op with one non-constant input; None for other nodes."""
-    if interval not in _FLOOR_INPUTS:
-        return None
+def _floor_of(node: ir.Node, interval: str, data: int) -> float | None:
+    """The smallest positive constant that floors the output of a floor op whose one data input
+    is input `data`; None where no constant does."""
     positions = _FLOOR_INPUTS[interval]
-    data = [v for v in node.inputs if v is not None and not is_constant(v)]
-    if len(data) != 1:
-        return None
     floors = [
         float(array.min())
         for index, v in enumerate(node.inputs)
-        if v is not None and v is not data[0] and (positions is None or index in positions)
+        if v is not None and index != data and (positions is None or index in positions)
         and (array := small_constant_array(v)) is not None and array.size and np.isfinite(array).all() and array.min() > 0
     ]
     attribute = _FLOOR_ATTRIBUTES.get(interval)
@@ -142,5 +141,4 @@ def _floor_of(node: ir.Node, interval: str | None) -> tuple[float | None, ir.Val
         low = node.attributes[attribute].as_float()
         if low > 0:
             floors.append(low)
-    return (min(floors) if floors else None), data[0]
-
+    return min(floors) if floors else None
