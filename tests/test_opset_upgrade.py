@@ -181,3 +181,55 @@ def test_an_op_whose_schema_takes_float16_only_later_does_not_raise_the_opset(tm
     assert not any(n.startswith("opset upgraded") for n in result.report.notes), result.report.notes
     assert result.report.low_by_op.get("MatMul") == 1
     assert onnx.load(str(tmp_path / "o.onnx")).opset_import[0].version == 13
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_an_upgrade_to_fuse_a_normalization_keeps_every_type(tmp_path: Path, pooled: bool) -> None:
+    """A decomposed RMSNorm at opset 17 fuses once the model is upgraded to 23. Where the version
+    converter leaves every other node as it is, only the opset is declared; where it rewrites one
+    (a ReduceMean's `axes` attribute becomes an input at 18: mean pooling outside the block), the
+    rebuilt model is typed again. Either way no node stays FP32 for an unknown type, and the
+    converted model runs close to the FP32 one."""
+    rng = np.random.default_rng(3)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="proj"),
+        helper.make_node("Pow", ["h", "two"], ["sq"], name="pow"),
+        helper.make_node("ReduceMean", ["sq"], ["ms"], axes=[-1], keepdims=1, name="mean"),
+        helper.make_node("Add", ["ms", "eps"], ["mse"], name="add_eps"),
+        helper.make_node("Sqrt", ["mse"], ["rms"], name="sqrt"),
+        helper.make_node("Div", ["h", "rms"], ["n"], name="div"),
+        helper.make_node("Mul", ["n", "g"], ["ng"], name="scale"),
+        helper.make_node("MatMul", ["ng", "w2"], ["y0"], name="out"),
+    ]
+    if pooled:
+        nodes.append(helper.make_node("ReduceMean", ["y0"], ["y"], axes=[1], keepdims=0, name="pool"))
+    else:
+        nodes.append(helper.make_node("Relu", ["y0"], ["y"], name="relu"))
+    graph = helper.make_graph(
+        nodes, "rms",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8] if pooled else ["n", 4, 8])],
+        [
+            numpy_helper.from_array(rng.normal(0, 0.3, (16, 16)).astype(np.float32), "w"),
+            numpy_helper.from_array(rng.normal(0, 0.3, (16, 8)).astype(np.float32), "w2"),
+            numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+            numpy_helper.from_array(np.array(1e-6, np.float32), "eps"),
+            numpy_helper.from_array(rng.uniform(0.5, 1.5, 16).astype(np.float32), "g"),
+        ],
+    )
+    source = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(source))
+    out = tmp_path / "out.onnx"
+    result = mixprec.convert(source, out, target_dtype="float16", validate="checker")
+    assert any("opset upgraded to 23" in n for n in result.report.notes), result.report.notes
+    converted = onnx.load(str(out))
+    assert converted.opset_import[0].version == 23
+    ops = [n.op_type for n in converted.graph.node]
+    assert ops.count("RMSNormalization") == 1 and "Sqrt" not in ops
+    if pooled:  # the converter rewrote the pooling ReduceMean: its axes are an input now
+        (pool,) = [n for n in converted.graph.node if n.op_type == "ReduceMean"]
+        assert len(pool.input) == 2 and not pool.attribute[0].name == "axes"
+    assert "unknown type" not in result.report.fp32_by_category, result.report.fp32_by_category
+    assert result.report.low_by_op.get("MatMul") == 2
+    x = rng.normal(size=(2, 4, 16)).astype(np.float32)
+    np.testing.assert_allclose(_run(converted, x), _run(onnx.load(str(source)), x), atol=2e-2, rtol=2e-2)

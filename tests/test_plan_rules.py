@@ -321,11 +321,12 @@ def test_decide_takes_the_first_rule_that_decides(name: str) -> None:
     assert ruling == _rule_at(Planner(planner.model, planner.policy, NodeMatcher(), True), name, expected)
 
 
-@pytest.mark.parametrize("model", ["mixed", "newer_op"])
+@pytest.mark.parametrize("model", ["mixed", "newer_op", "control_flow"])
 def test_the_rules_a_template_may_need_decide_each_node_as_all_rules_do(model: str) -> None:
     """`rules_for` leaves out rules that pass on every node of an op template: the unknown-op rule
     is kept for an op without a schema (a custom op; an op newer than the model's opset, which
-    has a policy rule) and for one without a policy rule, and left out for one with both; each
+    has a policy rule) and for one without a policy rule, and left out for one with both; the
+    control-flow and function-call rules only in a model with subgraphs or functions. Each
     node's ruling from the template's rules is that of all rules."""
     if model == "mixed":
         planner = _planner(
@@ -341,17 +342,40 @@ def test_the_rules_a_template_may_need_decide_each_node_as_all_rules_do(model: s
             initializers=[numpy_helper.from_array(np.array(8, np.int64), "n")],
         )
         unknown = {"foo", "hann"}
-    else:  # RMSNormalization (opset 23) in an opset-17 model
+    elif model == "newer_op":  # RMSNormalization (opset 23) in an opset-17 model
         planner = _planner(
             [oh.make_node("RMSNormalization", ["x", "g"], ["r"], name="rms")],
             inputs=("x",), outputs=("r",), initializers=[_const("g", 1.0, (3,))],
         )
         unknown = {"rms"}
+    else:  # an If (whose branches hold an Exp like the main graph's) and a function call
+        branch = oh.make_graph([oh.make_node("Exp", ["x"], ["t"], name="inner_exp")], "then", [], [_info("t")])
+        body = oh.make_function(
+            "example", "Twice", ["a"], ["b"], [oh.make_node("Add", ["a", "a"], ["b"])],
+            [oh.make_opsetid("", 17)],
+        )
+        planner = _planner(
+            [
+                oh.make_node("If", ["c"], ["i"], name="if", then_branch=branch, else_branch=branch),
+                oh.make_node("Twice", ["x"], ["f"], name="twice", domain="example"),
+                oh.make_node("Exp", ["x"], ["e"], name="exp"),
+                _add(a="i", b="e"),
+            ],
+            outputs=("z", "f"),
+            input_infos=[_info("x"), _info("c", TensorProto.BOOL, ())],
+            functions=[body],
+        )
+        unknown = set()
     planner.start()
     for node in planner.order:
         facts = planner.node_facts(node)
         chosen = rules.rules_for(node, facts, planner)
-        assert (rules.unknown_op in chosen) == (node.name in unknown)
+        assert (rules.control_flow in chosen) == (rules.function_call in chosen) == (model == "control_flow")
+        if node.name not in ("if", "twice"):  # those two are decided before the unknown-op rule
+            assert (rules.unknown_op in chosen) == (node.name in unknown)
         assert rules.decide(node, facts, planner, chosen) == rules.decide(node, facts, planner)
         planner.decide(node)
     assert all(planner.decisions[_node(planner, name)].category is Category.UNKNOWN_OP for name in unknown)
+    if model == "control_flow":
+        assert planner.decisions[_node(planner, "if")].category is Category.CONTROL_FLOW
+        assert planner.decisions[_node(planner, "twice")].category is Category.FUNCTION

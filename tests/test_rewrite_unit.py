@@ -9,6 +9,7 @@ back from the serialised proto with strict ONNX type inference (tests/helpers.py
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -31,8 +32,13 @@ from onnx import TensorProto
 from onnx import helper as oh
 from onnx import numpy_helper as nh
 
+from mixprec.analysis.constants import copy_ranges
 from mixprec.config import Config
+from mixprec.graphs import node_keys
+from mixprec.io import value_types as ir_value_types
 from mixprec.pipeline import prepare
+from mixprec.pipeline.planning import make_plan
+from mixprec.pipeline.steps import rewrite
 from mixprec.plan.model import Precision, PrecisionPlan
 
 TARGETS = ["float16", "bfloat16"]
@@ -185,3 +191,23 @@ def test_rewrite_leaves_the_prepared_model_fp32() -> None:
     second, _ = prepared.rewrite()
     assert [v.dtype for v in prepared.model.graph.initializers.values()][:5] == [ir.DataType.FLOAT] * 5
     assert casts(ir.to_proto(first)) == casts(ir.to_proto(second))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_plan_without_the_planners_fp32_values_rewrites_the_same(target: str) -> None:
+    """The rewrite takes the FP32 values the planner read with its plan; a plan that does not
+    carry them (made elsewhere) has them read again, and the model comes out the same."""
+    prepared = prepare(_fan_out_model(), Config().with_options(runtime="onnx", target_dtype=target))
+    texts = []
+    for carried in (True, False):
+        model = ir_value_types.carry(prepared.model, prepared.model.clone())
+        copy_ranges(prepared.model, model)
+        plan = make_plan(model, node_keys(model), prepared.config, prepared.plan_inputs()).plan
+        assert plan.fp32 is not None and "x" in {v.name for v in plan.fp32} and "idx" not in {v.name for v in plan.fp32}
+        if not carried:
+            plan = dataclasses.replace(plan, fp32=None)
+        out = ir.to_proto(rewrite(model, plan, prepared.config).model)
+        check_full(out)
+        texts.append(onnx.printer.to_text(out))
+    assert texts[0] == texts[1]
+    assert "Cast" in texts[0]

@@ -245,13 +245,14 @@ class _Analysis:
         if self.facts[node].carrier is Carrier.OUTER_PRODUCT and not _is_outer_product(node):
             return False
         inputs = node.inputs
-        # Activations first: constants are read only when every other input qualifies.
+        # Activations first: constants are read only when every other input qualifies. (An
+        # activation is recorded as neither data-free nor tainted: its type is read last.)
         for value in inputs:
             if (
                 value is not None
-                and is_fp32_tensor(value)
                 and not self.is_data_free(value)
                 and self.taint_of(value) is None
+                and is_fp32_tensor(value)
             ):
                 return False
         for value in inputs:

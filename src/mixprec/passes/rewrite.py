@@ -130,29 +130,33 @@ class _Rewriter:
         self.stats = RewriteStats()
         self.cache: dict[tuple[ir.Value, ir.DataType], ir.Value] = {}
         self.created: set[ir.Value] = set()  # outputs of the Casts this rewrite inserted
-        values: set[str] = set()
-        nodes: set[str] = set()
-        for node in plan.order:
-            if node.name:
-                nodes.add(node.name)
-            values.update(v.name for v in node.outputs if v.name)
+        order = plan.order
+        nodes: set[str | None] = {node.name for node in order}
+        values: set[str | None] = {v.name for node in order for v in node.outputs}
         for graph in plan.graphs:
-            values.update(v.name for v in graph.inputs if v.name)
+            values.update([v.name for v in graph.inputs])
             values.update(graph.initializers)
-        self.value_names, self.node_names = FreshNames(values), FreshNames(nodes)
-        # FP32 values of the original model, and which of them end up 16-bit.
-        self.fp32: set[ir.Value] = set()
+        nodes.discard(None)
+        nodes.discard("")
+        values.discard(None)
+        values.discard("")
+        self.value_names, self.node_names = FreshNames(values), FreshNames(nodes)  # type: ignore[arg-type]
+        # FP32 values of the original model (as the planner read them, when it did), and which
+        # of them end up 16-bit.
+        self.fp32: set[ir.Value] | frozenset[ir.Value] = plan.fp32 if plan.fp32 is not None else set()
         self.lowered: set[ir.Value] = set()
 
     # -- analysis of final types ----------------------------------------------------------
     def _collect(self) -> None:
         """The FP32 values of the original model, and which of them end up 16-bit."""
-        self._collect_fp32()
+        if self.plan.fp32 is None:
+            self._collect_fp32()
         self._collect_lowered()
 
     def _collect_fp32(self) -> None:
         """The FP32 graph inputs, initializers and node inputs and outputs."""
-        plan, fp32, seen = self.plan, self.fp32, set()
+        plan, fp32, seen = self.plan, set(), set()
+        self.fp32 = fp32
         for graph in plan.graphs:
             for value in (*graph.inputs, *graph.initializers.values()):
                 if is_fp32_tensor(value):
@@ -177,12 +181,13 @@ class _Rewriter:
         for value, storage in plan.storage.items():
             if storage is Storage.LOW and value.const_value is not None:
                 self.lowered.add(value)
+        decisions, lowered = plan.decisions, self.lowered
         for node in plan.order:
-            if plan.decisions[node].precision is not Precision.LOW:
+            if decisions[node].precision is not Precision.LOW:
                 continue
             for index, out in enumerate(node.outputs):
                 if out in fp32 and plan.output_is_lowered(node, index):
-                    self.lowered.add(out)
+                    lowered.add(out)
 
     # -- casts ----------------------------------------------------------------------------
     def cast_of(self, value: ir.Value, dtype: ir.DataType) -> ir.Value:
@@ -364,27 +369,27 @@ class _Rewriter:
             value.type = ir.TensorType(self.low)  # a new type object: a copy of the model may share the old one
             self.stats.constants_lowered += 1
 
-    def _required(self, node: ir.Node, index: int, value: ir.Value) -> ir.DataType | None:
-        facts = self.plan.facts.get(node)
-        if facts is None:
-            return FLOAT
-        if index in facts.flexible:
-            sig = facts.sig
-            var = sig.input_vars[index] if sig is not None and index < len(sig.input_vars) else None
-            if var is None or self.target.type_str in sig.allowed.get(var, ()):  # type: ignore[union-attr]
-                return None  # takes its input as it is
-            return FLOAT
-        return self.low if self.plan.input_is_lowered(node, index) else FLOAT
-
     def _fix_inputs(self, node: ir.Node) -> None:
-        """Rule 4."""
+        """Rule 4: each FP32 input gets the type the plan computes it in (flexible inputs are
+        taken as they are where the schema admits the 16-bit type)."""
+        fp32, lowered, low, plan = self.fp32, self.lowered, self.low, self.plan
+        facts = plan.facts.get(node)
+        sig = facts.sig if facts is not None else None
+        input_vars = sig.input_vars if sig is not None else ()
+        lowered_vars = plan.lowered_vars[node] if facts is not None and plan.decisions[node].precision is Precision.LOW else ()
         for index, value in enumerate(node.inputs):
-            if value is None or value not in self.fp32:
+            if value is None or value not in fp32:
                 continue
-            required = self._required(node, index, value)
-            if required is None:
-                continue
-            if self._actual(value) != required:
+            var = input_vars[index] if index < len(input_vars) else None
+            if facts is None:
+                required = FLOAT
+            elif index in facts.flexible:
+                if var is None or self.target.type_str in sig.allowed.get(var, ()):  # type: ignore[union-attr]
+                    continue  # takes its input as it is
+                required = FLOAT
+            else:
+                required = low if var is not None and var in lowered_vars else FLOAT
+            if (low if value in lowered else FLOAT) != required:
                 node.replace_input_with(index, self.cast_of(value, required))
 
     def _fix_outputs(self, graph: ir.Graph, required: ir.DataType) -> None:

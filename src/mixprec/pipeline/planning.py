@@ -52,7 +52,7 @@ def make_plan(model: ir.Model, keys: Mapping[ir.Node, str], config: Config, inpu
     """Plan `model` (typed) with the analyses' findings, the plan file and the node choices."""
     by_key = {key: node for node, key in keys.items()}
     forced_nodes = {by_key[k]: finding for k, finding in inputs.forced.items() if k in by_key}
-    values = {v.name: v for v in main_values(model)}
+    values = {v.name: v for v in main_values(model)} if inputs.wide or inputs.safe else {}
     wide_values = {values[name]: evidence for name, evidence in inputs.wide.items() if name in values} or None
     safe_values = {values[name]: evidence for name, evidence in inputs.safe.items() if name in values} or None
     matcher = NodeMatcher(config.nodes.exclude)
@@ -100,12 +100,20 @@ def _plan_by_file(
 
 def _nothing_worth_converting(plan: PrecisionPlan, policy: Policy, profile: RuntimeProfile) -> list[str]:
     """A note when the runtime left every compute-bound op FP32: suggest weights-only."""
-    heavy = [
-        node for node, d in plan.decisions.items()
-        if (rule := policy.rule_for(node.domain, node.op_type)) is not None and rule.compute_bound
-        and d.precision is not Precision.NONE
-    ]
-    if not heavy or any(plan.decisions[n].precision is Precision.LOW for n in heavy):
+    bound: dict[tuple[str, str], bool] = {}  # op -> its policy rule is compute-bound
+    heavy = []
+    for node, decision in plan.decisions.items():
+        op = (node.domain, node.op_type)
+        compute_bound = bound.get(op)
+        if compute_bound is None:
+            rule = policy.rule_for(*op)
+            compute_bound = bound[op] = rule is not None and rule.compute_bound
+        if not compute_bound or decision.precision is Precision.NONE:
+            continue
+        if decision.precision is Precision.LOW:
+            return []
+        heavy.append(node)
+    if not heavy:
         return []
     blocked = sorted({
         n.op_type for n in heavy

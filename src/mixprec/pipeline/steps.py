@@ -357,7 +357,6 @@ def normalize(typed: Typed, profile: RuntimeProfile, policy: Policy, config: Con
         )
         version = None
     if version is not None:
-        untyped = untyped_values(model)
         try:
             # Where only the blocks would change (they fuse), the upgrade just declares the opset.
             skip = frozenset(blocks.waiting) if blocks.waiting is not None else frozenset()
@@ -369,12 +368,15 @@ def normalize(typed: Typed, profile: RuntimeProfile, policy: Policy, config: Con
                 f"opset upgraded to {version} so that decomposed normalizations fuse into "
                 f"{' and '.join(sorted(blocks.needs_opset))} (pin a version with --opset)"
             )
-            # The upgrade only declared the opset of a model the search left as it was, and no
-            # value's type changed (retyping gives types only to values without one, and ran no
-            # inference when none of the others lost theirs; typing gave each initializer its
-            # tensor's): a search would find the same blocks again.
-            retyped = retype_after_upgrade(upgraded, untyped, typeinfo)
-            same = upgraded is model and not blocks.fused and (not untyped or retyped is typeinfo)
+            # An upgrade that only declared the opset left every value's type as it was; one that
+            # rebuilt the model (the old one is left as it was) is retyped where it lost types.
+            # Where only the opset changed in a model the search left as it was, a search would
+            # find the same blocks again.
+            if upgraded is not model:
+                retyped = retype_after_upgrade(upgraded, untyped_values(model), typeinfo)
+            else:
+                retyped = typeinfo
+            same = upgraded is model and not blocks.fused
             model, changed, typeinfo = upgraded, True, retyped
             assume_float_outputs(model, policy.user_custom_ops())
             blocks = fuse_norm_blocks(model, blocks.found if same else None, kernels)

@@ -130,6 +130,8 @@ class PrecisionPlan:
         graphs: The main graph, function bodies and subgraphs.
         keys: Node -> stable key (`mixprec.graphs.node_keys`): the name plan files, reports
             and the accuracy search use for it.
+        fp32: The FP32 tensor values the graphs and nodes read and write, as the planner read
+            their types (None: not recorded; read again where needed).
     """
 
     target: LowPrecision
@@ -143,6 +145,7 @@ class PrecisionPlan:
     order: list[ir.Node]
     graphs: list[ir.Graph]
     keys: dict[ir.Node, str] = field(default_factory=dict)
+    fp32: frozenset[ir.Value] | None = None
 
     def input_is_lowered(self, node: ir.Node, index: int) -> bool:
         """Whether input `index` of `node` is computed in the 16-bit type."""

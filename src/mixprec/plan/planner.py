@@ -119,6 +119,8 @@ class Planner:
             if subgraphs:
                 self.owners.add(node)
                 self.graphs.extend(subgraphs)
+        self.has_control_flow = bool(self.owners)
+        self.has_functions = bool(model.functions)
         self.opsets = dict(model.opset_imports)
         self._templates: dict[tuple, OpTemplate] = {}
         # Per (op, domain, node version, graph, arity): the template and the rules that may
@@ -502,7 +504,7 @@ class Planner:
             target=self.target, keep_io_types=self.keep_io_types, decisions=self.decisions,
             lowered_vars=self.lowered, facts=self.facts, storage=self.storage,
             constant_notes=self.constant_notes, saturated=self.saturated, order=self.order,
-            graphs=self.graphs, keys=self.keys,
+            graphs=self.graphs, keys=self.keys, fp32=self.fp32,
         )
 
     def _placement_view(self) -> PlannerView:

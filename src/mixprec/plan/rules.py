@@ -126,6 +126,9 @@ class PlanContext(Protocol):
     carried: Mapping[ir.Value, ir.Value]  # FP32 values that carry a wide value's range -> that value
     fp32: Container[ir.Value]  # the model's FP32 tensor values (read once when planning starts)
 
+    has_control_flow: bool  # some node owns subgraphs
+    has_functions: bool  # the model has functions of its own
+
     def is_control_flow(self, node: ir.Node) -> bool: ...  # the node owns subgraphs
     def is_function_call(self, node: ir.Node) -> bool: ...  # the node calls a model-local function
     def touches_fp32(self, node: ir.Node) -> bool: ...  # reads or writes FP32 (flexible inputs aside)
@@ -515,6 +518,8 @@ RULES: tuple[Rule, ...] = (
 # patterns, forced nodes, measured values): where its condition is false, the rule passes on every
 # such node. Rules not listed may decide any node.
 _MAY_DECIDE: dict[Rule, Callable[[ir.Node, NodeFacts, PlanContext], bool]] = {
+    control_flow: lambda node, facts, context: context.has_control_flow,
+    function_call: lambda node, facts, context: context.has_functions,
     unknown_op: lambda node, facts, context: facts.rule is None or facts.sig is None,
     excluded: lambda node, facts, context: bool(context.exclude.patterns),
     forced: lambda node, facts, context: bool(context.forced),
