@@ -298,16 +298,26 @@ def _record_ranges(batch: list[tuple[ir.Value, np.ndarray]], target: LowPrecisio
         lost[lost] = flat[lost].astype(target.numpy_dtype).astype(np.float32) == 0
     flushed = np.add.reduceat(lost, starts, dtype=np.int64).tolist()
     max_flushed = np.maximum.reduceat(np.where(lost, magnitude, 0.0), starts).tolist()
-    for (value, _), top, over, count, largest in zip(filled, absmax, overflow, flushed, max_flushed):
-        found = ConstantRange(
+    eps = limits.eps
+    _measured(target).update({
+        value: ConstantRange(
             absmax=top, overflow=over, flushed=count, max_flushed=largest,
-            significant_flush=count > 0 and largest > top * limits.eps,
+            significant_flush=count > 0 and largest > top * eps,
         )
-        _cache_range(value, target, found)
+        for (value, _), top, over, count, largest in zip(filled, absmax, overflow, flushed, max_flushed)
+    })
+
+
+def _measured(target: LowPrecision) -> weakref.WeakKeyDictionary[ir.Value, ConstantRange]:
+    """The ranges measured for `target`, by value."""
+    measured = _RANGES.get(target)
+    if measured is None:
+        measured = _RANGES[target] = weakref.WeakKeyDictionary()
+    return measured
 
 
 def _cache_range(value: ir.Value, target: LowPrecision, found: ConstantRange) -> None:
-    _RANGES.setdefault(target, weakref.WeakKeyDictionary())[value] = found
+    _measured(target)[value] = found
 
 
 def tensor_range(tensor: ir.TensorProtocol, target: LowPrecision) -> ConstantRange:
