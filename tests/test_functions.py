@@ -106,3 +106,95 @@ def test_a_function_whose_body_has_attributes_is_typed_and_converted(tmp_path: P
     assert result.report.nodes_by_precision["low"] == 2
     feeds = {"x": np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)}
     np.testing.assert_allclose(_run(converted, feeds)[0], _run(model, feeds)[0], rtol=1e-2, atol=1e-2)
+
+
+# As jax2onnx writes them: each function imports the domains of the functions it calls at the
+# standard opset's version, while the model imports them at 1 (runtimes find a function by
+# domain and name; an inliner that compares versions refuses).
+NESTED = """
+<ir_version: 10, opset_import: ["" : 21, "outer" : 1, "inner" : 1]>
+agraph (float[2,3,8,8] x) => (float[2,4] y) {
+  y = outer.Block(x)
+}
+<domain: "outer", opset_import: ["" : 21, "outer" : 21, "inner" : 21]>
+Block (a) => (b) {
+  w = Constant<value = float[4,3,3,3] {%s}>()
+  c = Conv<pads = [1, 1, 1, 1]>(a, w)
+  axes = Constant<value = int64[2] {2, 3}>()
+  p = ReduceMean<keepdims = 0>(c, axes)
+  b = inner.Act(p)
+}
+<domain: "inner", opset_import: ["" : 21, "inner" : 21]>
+Act (u) => (v) {
+  v = Relu(u)
+}
+""" % ", ".join(f"{v:.3f}" for v in np.random.default_rng(7).normal(0, 0.3, 108))
+
+
+def _nested() -> onnx.ModelProto:
+    model = onnx.parser.parse_model(NESTED)
+    onnx.checker.check_model(model)
+    return model
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_functions_that_import_called_domains_at_other_versions_convert(tmp_path: Path, target: str) -> None:
+    """Emulation inlines the functions after giving each function domain one version; the
+    converted model keeps its functions, loads in onnxruntime and stays close to FP32. The
+    bfloat16 Conv needs opset 22, and the version converter drops local functions: the model
+    stays at 21, its Conv FP32, and the report says why."""
+    model = _nested()
+    out = tmp_path / "out.onnx"
+    result = mixprec.convert(model, out, target_dtype=target)
+    converted = onnx.load(str(out))
+    assert {f.name for f in converted.functions} == {"Block", "Act"}
+    assert [(o.domain, o.version) for o in converted.opset_import] == [("", 21), ("outer", 1), ("inner", 1)]
+    assert "emulated" in result.report.validation.numerics, result.report.validation.numerics
+    x = np.random.default_rng(0).normal(size=(2, 3, 8, 8)).astype(np.float32)
+    candidate = converted if target == "float16" else emulate_low_precision(converted)
+    np.testing.assert_allclose(_run(candidate, {"x": x})[0], _run(model, {"x": x})[0], rtol=3e-2, atol=3e-2)
+    if target == "float16":
+        assert result.report.low_by_op.get("Conv") == 1
+    else:
+        assert "Conv" not in result.report.low_by_op
+        notes = " ".join(result.report.notes)
+        assert "the ONNX version converter drops its 2 local function(s)" in notes, notes
+        assert "--opset 22" not in notes
+
+
+# A function whose body declares a newer standard opset than the model: onnxruntime runs it,
+# and no inliner can put its nodes into the model's graph.
+NEWER_BODY = """
+<ir_version: 10, opset_import: ["" : 17, "local" : 1]>
+agraph (float[2,3] x) => (float[2,4] y) {
+  w = Constant<value = float[3,4] {0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0,1.1,1.2}>()
+  y = local.Linear(x, w)
+}
+<domain: "local", opset_import: ["" : 18]>
+Linear (a, b) => (c) {
+  m = MatMul(a, b)
+  c = Relu(m)
+}
+"""
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_a_model_that_cannot_be_emulated_is_judged_by_its_real_run(tmp_path: Path, target: str) -> None:
+    """Where the emulated model cannot be built, the conversion still completes: the real run
+    on onnxruntime's CPU provider judges float16 (and the report says emulation was not
+    possible); bfloat16, which that provider cannot compute, is reported as not checked."""
+    model = onnx.parser.parse_model(NEWER_BODY)
+    x = np.random.default_rng(0).normal(size=(2, 3)).astype(np.float32)
+    assert _run(model, {"x": x})  # the runtime runs the FP32 model as written
+    result = mixprec.convert(model, tmp_path / "out.onnx", target_dtype=target)
+    validation = result.report.validation
+    assert result.report.low_by_op.get("MatMul") == 1
+    if target == "float16":
+        assert validation.numerics.startswith("checked on 1 batch for real on onnxruntime CPU"), validation.numerics
+        assert "not emulated: cannot inline model-local functions" in validation.numerics
+        assert not validation.numerics_unchecked and validation.real_outputs
+        converted = onnx.load(str(tmp_path / "out.onnx"))
+        np.testing.assert_allclose(_run(converted, {"x": x})[0], _run(model, {"x": x})[0], rtol=1e-2, atol=1e-2)
+    else:
+        assert validation.numerics_unchecked
+        assert validation.numerics.startswith("not checked: the emulated bfloat16 model could not be built")

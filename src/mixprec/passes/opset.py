@@ -166,12 +166,19 @@ def upgrade_opset(model: ir.Model, opset: int, skip: frozenset[ir.Node] = frozen
     `skip` do not count (they are about to go: normalization blocks that fuse once upgraded).
 
     Raises:
-        InputError: The converter cannot upgrade the model (naming the versions and its error).
+        InputError: The converter cannot upgrade the model (naming the versions and its error),
+            or the model has local functions (the converter drops them, leaving the nodes that
+            call them undefined).
     """
     if converter_keeps_every_node(model, opset, skip):
         set_default_opset(model, opset)
         return model
     current = default_opset(model)
+    if model.functions:
+        raise InputError(
+            f"cannot upgrade the model from opset {current} to {opset}: the ONNX version converter "
+            f"drops its {len(model.functions)} local function(s)"
+        )
     graph = model.graph
     inputs = {v.name for v in graph.inputs}
     proto = weight_free_proto(model)

@@ -468,10 +468,12 @@ def _newer_opset_note(model: ir.Model, plan: PrecisionPlan, profile: RuntimeProf
         return None
     version = max(newer)
     stranded = stranded_ops(model, version, profile) if profile is not None else []
-    advice = (
-        f"but {stranding_note(stranded, version, profile)}" if stranded and profile is not None
-        else f"convert with --opset {version}"
-    )
+    if model.functions:
+        advice = "but the ONNX version converter, which upgrades a model, drops its local functions"
+    elif stranded and profile is not None:
+        advice = f"but {stranding_note(stranded, version, profile)}"
+    else:
+        advice = f"convert with --opset {version}"
     return (
         f"{len(newer)} node(s) have no {target.value} type in their schema at opset {opset}; "
         f"opset {version} admits them ({advice})"

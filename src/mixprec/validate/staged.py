@@ -31,7 +31,7 @@ from mixprec.errors import InputError, MixprecError, RunError, ValidationFailure
 from mixprec.host import host_cpu
 from mixprec.graphs import is_default_domain, subgraphs_of
 from mixprec.io import graph_only_proto, uses_external_data, without_staging
-from mixprec.io.onnx_file import FileChecks
+from mixprec.io.onnx_file import FileChecks, first_line
 from mixprec.policy.opfacts import op_facts
 from mixprec.policy.profiles import load_runtime
 from mixprec.policy.quantized_groups import quantized_groups
@@ -263,10 +263,25 @@ def _run_check(
                 path, runtime, target, batches[0], tolerance, result
             ) or (config, converted)
         _judge_against_fp32_run_alike(reference, batches[0], converted, config, target, tolerance, result)
-    candidate = _emulated_session(path, target, model, result)
+    executed = f"; {result.real_executed}" if result.real_executed else ""
+    try:
+        candidate = _emulated_session(path, target, model, result)
+    except RunError as e:  # the emulated model cannot be built: the real run alone judges
+        if not result.real_outputs:
+            _unchecked(result, f"not checked: the emulated {target.value} model could not be built ({first_line(e)})")
+            return
+        result.runtime = "ran"
+        result.batches = 1
+        result.numerics = (
+            f"checked on 1 batch for real on {result.real_runtime}{executed}; not emulated: {first_line(e)}"
+        )
+        if not_on_openvino is not None:
+            _unchecked(result, f"{result.numerics}; not on OpenVINO: {not_on_openvino}")
+        if tolerance is not None:
+            _raise_beyond_tolerance(result, tolerance, None)
+        return
     merged, nonfinite_feeds = _compare_emulated(candidate, batches, result)
     result.runtime = "ran and emulated" if outcome.ran or result.real_outputs else "emulated"
-    executed = f"; {result.real_executed}" if result.real_executed else ""
     real = f" and for real on {result.real_runtime}{executed}" if result.real_outputs else ""
     result.numerics = f"checked on {result.batches} batch(es) (emulated {target.value}{real})"
     if not_on_openvino is not None:
