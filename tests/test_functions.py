@@ -11,6 +11,7 @@ import onnxruntime as ort
 import pytest
 
 import mixprec
+from mixprec.cli import main
 from mixprec.validate.emulate import emulate_low_precision
 
 MODEL = """
@@ -198,3 +199,53 @@ def test_a_model_that_cannot_be_emulated_is_judged_by_its_real_run(tmp_path: Pat
     else:
         assert validation.numerics_unchecked
         assert validation.numerics.startswith("not checked: the emulated bfloat16 model could not be built")
+
+
+def test_inlined_functions_convert_with_the_rest_of_the_graph(tmp_path: Path) -> None:
+    """Kept, the calls of `Linear` hold FP32 signatures and the report says what inlining would
+    change; inlined (as runtimes do when they load the model), the graph has no function left,
+    fewer Casts, and the same numbers."""
+    model = onnx.parser.parse_model(MODEL)
+    kept = mixprec.convert(model, tmp_path / "kept.onnx", target_dtype="float16")
+    (note,) = [n for n in kept.report.notes if "local function" in n]
+    assert note.startswith("2 call(s) of 1 local function(s) keep FP32 signatures: their bodies (2 nodes in float16)")
+    out = tmp_path / "inlined.onnx"
+    inlined = mixprec.convert(model, out, target_dtype="float16", inline_functions=True)
+    converted = onnx.load(str(out))
+    assert not converted.functions and "local" not in {o.domain for o in converted.opset_import}
+    assert "inlined 1 local function(s) into the graphs that call them (--inline-functions)" in inlined.report.notes
+    assert not [n for n in inlined.report.notes if "keep FP32 signatures" in n]
+    assert inlined.report.low_by_op == {"Constant": 1, "MatMul": 2, "Relu": 2}  # the weight stored in float16
+    kept_model = onnx.load(str(tmp_path / "kept.onnx"))
+    assert _casts_run(converted) == 3 < _casts_run(kept_model) == 6  # x once; a, b, c per call
+    x = np.random.default_rng(0).normal(size=(2, 3)).astype(np.float32)
+    for e, a in zip(_run(model, {"x": x}), _run(converted, {"x": x})):
+        np.testing.assert_allclose(a, e, rtol=1e-2, atol=1e-2)
+
+
+def test_inlined_functions_let_the_opset_upgrade_convert_a_bfloat16_conv(tmp_path: Path) -> None:
+    """The bfloat16 Conv inside a function needs opset 22: with the functions inlined, the
+    version converter upgrades the model and the Conv converts (see the kept case above)."""
+    out = tmp_path / "out.onnx"
+    assert main(["convert", str(_saved(tmp_path)), str(out), "--to", "bf16", "--inline-functions", "--validate", "checker"]) == 0
+    converted = onnx.load(str(out))
+    assert not converted.functions and converted.opset_import[0].version == 22
+    (conv,) = [n for n in converted.graph.node if n.op_type == "Conv"]
+    types = {v.name: v.type.tensor_type.elem_type for v in onnx.shape_inference.infer_shapes(converted).graph.value_info}
+    assert types[conv.output[0]] == onnx.TensorProto.BFLOAT16
+    x = np.random.default_rng(0).normal(size=(2, 3, 8, 8)).astype(np.float32)
+    np.testing.assert_allclose(
+        _run(emulate_low_precision(converted), {"x": x})[0], _run(_nested(), {"x": x})[0], rtol=5e-2, atol=5e-2
+    )
+
+
+def _saved(folder: Path) -> Path:
+    path = folder / "nested.onnx"
+    onnx.save(_nested(), str(path))
+    return path
+
+
+def _casts_run(model: onnx.ModelProto) -> int:
+    """The Casts one inference runs: the main graph's, and each function's once per call."""
+    bodies = {(f.domain, f.name): sum(n.op_type == "Cast" for n in f.node) for f in model.functions}
+    return sum(1 if n.op_type == "Cast" else bodies.get((n.domain, n.op_type), 0) for n in model.graph.node)

@@ -328,5 +328,5 @@ def test_light_cnn_converts_cleanly_with_the_checks_on(
     )
     assert result.report.nodes_by_precision.get("low", 0) > 0
     assert seen == [
-        "upgrade", "fold", "type", "normalize", "analyze", "plan", "rewrite", "save", "save (staged file)"
+        "inline", "upgrade", "fold", "type", "normalize", "analyze", "plan", "rewrite", "save", "save (staged file)"
     ]

@@ -64,6 +64,7 @@ def convert(
     follow_ops: Iterable[str] = (),
     exclude_nodes: Sequence[str] = (),
     keep_io_types: bool = True,
+    inline_functions: bool = False,
     policy_file: str | os.PathLike | None = None,
     validate: bool | str = True,
     data: str | os.PathLike | Iterable[Batch] | None = None,
@@ -95,6 +96,9 @@ def convert(
         follow_ops: Ops that follow the widest type of their inputs.
         exclude_nodes: Node names or regular expressions (`re.search`) of nodes kept in FP32.
         keep_io_types: Keep FP32 model inputs and outputs in FP32.
+        inline_functions: Inline the model's local functions first, as runtimes do when they
+            load a model: their bodies then convert with the rest of the graph. Default: each
+            function keeps its FP32 signature and converts inside its body.
         policy_file: A TOML policy table to use instead of the shipped one.
         validate: "auto"/True: the ONNX checker always; for models with at most 1 GiB of
             weights, onnxruntime runs and compares both models (up to 5,000 nodes) or creates
@@ -144,6 +148,7 @@ def convert(
     config = Config.from_options(
         target_dtype=target_dtype, low_precision_ops=low_precision_ops, fp32_ops=fp32_ops,
         follow_ops=follow_ops, exclude_nodes=exclude_nodes, keep_io_types=keep_io_types,
+        inline_functions=inline_functions,
         policy_file=policy_file, validate=validate, data=data, max_batches=max_batches,
         tolerance=tolerance, external_data=external_data, opset=opset, progress=progress,
         calibrate=calibrate, plan=plan, ranges=ranges, runtime=runtime,

@@ -77,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
                          help="this op type follows the widest type of its inputs; repeatable")
     convert.add_argument("--io-16bit", action="store_true",
                          help="make the model's FP32 inputs and outputs 16-bit too")
+    convert.add_argument("--inline-functions", action="store_true",
+                         help="inline the model's local functions first, as runtimes do when they load "
+                              "it: their bodies convert with the rest of the graph (default: each keeps "
+                              "its FP32 signature and converts inside)")
     convert.add_argument("--opset", type=int, metavar="N",
                          help="upgrade the model to opset N first (default: only when the target "
                               "type needs it, e.g. 22 for bfloat16 Conv)")
@@ -184,6 +188,7 @@ def _config(args: argparse.Namespace) -> Config:
             external_data={"auto": None, "yes": True, "no": False}[args.external_data],
             progress=None,
             weights_only=args.weights_only,
+            inline_functions=args.inline_functions,
             fold_norm_scales=not args.keep_norm_scales,
             allow_invalid=args.allow_invalid,
             overwrite=args.overwrite,

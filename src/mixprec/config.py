@@ -49,6 +49,7 @@ class IOConfig:
     """The model's interface and file: I/O types, opset, external data, invalid input."""
 
     keep_io_types: bool = True
+    inline_functions: bool = False
     opset: int | None = None
     external_data: bool | None = None
     allow_invalid: bool = False
@@ -134,6 +135,7 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "exclude_nodes": ("nodes", "exclude"),
     "plan": ("nodes", "plan"),
     "keep_io_types": ("io", "keep_io_types"),
+    "inline_functions": ("io", "inline_functions"),
     "opset": ("io", "opset"),
     "external_data": ("io", "external_data"),
     "allow_invalid": ("io", "allow_invalid"),

@@ -75,6 +75,7 @@ def make_plan(model: ir.Model, keys: Mapping[ir.Node, str], config: Config, inpu
     else:
         notes.extend(_nothing_worth_converting(result, policy, profile))
     notes.extend(_already_16_bit(model, result))
+    notes.extend(_kept_functions(model, result))
     notes.extend(_ops_the_runtime_refuses(model, keys, profile))
     unused = matcher.unused()
     if unused:
@@ -140,6 +141,29 @@ def _already_16_bit(model: ir.Model, plan: PrecisionPlan) -> list[str]:
     if not kinds:
         return []
     return [f"the model computes in {' and '.join(kinds)} already (no node computes in FP32): nothing to convert"]
+
+
+def _kept_functions(model: ir.Model, plan: PrecisionPlan) -> list[str]:
+    """A note when calls of model-local functions keep their FP32 signatures while their
+    bodies compute in 16 bits: Casts at their inputs and outputs, and bodies the analyses see
+    without their callers' shapes. Runtimes inline the functions when they load the model."""
+    if not model.functions:
+        return []
+    calls = [n for n, d in plan.decisions.items() if d.category is Category.FUNCTION]
+    bodies = {(n.domain, n.op_type, n.overload) for n in calls}
+    decisions = plan.decisions
+    low = sum(
+        1 for function in model.functions.values() for node in function.graph
+        if (decision := decisions.get(node)) is not None and decision.precision is Precision.LOW
+    ) if calls else 0
+    if not low:
+        return []
+    return [
+        f"{len(calls)} call(s) of {len(bodies)} local function(s) keep FP32 signatures: their bodies "
+        f"({low} nodes in {plan.target.value}) convert inside, behind Casts at their inputs and outputs; "
+        "runtimes inline the functions when they load the model, and --inline-functions converts "
+        "them with the rest of the graph"
+    ]
 
 
 def _ops_the_runtime_refuses(model: ir.Model, nodes: Iterable[ir.Node], profile: RuntimeProfile) -> list[str]:

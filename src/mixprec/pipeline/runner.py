@@ -1,7 +1,7 @@
 """The runner: calls the steps in order, passing each the results it needs, times every step
 and checks the model's invariants after those that change it (``MIXPREC_CHECK_STEPS=1``).
 
-    prepare: load, reference, upgrade, fold, type, normalize, analyze    -> Prepared
+    prepare: load, reference, inline, upgrade, fold, type, normalize, analyze    -> Prepared
     convert: prepare, plan, rewrite, save, validate | report, [repair, save, validate, report], publish
 
 A runtime rejection (onnxruntime fails on the converted model where it runs the FP32 one) is a
@@ -38,6 +38,7 @@ from mixprec.pipeline.steps import (
     Typed,
     analyze,
     fold,
+    inline,
     load,
     normalize,
     reference,
@@ -123,7 +124,7 @@ class Prepared:
 
     Attributes:
         unchanged: The input's file while the prepared model still equals it (no IR version
-            change, upgrade, fold or fusion), else None.
+            change, inlining, upgrade, fold or fusion), else None.
         notes: What the preparation steps said, in order.
     """
 
@@ -190,7 +191,7 @@ class Prepared:
 
 
 def _prepare(steps: Steps, source: object, config: Config, cleanup: contextlib.ExitStack) -> Prepared:
-    """load -> reference -> upgrade -> fold -> type -> normalize -> analyze."""
+    """load -> reference -> inline -> upgrade -> fold -> type -> normalize -> analyze."""
     loaded = steps.run("load", load, source, config)
     if loaded.checks is not None:
         cleanup.callback(loaded.checks.close)
@@ -198,12 +199,15 @@ def _prepare(steps: Steps, source: object, config: Config, cleanup: contextlib.E
     # The FP32 model as given (an in-memory one is written before the upgrade changes its opset,
     # as a file input is read from its own): onnxruntime may lack kernels at a newer opset.
     ref = steps.run("reference", reference, loaded, loaded.model, config, cleanup)
+    inlined = steps.run("inline", inline, loaded, config)
+    steps.check("inline", inlined.model)
     upgraded = steps.run("upgrade", upgrade, loaded, config)
     model = upgraded.model
     steps.check("upgrade", model)
     folded = steps.run("fold", fold, model, loaded.profile, config)
     steps.check("fold", model)
-    unchanged = None if loaded.changed or upgraded.changed or folded.changed else loaded.path
+    changed = loaded.changed or inlined.changed or upgraded.changed or folded.changed
+    unchanged = None if changed else loaded.path
     if unchanged is None and loaded.checks is not None:
         loaded.checks.close()  # its inference is of the file, no longer of the model
     strict_failure = refuse_invalid_input(loaded) if loaded.checked else None
@@ -214,7 +218,10 @@ def _prepare(steps: Steps, source: object, config: Config, cleanup: contextlib.E
     steps.check("normalize", normalized.model)
     analysis = steps.run("analyze", analyze, normalized, ref, config)
     steps.check("analyze", normalized.model)
-    notes = (*loaded.notes, *upgraded.notes, *folded.notes, *typed.notes, *normalized.notes, *analysis.notes)
+    notes = (
+        *loaded.notes, *inlined.notes, *upgraded.notes, *folded.notes, *typed.notes, *normalized.notes,
+        *analysis.notes,
+    )
     return Prepared(
         loaded, ref, typed, normalized, analysis, None if normalized.changed else unchanged, config, notes,
         steps.baseline,

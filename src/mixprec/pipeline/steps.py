@@ -30,9 +30,10 @@ from mixprec.config import Config
 from mixprec.errors import InputError, ModelLoadError, RunError
 from mixprec.graphs import all_graphs, graph_reads_ahead, main_values, node_keys, walk_nodes
 from mixprec.io import StagedModel, load_model, typed_values, uses_external_data, value_types, wants_external_data, weight_bytes
-from mixprec.io.onnx_file import FileChecks
+from mixprec.io.onnx_file import FileChecks, first_line
 from mixprec.io.onnx_file import checker_error as onnx_checker_error
 from mixprec.passes.fold_dequantize import fold_constant_dequantizations
+from mixprec.passes.functions import inline_functions
 from mixprec.passes.integer_groups import write_groups_on_integers
 from mixprec.passes.norm_blocks import FusedKernels, fuse_norm_blocks, opset_for_fusion
 from mixprec.passes.norm_scales import FoldedScales, fold_norm_scales
@@ -207,6 +208,19 @@ class Edited:
     model: ir.Model
     changed: bool
     notes: tuple[str, ...] = ()
+
+
+def inline(loaded: Loaded, config: Config) -> Edited:
+    """Inline the model's local functions where asked (in place), as runtimes do when they
+    load it: their bodies then convert with the rest of the graph."""
+    model = loaded.model
+    if not config.io.inline_functions or not model.functions:
+        return Edited(model, False)
+    try:
+        count = inline_functions(model)
+    except ValueError as e:
+        raise InputError(f"cannot inline the model's local functions: {first_line(e)}") from e
+    return Edited(model, True, (f"inlined {count} local function(s) into the graphs that call them (--inline-functions)",))
 
 
 def upgrade(loaded: Loaded, config: Config) -> Edited:

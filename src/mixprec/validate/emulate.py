@@ -43,11 +43,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnx_ir.passes.common as ir_passes
 
 from mixprec.errors import InputError, ModelLoadError, RunError
-from mixprec.graphs import FreshNames, default_domain_version, forget_structure, is_default_domain, model_names
+from mixprec.graphs import FreshNames, default_domain_version, is_default_domain, model_names
 from mixprec.io import value_types, weight_free_proto
+from mixprec.passes.functions import inline_functions
 from mixprec.policy.opfacts import NO_FACTS, op_facts
 from mixprec.validate.qdq_forms import cpu_quantization_forms
 from mixprec.validate.recurrent import RECURRENT_OPS, round_state_each_step, steps_by_itself
@@ -248,33 +248,10 @@ def _infer_types(model: ir.Model) -> None:
 
 
 def _inline_functions(model: ir.Model) -> None:
-    if not model.functions:
-        return
-    _align_function_domains(model)
     try:
-        ir_passes.InlinePass()(model)
-        ir_passes.RemoveUnusedFunctionsPass()(model)
+        inline_functions(model)
     except Exception as exc:  # the inliner raises ValueError and pass errors
         raise RunError(f"cannot inline model-local functions for emulation: {exc}") from exc
-    finally:
-        forget_structure(model)
-
-
-def _align_function_domains(model: ir.Model) -> None:
-    """Give each domain of the model's functions one version in every opset import: the
-    model's where it declares one, else the first function's. Some exporters (jax2onnx) import
-    the domains of the functions a function calls at the standard opset's version and the model
-    at 1; the runtime finds a function by domain and name alone, while the inliner requires
-    equal versions. Inlined, no node of those domains is left."""
-    local = {function.domain for function in model.functions.values()}
-    versions = {domain: model.opset_imports[domain] for domain in local if domain in model.opset_imports}
-    for function in model.functions.values():
-        for domain, version in function.opset_imports.items():
-            if domain in local:
-                versions.setdefault(domain, version)
-    for imports in (model.opset_imports, *(f.opset_imports for f in model.functions.values())):
-        for domain in local & imports.keys():
-            imports[domain] = versions[domain]
 
 
 @dataclass(frozen=True)
