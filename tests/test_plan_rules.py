@@ -241,6 +241,33 @@ def test_policy_class() -> None:
     assert _rule_at(_planner([_add()]), "add", rules.policy_class) is None
 
 
+@pytest.mark.parametrize(
+    ("shape", "axes", "held", "why"),
+    [
+        (("batch", 16, 64), [-1], True, "reduces 64 <= 256 elements"),  # a dynamic batch aside
+        (("batch", 16, 64), [1, 2], False, "reduces 1024 > 256 elements"),
+        (("batch", 16, 64), [0], False, "reduced size unknown (a reduced dimension is not static)"),
+        ((2, "tokens", 64), [1], False, "reduced size unknown (a reduced dimension is not static)"),
+    ],
+)
+def test_a_mean_is_judged_by_the_size_of_its_reduced_dimensions(
+    shape: tuple, axes: list[int], held: bool, why: str
+) -> None:
+    """ReduceMean converts where each output element averages at most 256 elements: the sizes of
+    the reduced dimensions alone count, so a dynamic batch (or any dimension kept) does not hold
+    it in FP32."""
+    planner = _planner(
+        [oh.make_node("ReduceMean", ["x"], ["z"], name="mean", axes=axes)],
+        input_infos=[_info("x", shape=shape)], inputs=("x",), outputs=(),
+    )
+    ruling = _rule_at(planner, "mean", rules.policy_class)
+    if held:
+        assert ruling is None
+        assert planner.classify(_node(planner, "mean"), planner.node_facts(_node(planner, "mean"))).reason.endswith(why)
+    else:
+        assert ruling is not None and ruling.category is Category.CONDITION and ruling.reason.endswith(why)
+
+
 def test_runtime_one_type() -> None:
     inits = [_const(name, value, (3,)) for name, value in (("s", 1e5), ("b", 0.0), ("m", 0.0), ("v", 1.0))]
     node = oh.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["z"], name="bn")

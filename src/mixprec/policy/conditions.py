@@ -46,13 +46,14 @@ def constant_exponent_at_most(
 def reduced_size_at_most(
     node: ir.Node, constant: ConstantLookup, params: Mapping[str, Any]
 ) -> ConditionResult:
-    """The number of elements reduced into each output element is known and small."""
+    """The number of elements reduced into each output element is known and small (the
+    reduced dimensions are static; the others, a dynamic batch say, may be anything)."""
     limit = int(params["max_elements"])
     data = node.inputs[0] if node.inputs else None
     shape = data.shape if data is not None else None
-    if shape is None or not all(isinstance(d, int) for d in shape.dims):
+    if shape is None:
         return ConditionResult(False, "reduced size unknown")
-    dims = [int(d) for d in shape.dims]
+    dims = list(shape.dims)
     axes = reduction_axes(node, constant)
     if axes is None:
         return ConditionResult(False, "reduction axes are not constant")
@@ -61,7 +62,10 @@ def reduced_size_at_most(
         if noop is not None and noop.as_int() == 1:
             return ConditionResult(True, "no reduction")
         axes = list(range(len(dims)))
-    size = math.prod(dims[a % len(dims)] for a in axes) if dims else 1
+    reduced = [dims[a % len(dims)] for a in axes] if dims else []
+    if not all(isinstance(d, int) for d in reduced):
+        return ConditionResult(False, "reduced size unknown (a reduced dimension is not static)")
+    size = math.prod(int(d) for d in reduced)
     if size <= limit:
         return ConditionResult(True, f"reduces {size} <= {limit} elements")
     return ConditionResult(False, f"reduces {size} > {limit} elements")
