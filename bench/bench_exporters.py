@@ -22,6 +22,7 @@ maps as [samples, classes]).
 from __future__ import annotations
 
 import argparse
+import itertools
 import subprocess
 import sys
 import tempfile
@@ -101,13 +102,17 @@ def main() -> None:
     print(f"{'model':24} {'target':18} {'converted':>9} {'fused':>5} {'checker':>8} {'error x1':>10} {'error x1000':>12}")
     for path in sorted(args.out.glob("*.onnx")):
         source = onnx.load(path)
-        for target, runtime in TARGETS:
+        # A model with local functions also converts with them inlined (its row marked "+inline").
+        variants = [(path.stem, False)] + ([(f"{path.stem}+inline", True)] if source.functions else [])
+        for (name, inline), (target, runtime) in itertools.product(variants, TARGETS):
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "converted.onnx"
                 try:
-                    result = mixprec.convert(str(path), str(out), target_dtype=target, runtime=runtime)
+                    result = mixprec.convert(
+                        str(path), str(out), target_dtype=target, runtime=runtime, inline_functions=inline
+                    )
                 except mixprec.MixprecError as e:
-                    print(f"{path.stem:24} {_SHORT[target]} {runtime:13} refused: {str(e).splitlines()[0][:80]}")
+                    print(f"{name:24} {_SHORT[target]} {runtime:13} refused: {str(e).splitlines()[0][:80]}")
                     continue
                 converted = emulate_low_precision(onnx.load(out))
             report = result.report
@@ -123,7 +128,7 @@ def main() -> None:
                     continue
                 feeds = _feeds(source, scale, saved)
                 errors.append(_error(_run(source, feeds), _run(converted, feeds)))
-            print(f"{path.stem:24} {_SHORT[target]} {runtime:13} {share:9.1%} {fused:>5} {report.validation.checker:>8} "
+            print(f"{name:24} {_SHORT[target]} {runtime:13} {share:9.1%} {fused:>5} {report.validation.checker:>8} "
                   f"{errors[0]:>10} {errors[1]:>12}")
 
 

@@ -3,7 +3,8 @@
     bench/out/jax-venv/bin/python bench/export_jax.py OUT_DIR
 
 Writes, with fixed seeds: a two-layer Flax encoder (LayerNorm, multi-head attention, GELU MLP;
-opset 21, and with a symbolic batch at opsets 17 and 23), a small CNN (Conv, BatchNorm,
+opset 21, and with a symbolic batch at opsets 17 and 23; with each block a local function, at
+opset 21), a small CNN (Conv, BatchNorm,
 AvgPool, SiLU; symbolic batch, opset 21) and a LLaMA-style block (RMSNorm, rotary embedding,
 causal mask, SiLU-gated MLP; opset 23). jax2onnx writes Flax's LayerNorm and RMSNorm out
 (variance as the mean of squares less the squared mean, epsilon cast like the input).
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import onnx
 from flax import nnx
-from jax2onnx import to_onnx
+from jax2onnx import onnx_function, to_onnx
 
 
 class Block(nnx.Module):
@@ -35,10 +36,17 @@ class Block(nnx.Module):
         return x + self.fc2(nnx.gelu(self.fc1(self.ln2(x))))
 
 
+@onnx_function
+class FunctionBlock(Block):
+    """The block written as an ONNX function of the model (jax2onnx's `onnx_function`)."""
+
+
 class Encoder(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs, vocab: int = 100, d: int = 64, heads: int = 4, layers: int = 2) -> None:
+    def __init__(
+        self, rngs: nnx.Rngs, vocab: int = 100, d: int = 64, heads: int = 4, layers: int = 2, block: type = Block
+    ) -> None:
         self.emb = nnx.Embed(vocab, d, rngs=rngs)
-        self.blocks = nnx.List([Block(d, heads, rngs) for _ in range(layers)])
+        self.blocks = nnx.List([block(d, heads, rngs) for _ in range(layers)])
         self.ln = nnx.LayerNorm(d, rngs=rngs)
         self.head = nnx.Linear(d, 10, rngs=rngs)
 
@@ -101,6 +109,11 @@ def main(out: Path) -> None:
         "jax_encoder_op21": (encoder, [tokens], 21),
         "jax_encoder_dyn_op17": (encoder, [jax.ShapeDtypeStruct(("B", 16), jnp.int32)], 17),
         "jax_encoder_dyn_op23": (encoder, [jax.ShapeDtypeStruct(("B", 16), jnp.int32)], 23),
+        # Each block a local function, with a symbolic batch (the model's functions keep FP32
+        # signatures unless inlined).
+        "jax_fn_encoder_dyn_op21": (
+            Encoder(nnx.Rngs(3), block=FunctionBlock), [jax.ShapeDtypeStruct(("B", 16), jnp.int32)], 21
+        ),
         "jax_cnn_op21": (CNN(nnx.Rngs(1)), [("B", 32, 32, 3)], 21),
         "jax_llama_op23": (LlamaBlock(nnx.Rngs(2)), [jax.ShapeDtypeStruct((1, 16, 64), jnp.float32)], 23),
     }
