@@ -99,7 +99,7 @@ def main() -> None:
             print(f"skipped {script}: no interpreter at {python} (bench/README.md §8)")
             continue
         subprocess.run([python, str(Path(__file__).with_name(script)), str(args.out)], check=True, capture_output=True)
-    print(f"{'model':24} {'target':18} {'converted':>9} {'fused':>5} {'checker':>8} {'error x1':>10} {'error x1000':>12}")
+    print(f"{'model':30} {'target':18} {'converted':>9} {'fused':>5} {'checker':>8} {'error x1':>10} {'error x1000':>12}")
     for path in sorted(args.out.glob("*.onnx")):
         source = onnx.load(path)
         # A model with local functions also converts with them inlined (its row marked "+inline").
@@ -112,7 +112,7 @@ def main() -> None:
                         str(path), str(out), target_dtype=target, runtime=runtime, inline_functions=inline
                     )
                 except mixprec.MixprecError as e:
-                    print(f"{name:24} {_SHORT[target]} {runtime:13} refused: {str(e).splitlines()[0][:80]}")
+                    print(f"{name:30} {_SHORT[target]} {runtime:13} refused: {str(e).splitlines()[0][:80]}")
                     continue
                 converted = emulate_low_precision(onnx.load(out))
             report = result.report
@@ -128,7 +128,7 @@ def main() -> None:
                     continue
                 feeds = _feeds(source, scale, saved)
                 errors.append(_error(_run(source, feeds), _run(converted, feeds)))
-            print(f"{name:24} {_SHORT[target]} {runtime:13} {share:9.1%} {fused:>5} {report.validation.checker:>8} "
+            print(f"{name:30} {_SHORT[target]} {runtime:13} {share:9.1%} {fused:>5} {report.validation.checker:>8} "
                   f"{errors[0]:>10} {errors[1]:>12}")
 
 

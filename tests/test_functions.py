@@ -12,6 +12,7 @@ import pytest
 
 import mixprec
 from mixprec.cli import main
+from mixprec.report.html import render_html_report
 from mixprec.validate.emulate import emulate_low_precision
 
 MODEL = """
@@ -159,7 +160,8 @@ def test_functions_that_import_called_domains_at_other_versions_convert(tmp_path
     else:
         assert "Conv" not in result.report.low_by_op
         notes = " ".join(result.report.notes)
-        assert "the ONNX version converter drops its 2 local function(s)" in notes, notes
+        assert "the ONNX version converter drops its 2 local function(s) (--inline-functions inlines them first)" in notes, notes
+        assert "opset 22 admits them (convert with --inline-functions" in notes, notes
         assert "--opset 22" not in notes
 
 
@@ -190,15 +192,22 @@ def test_a_model_that_cannot_be_emulated_is_judged_by_its_real_run(tmp_path: Pat
     result = mixprec.convert(model, tmp_path / "out.onnx", target_dtype=target)
     validation = result.report.validation
     assert result.report.low_by_op.get("MatMul") == 1
+    (note,) = [n for n in result.report.notes if "local function" in n]
+    assert note.endswith(
+        "they cannot be inlined here (function 'Linear' imports the default domain at version 18, the model at 17)"
+    )
     if target == "float16":
-        assert validation.numerics.startswith("checked on 1 batch for real on onnxruntime CPU"), validation.numerics
-        assert "not emulated: cannot inline model-local functions" in validation.numerics
-        assert not validation.numerics_unchecked and validation.real_outputs
+        assert validation.numerics.startswith("checked on 1 batch(es) for real on onnxruntime CPU"), validation.numerics
+        assert "not emulated: the emulated float16 model could not be built (cannot inline" in validation.numerics
+        assert not validation.numerics_unchecked and validation.real_outputs and not validation.outputs
+        assert "No numeric comparison" not in render_html_report(result.report)  # the real run's rows
         converted = onnx.load(str(tmp_path / "out.onnx"))
         np.testing.assert_allclose(_run(converted, {"x": x})[0], _run(model, {"x": x})[0], rtol=1e-2, atol=1e-2)
     else:
         assert validation.numerics_unchecked
         assert validation.numerics.startswith("not checked: the emulated bfloat16 model could not be built")
+    with pytest.raises(mixprec.InputError, match="^cannot inline the model's local functions: function 'Linear'"):
+        mixprec.convert(model, tmp_path / "inlined.onnx", target_dtype=target, inline_functions=True)
 
 
 def test_inlined_functions_convert_with_the_rest_of_the_graph(tmp_path: Path) -> None:
@@ -249,3 +258,18 @@ def _casts_run(model: onnx.ModelProto) -> int:
     """The Casts one inference runs: the main graph's, and each function's once per call."""
     bodies = {(f.domain, f.name): sum(n.op_type == "Cast" for n in f.node) for f in model.functions}
     return sum(1 if n.op_type == "Cast" else bodies.get((n.domain, n.op_type), 0) for n in model.graph.node)
+
+
+def test_tune_inlines_functions_before_the_opset_it_is_given(tmp_path: Path) -> None:
+    """With `opset`, tune upgrades its FP32 reference first: a model with local functions is
+    inlined before (the version converter drops them), and every candidate is converted so."""
+    from mixprec.tune import tune  # noqa: PLC0415
+
+    x = np.random.default_rng(1).normal(size=(2, 3, 8, 8)).astype(np.float32)
+    result = tune(
+        str(_saved(tmp_path)), {"x": x}, target_dtype="bfloat16", tolerance=mixprec.Tolerance(atol=0.05, rtol=0.05),
+        opset=22, inline_functions=True, output=tmp_path / "tuned.onnx",
+    )
+    assert result.met
+    converted = onnx.load(str(tmp_path / "tuned.onnx"))
+    assert not converted.functions and converted.opset_import[0].version == 22

@@ -248,6 +248,8 @@ def test_policy_class() -> None:
         (("batch", 16, 64), [1, 2], False, "reduces 1024 > 256 elements"),
         (("batch", 16, 64), [0], False, "reduced size unknown (a reduced dimension is not static)"),
         ((2, "tokens", 64), [1], False, "reduced size unknown (a reduced dimension is not static)"),
+        ((), [0], True, "reduces 1 <= 256 elements"),  # a scalar: its one (wrapped) axis
+        (("batch", 300), None, True, "no reduction"),  # no axes, noop_with_empty_axes=1
     ],
 )
 def test_a_mean_is_judged_by_the_size_of_its_reduced_dimensions(
@@ -256,10 +258,14 @@ def test_a_mean_is_judged_by_the_size_of_its_reduced_dimensions(
     """ReduceMean converts where each output element averages at most 256 elements: the sizes of
     the reduced dimensions alone count, so a dynamic batch (or any dimension kept) does not hold
     it in FP32."""
-    planner = _planner(
-        [oh.make_node("ReduceMean", ["x"], ["z"], name="mean", axes=axes)],
-        input_infos=[_info("x", shape=shape)], inputs=("x",), outputs=(),
-    )
+    if axes is None:  # opset 18: axes an input, here none given
+        node = oh.make_node("ReduceMean", ["x"], ["z"], name="mean", noop_with_empty_axes=1)
+        planner = _planner([node], input_infos=[_info("x", shape=shape)], inputs=("x",), outputs=(), opset=18)
+    else:
+        planner = _planner(
+            [oh.make_node("ReduceMean", ["x"], ["z"], name="mean", axes=axes)],
+            input_infos=[_info("x", shape=shape)], inputs=("x",), outputs=(),
+        )
     ruling = _rule_at(planner, "mean", rules.policy_class)
     if held:
         assert ruling is None
@@ -348,7 +354,7 @@ def test_decide_takes_the_first_rule_that_decides(name: str) -> None:
     assert ruling == _rule_at(Planner(planner.model, planner.policy, NodeMatcher(), True), name, expected)
 
 
-@pytest.mark.parametrize("model", ["mixed", "newer_op", "control_flow"])
+@pytest.mark.parametrize("model", ["mixed", "newer_op", "control_flow", "function"])
 def test_the_rules_a_template_may_need_decide_each_node_as_all_rules_do(model: str) -> None:
     """`rules_for` leaves out rules that pass on every node of an op template: the unknown-op rule
     is kept for an op without a schema (a custom op; an op newer than the model's opset, which
@@ -375,29 +381,33 @@ def test_the_rules_a_template_may_need_decide_each_node_as_all_rules_do(model: s
             inputs=("x",), outputs=("r",), initializers=[_const("g", 1.0, (3,))],
         )
         unknown = {"rms"}
-    else:  # an If (whose branches hold an Exp like the main graph's) and a function call
+    elif model == "control_flow":  # an If whose branches hold an Exp like the main graph's
         branch = oh.make_graph([oh.make_node("Exp", ["x"], ["t"], name="inner_exp")], "then", [], [_info("t")])
+        planner = _planner(
+            [
+                oh.make_node("If", ["c"], ["i"], name="if", then_branch=branch, else_branch=branch),
+                oh.make_node("Exp", ["x"], ["e"], name="exp"),
+                _add(a="i", b="e"),
+            ],
+            input_infos=[_info("x"), _info("c", TensorProto.BOOL, ())],
+        )
+        unknown = set()
+    else:  # a call of a function whose body adds, beside an Add of the main graph
         body = oh.make_function(
             "example", "Twice", ["a"], ["b"], [oh.make_node("Add", ["a", "a"], ["b"])],
             [oh.make_opsetid("", 17)],
         )
         planner = _planner(
-            [
-                oh.make_node("If", ["c"], ["i"], name="if", then_branch=branch, else_branch=branch),
-                oh.make_node("Twice", ["x"], ["f"], name="twice", domain="example"),
-                oh.make_node("Exp", ["x"], ["e"], name="exp"),
-                _add(a="i", b="e"),
-            ],
-            outputs=("z", "f"),
-            input_infos=[_info("x"), _info("c", TensorProto.BOOL, ())],
-            functions=[body],
+            [oh.make_node("Twice", ["x"], ["f"], name="twice", domain="example"), _add(a="f", b="x")],
+            inputs=("x",), functions=[body],
         )
         unknown = set()
     planner.start()
     for node in planner.order:
         facts = planner.node_facts(node)
         chosen = rules.rules_for(node, facts, planner)
-        assert (rules.control_flow in chosen) == (rules.function_call in chosen) == (model == "control_flow")
+        assert (rules.control_flow in chosen) == (model == "control_flow")
+        assert (rules.function_call in chosen) == (model == "function")
         if node.name not in ("if", "twice"):  # those two are decided before the unknown-op rule
             assert (rules.unknown_op in chosen) == (node.name in unknown)
         assert rules.decide(node, facts, planner, chosen) == rules.decide(node, facts, planner)
@@ -405,4 +415,5 @@ def test_the_rules_a_template_may_need_decide_each_node_as_all_rules_do(model: s
     assert all(planner.decisions[_node(planner, name)].category is Category.UNKNOWN_OP for name in unknown)
     if model == "control_flow":
         assert planner.decisions[_node(planner, "if")].category is Category.CONTROL_FLOW
+    if model == "function":
         assert planner.decisions[_node(planner, "twice")].category is Category.FUNCTION

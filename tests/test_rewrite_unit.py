@@ -14,6 +14,7 @@ from collections import Counter
 
 import numpy as np
 import onnx
+import onnx.parser
 import onnx_ir as ir
 import pytest
 from helpers import (
@@ -193,17 +194,38 @@ def test_rewrite_leaves_the_prepared_model_fp32() -> None:
     assert casts(ir.to_proto(first)) == casts(ir.to_proto(second))
 
 
+_WITH_FUNCTION_AND_BRANCH = """
+<ir_version: 10, opset_import: ["" : 18, "local" : 1]>
+agraph (float[2,3] x, bool c) => (float[2,4] y, float[2,4] z) {
+  w = Constant<value = float[3,4] {0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0,1.1,1.2}>()
+  h = local.Linear(x, w)
+  y = Softmax(h)
+  z = If(c) <then_branch = g1 () => (float[2,4] t) { t = MatMul(x, w) },
+             else_branch = g2 () => (float[2,4] e) { e = local.Linear(x, w) }>
+}
+<domain: "local", opset_import: ["" : 18]>
+Linear (a, b) => (o) {
+  m = MatMul(a, b)
+  o = Relu(m)
+}
+"""
+
+
 @pytest.mark.parametrize("target", TARGETS)
-def test_a_plan_without_the_planners_fp32_values_rewrites_the_same(target: str) -> None:
+@pytest.mark.parametrize("kind", ["fan_out", "function_and_branch"])
+def test_a_plan_without_the_planners_fp32_values_rewrites_the_same(target: str, kind: str) -> None:
     """The rewrite takes the FP32 values the planner read with its plan; a plan that does not
-    carry them (made elsewhere) has them read again, and the model comes out the same."""
-    prepared = prepare(_fan_out_model(), Config().with_options(runtime="onnx", target_dtype=target))
+    carry them (made elsewhere) has them read again, and the model comes out the same (also
+    with a function body and a subgraph reading outer values)."""
+    source = _fan_out_model() if kind == "fan_out" else onnx.parser.parse_model(_WITH_FUNCTION_AND_BRANCH)
+    prepared = prepare(source, Config().with_options(runtime="onnx", target_dtype=target))
     texts = []
     for carried in (True, False):
         model = ir_value_types.carry(prepared.model, prepared.model.clone())
         copy_ranges(prepared.model, model)
         plan = make_plan(model, node_keys(model), prepared.config, prepared.plan_inputs()).plan
-        assert plan.fp32 is not None and "x" in {v.name for v in plan.fp32} and "idx" not in {v.name for v in plan.fp32}
+        assert plan.fp32 is not None and "x" in {v.name for v in plan.fp32}
+        assert ("idx" if kind == "fan_out" else "c") not in {v.name for v in plan.fp32}  # an integer / bool input
         if not carried:
             plan = dataclasses.replace(plan, fp32=None)
         out = ir.to_proto(rewrite(model, plan, prepared.config).model)

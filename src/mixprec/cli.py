@@ -140,6 +140,8 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--fp32-op", action="append", default=[], metavar="OP",
                       help="keep this op type in FP32; repeatable")
     tune.add_argument("--opset", type=int, metavar="N", help="upgrade the model to opset N first")
+    tune.add_argument("--inline-functions", action="store_true",
+                      help="inline the model's local functions first, as runtimes do when they load it")
     tune.add_argument("--runtime", default=None, choices=RUNTIMES,
                       help=f"the runtime the model is deployed to (default {DEFAULT_RUNTIME}); with "
                            "openvino installed, --runtime openvino evaluates candidates on it for real")
@@ -173,6 +175,7 @@ def _config(args: argparse.Namespace) -> Config:
         "fp32_ops": args.fp32_op,
         "keep_io_types": not args.io_16bit,
         "opset": args.opset,
+        "inline_functions": args.inline_functions,
         "runtime": args.runtime,
         "plan": args.plan,
     }
@@ -188,7 +191,6 @@ def _config(args: argparse.Namespace) -> Config:
             external_data={"auto": None, "yes": True, "no": False}[args.external_data],
             progress=None,
             weights_only=args.weights_only,
-            inline_functions=args.inline_functions,
             fold_norm_scales=not args.keep_norm_scales,
             allow_invalid=args.allow_invalid,
             overwrite=args.overwrite,

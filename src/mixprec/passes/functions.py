@@ -19,20 +19,36 @@ import onnx_ir.passes.common as ir_passes
 
 from mixprec.graphs import all_nodes, forget_structure
 
-__all__ = ["inline_functions"]
+__all__ = ["inline_functions", "inlining_obstacle"]
+
+
+def inlining_obstacle(model: ir.Model) -> str | None:
+    """Why the model's local functions cannot be inlined (a body imports a domain other than a
+    function domain at another version than the model: its nodes mean something else in the
+    caller's graph), or None."""
+    aligned = _aligned_domains(model)
+    for function in model.functions.values():
+        for domain, version in function.opset_imports.items():
+            declared = model.opset_imports.get(domain)
+            if domain not in aligned and declared is not None and declared != version:
+                where = f"domain {domain!r}" if domain else "the default domain"
+                return f"function {function.name!r} imports {where} at version {version}, the model at {declared}"
+    return None
 
 
 def inline_functions(model: ir.Model) -> int:
     """Inline every call of a model-local function, in place, and drop the functions; the
-    number of functions the model had.
+    number of functions that were called.
 
     Raises:
-        ValueError: The inliner refuses (a function's body imports a standard domain at another
-            version than the model).
+        ValueError: The functions cannot be inlined (:func:`inlining_obstacle`).
     """
-    count = len(model.functions)
-    if not count:
+    if not model.functions:
         return 0
+    obstacle = inlining_obstacle(model)
+    if obstacle is not None:
+        raise ValueError(obstacle)
+    called = {key for node in all_nodes(model) if (key := (node.domain, node.op_type, node.overload)) in model.functions}
     local = {function.domain for function in model.functions.values()}
     _align_function_domains(model)
     try:
@@ -43,13 +59,23 @@ def inline_functions(model: ir.Model) -> int:
     used = {node.domain for node in all_nodes(model)} | {function.domain for function in model.functions.values()}
     for domain in local - used:
         model.opset_imports.pop(domain, None)  # the domain of functions no node calls any more
-    return count
+    return len(called)
+
+
+def _aligned_domains(model: ir.Model) -> set[str]:
+    """The domains of the model's functions whose every node calls one of them (no op of a
+    runtime or a standard lives there): their versions name no operator set."""
+    local = {function.domain for function in model.functions.values()}
+    for node in all_nodes(model):
+        if node.domain in local and (node.domain, node.op_type, node.overload) not in model.functions:
+            local.discard(node.domain)
+    return local
 
 
 def _align_function_domains(model: ir.Model) -> None:
-    """Give each domain of the model's functions one version in every opset import: the
-    model's where it declares one, else the first function's."""
-    local = {function.domain for function in model.functions.values()}
+    """Give each function domain that only holds functions one version in every opset import:
+    the model's where it declares one, else the first function's."""
+    local = _aligned_domains(model)
     versions = {domain: model.opset_imports[domain] for domain in local if domain in model.opset_imports}
     for function in model.functions.values():
         for domain, version in function.opset_imports.items():

@@ -177,7 +177,7 @@ def upgrade_opset(model: ir.Model, opset: int, skip: frozenset[ir.Node] = frozen
     if model.functions:
         raise InputError(
             f"cannot upgrade the model from opset {current} to {opset}: the ONNX version converter "
-            f"drops its {len(model.functions)} local function(s)"
+            f"drops its {len(model.functions)} local function(s) (--inline-functions inlines them first)"
         )
     graph = model.graph
     inputs = {v.name for v in graph.inputs}

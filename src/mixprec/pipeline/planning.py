@@ -12,7 +12,8 @@ import onnx_ir as ir
 
 from mixprec.config import Config
 from mixprec.errors import InputError
-from mixprec.graphs import format_op_name, main_values
+from mixprec.graphs import format_op_name, main_values, walk_nodes
+from mixprec.passes.functions import inlining_obstacle
 from mixprec.plan.model import Category, NodeMatcher, Precision, PrecisionPlan
 from mixprec.plan.planner import plan_precision
 from mixprec.plan.weights_only import weights_only as weights_only_plan
@@ -150,19 +151,23 @@ def _kept_functions(model: ir.Model, plan: PrecisionPlan) -> list[str]:
     if not model.functions:
         return []
     calls = [n for n, d in plan.decisions.items() if d.category is Category.FUNCTION]
-    bodies = {(n.domain, n.op_type, n.overload) for n in calls}
+    called = {(n.domain, n.op_type, n.overload) for n in calls}
     decisions = plan.decisions
     low = sum(
-        1 for function in model.functions.values() for node in function.graph
+        1 for key in called for node in walk_nodes(model.functions[key])
         if (decision := decisions.get(node)) is not None and decision.precision is Precision.LOW
-    ) if calls else 0
+    )
     if not low:
         return []
+    obstacle = inlining_obstacle(model)
+    remedy = (
+        f"they cannot be inlined here ({obstacle})" if obstacle is not None
+        else "--inline-functions converts them with the rest of the graph"
+    )
     return [
-        f"{len(calls)} call(s) of {len(bodies)} local function(s) keep FP32 signatures: their bodies "
+        f"{len(calls)} call(s) of {len(called)} local function(s) keep FP32 signatures: their bodies "
         f"({low} nodes in {plan.target.value}) convert inside, behind Casts at their inputs and outputs; "
-        "runtimes inline the functions when they load the model, and --inline-functions converts "
-        "them with the rest of the graph"
+        f"runtimes inline the functions when they load the model, and {remedy}"
     ]
 
 

@@ -218,7 +218,7 @@ def inline(loaded: Loaded, config: Config) -> Edited:
         return Edited(model, False)
     try:
         count = inline_functions(model)
-    except ValueError as e:
+    except Exception as e:  # noqa: BLE001 - the inliner raises ValueError and onnx_ir's pass errors
         raise InputError(f"cannot inline the model's local functions: {first_line(e)}") from e
     return Edited(model, True, (f"inlined {count} local function(s) into the graphs that call them (--inline-functions)",))
 
@@ -598,7 +598,8 @@ def _normalize_ir_version(model: ir.Model) -> list[str]:
 def _resolve_validation(level: str, model: ir.Model, weights: int) -> str:
     if level != "auto":
         return level
-    nodes = len(walk_nodes(model.graph))
+    # Function bodies count once per function: runtimes (and emulation) inline them.
+    nodes = len(walk_nodes(model.graph)) + sum(len(walk_nodes(f)) for f in model.functions.values())
     if nodes <= RUN_MAX_NODES and weights <= RUN_MAX_WEIGHT_BYTES:
         return "run"
     return "load" if nodes <= LOAD_MAX_NODES else "checker"

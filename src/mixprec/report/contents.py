@@ -16,6 +16,7 @@ from typing import Any
 import onnx_ir as ir
 
 from mixprec.analysis.cost_model import CAST_BYTES_PER_ELEMENT, SYMBOLIC_DIM
+from mixprec.passes.functions import inlining_obstacle
 from mixprec.plan.estimate import estimate_plan
 from mixprec.report.quantized import QuantizedSummary, quantized_summary
 from mixprec.validate.results import InputScale, OutputError, Validation, shape_text
@@ -469,7 +470,12 @@ def _newer_opset_note(model: ir.Model, plan: PrecisionPlan, profile: RuntimeProf
     version = max(newer)
     stranded = stranded_ops(model, version, profile) if profile is not None else []
     if model.functions:
-        advice = "but the ONNX version converter, which upgrades a model, drops its local functions"
+        obstacle = inlining_obstacle(model)
+        advice = (
+            f"but the ONNX version converter drops local functions, and they cannot be inlined: {obstacle}"
+            if obstacle is not None else
+            "convert with --inline-functions: the ONNX version converter, which upgrades a model, drops local functions"
+        )
     elif stranded and profile is not None:
         advice = f"but {stranding_note(stranded, version, profile)}"
     else:

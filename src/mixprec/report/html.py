@@ -273,7 +273,8 @@ def _quantization_card(report: Report) -> list[str]:
 def _outputs_section(report: Report) -> str:
     v = report.validation
     out = ['<section id="outputs"><h2>Output errors against the FP32 model</h2>']
-    if not v.outputs:
+    outputs = v.outputs or v.real_outputs  # a real run alone where no emulated model was built
+    if not outputs:
         out.append(
             f'<p class="note">No numeric comparison (runtime: {esc(v.runtime)}).</p></section>'
         )
@@ -283,7 +284,7 @@ def _outputs_section(report: Report) -> str:
         '<th class="n">max error / max |FP32|</th><th class="n">NaN</th><th class="n">Inf</th>'
         '<th class="n">new non-finite</th><th>within tolerance</th></tr></thead><tbody>'
     )
-    for o in v.outputs:
+    for o in outputs:
         bad = o.within_tolerance is False or o.new_nonfinite > 0
         within = "\u2014" if o.within_tolerance is None else ("yes" if o.within_tolerance else "NO")
         errors = (

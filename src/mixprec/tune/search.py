@@ -183,6 +183,7 @@ class _Search:
     def _fp32_model(self, model: str | os.PathLike | onnx.ModelProto) -> Path:
         """The FP32 model as a file (upgraded first when `opset` is given)."""
         from mixprec.io import load_model  # noqa: PLC0415
+        from mixprec.passes.functions import inline_functions  # noqa: PLC0415
         from mixprec.passes.opset import default_opset, upgrade_opset  # noqa: PLC0415
 
         opset = self.config.io.opset  # stays pinned: no candidate moves past it
@@ -195,6 +196,11 @@ class _Search:
         ir_model, _ = load_model(model)
         current = default_opset(ir_model)
         if opset is not None and current is not None and current < opset:
+            if self.config.io.inline_functions:  # the version converter drops local functions
+                try:
+                    inline_functions(ir_model)
+                except Exception as e:  # noqa: BLE001 - the inliner raises ValueError and pass errors
+                    raise InputError(f"cannot inline the model's local functions: {e}") from e
             ir_model = upgrade_opset(ir_model, opset)
             self.notes.append(f"opset upgraded from {current} to {opset}")
         path = self.workdir / "fp32.onnx"

@@ -267,18 +267,20 @@ def _run_check(
     try:
         candidate = _emulated_session(path, target, model, result)
     except RunError as e:  # the emulated model cannot be built: the real run alone judges
+        why = f"the emulated {target.value} model could not be built ({first_line(e)})"
         if not result.real_outputs:
-            _unchecked(result, f"not checked: the emulated {target.value} model could not be built ({first_line(e)})")
+            more = f"; not on OpenVINO: {not_on_openvino}" if not_on_openvino is not None else ""
+            _unchecked(result, f"not checked: {why}{more}")
             return
         result.runtime = "ran"
-        result.batches = 1
+        result.batches = len(batches) if runtime == "openvino" else 1  # OpenVINO runs every batch
         result.numerics = (
-            f"checked on 1 batch for real on {result.real_runtime}{executed}; not emulated: {first_line(e)}"
+            f"checked on {result.batches} batch(es) for real on {result.real_runtime}{executed}; not emulated: {why}"
         )
-        if not_on_openvino is not None:
-            _unchecked(result, f"{result.numerics}; not on OpenVINO: {not_on_openvino}")
         if tolerance is not None:
             _raise_beyond_tolerance(result, tolerance, None)
+        else:
+            _note_large_errors(result, target, generated=data is None, quantized=quantized, model=model)
         return
     merged, nonfinite_feeds = _compare_emulated(candidate, batches, result)
     result.runtime = "ran and emulated" if outcome.ran or result.real_outputs else "emulated"
