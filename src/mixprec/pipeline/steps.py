@@ -30,7 +30,7 @@ from mixprec.config import Config
 from mixprec.errors import InputError, ModelLoadError, RunError
 from mixprec.graphs import all_graphs, graph_reads_ahead, main_values, node_keys, walk_nodes
 from mixprec.io import StagedModel, load_model, typed_values, uses_external_data, value_types, wants_external_data, weight_bytes
-from mixprec.io.onnx_file import FileChecks, first_line
+from mixprec.io.onnx_file import FileChecks
 from mixprec.io.onnx_file import checker_error as onnx_checker_error
 from mixprec.passes.fold_dequantize import fold_constant_dequantizations
 from mixprec.passes.functions import inline_functions
@@ -216,10 +216,7 @@ def inline(loaded: Loaded, config: Config) -> Edited:
     model = loaded.model
     if not config.io.inline_functions or not model.functions:
         return Edited(model, False)
-    try:
-        count = inline_functions(model)
-    except Exception as e:  # noqa: BLE001 - the inliner raises ValueError and onnx_ir's pass errors
-        raise InputError(f"cannot inline the model's local functions: {first_line(e)}") from e
+    count = inline_functions(model)
     return Edited(model, True, (f"inlined {count} local function(s) into the graphs that call them (--inline-functions)",))
 
 

@@ -250,8 +250,8 @@ def _infer_types(model: ir.Model) -> None:
 def _inline_functions(model: ir.Model) -> None:
     try:
         inline_functions(model)
-    except Exception as exc:  # the inliner raises ValueError and pass errors
-        raise RunError(f"cannot inline model-local functions for emulation: {exc}") from exc
+    except InputError as exc:  # the functions cannot be inlined: no emulated model
+        raise RunError(str(exc)) from exc
 
 
 @dataclass(frozen=True)
