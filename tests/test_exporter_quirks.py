@@ -269,6 +269,69 @@ def test_a_flax_layer_norm_fuses_and_squares_stay_fp32_on_large_activations(tmp_
         np.testing.assert_allclose(actual, expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
 
 
+def _equinox_layer_norm(width: int = 64) -> onnx.ModelProto:
+    """What jax2onnx writes for an Equinox LayerNorm, on a dynamic batch: x - mean(x) set to 0 on
+    rows whose values are all equal, the mean of its squares taken in double, then a Dense."""
+    rng = np.random.default_rng(3)
+    tensors = [
+        numpy_helper.from_array(np.array([2], np.int64), "axes"),
+        numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+        numpy_helper.from_array(np.array(1e-5, np.float32), "eps"),
+        numpy_helper.from_array(rng.uniform(0.5, 1.5, width).astype(np.float32), "gamma"),
+        numpy_helper.from_array(rng.uniform(-0.1, 0.1, width).astype(np.float32), "beta"),
+        numpy_helper.from_array((rng.standard_normal((width, width)) * 0.1).astype(np.float32), "w"),
+    ]
+    nodes = [
+        helper.make_node("ReduceMean", ["x", "axes"], ["mean"], name="ln_mean"),
+        helper.make_node("Sub", ["x", "mean"], ["centered"], name="ln_centered"),
+        helper.make_node("ReduceMin", ["x", "axes"], ["row_min"], name="ln_row_min"),
+        helper.make_node("ReduceMax", ["x", "axes"], ["row_max"], name="ln_row_max"),
+        helper.make_node("Equal", ["row_min", "row_max"], ["equal_extrema"], name="ln_equal_extrema"),
+        helper.make_node("Sub", ["mean", "mean"], ["finite_delta"], name="ln_finite_delta"),
+        helper.make_node("Equal", ["finite_delta", "zero"], ["finite_row"], name="ln_finite_row"),
+        helper.make_node("And", ["equal_extrema", "finite_row"], ["constant_row"], name="ln_constant_row"),
+        helper.make_node("Where", ["constant_row", "zero", "centered"], ["stable"], name="ln_stable_centered"),
+        helper.make_node("Mul", ["stable", "stable"], ["squared"], name="ln_squared"),
+        helper.make_node("Cast", ["squared"], ["squared64"], to=TensorProto.DOUBLE, name="ln_variance_double"),
+        helper.make_node("ReduceMean", ["squared64", "axes"], ["variance64"], name="ln_variance_mean"),
+        helper.make_node("Cast", ["variance64"], ["variance"], to=TensorProto.FLOAT, name="ln_variance"),
+        helper.make_node("Add", ["variance", "eps"], ["variance_eps"], name="ln_variance_eps"),
+        helper.make_node("Sqrt", ["variance_eps"], ["std"], name="ln_stddev"),
+        helper.make_node("Div", ["stable", "std"], ["normalized"], name="ln_normalized"),
+        helper.make_node("Mul", ["normalized", "gamma"], ["scaled"], name="ln_scaled"),
+        helper.make_node("Add", ["scaled", "beta"], ["normed"], name="ln_shifted"),
+        helper.make_node("MatMul", ["normed", "w"], ["y"], name="dense"),
+    ]
+    graph = helper.make_graph(
+        nodes, "equinox_block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8, width])], tensors,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_an_equinox_layer_norm_fuses(target: str, tmp_path) -> None:
+    """Equinox's LayerNorm as jax2onnx writes it (a guard for constant rows, the variance in
+    double) fuses into LayerNormalization with FP32 statistics, on a dynamic batch: the output
+    keeps the FP32 numbers, and a constant row (all equal) still normalizes to the bias."""
+    model = _equinox_layer_norm()
+    out = tmp_path / "block.onnx"
+    result = mixprec.convert(model, str(out), target_dtype=target)
+    converted = onnx.load(out)
+    ops = Counter(n.op_type for n in converted.graph.node)
+    assert ops["LayerNormalization"] == 1 and not ops["ReduceMean"] and not ops["Where"] and not ops["ReduceMin"]
+    assert any(note.startswith("fused 1 decomposed normalization") for note in result.report.notes)
+    x = np.random.default_rng(0).standard_normal((3, 8, 64)).astype(np.float32) * 3 + 2
+    x[1, 2] = 7.0  # a constant row
+    expected = run(model, {"x": x})[0]
+    actual = run(emulate_low_precision(converted), {"x": x})[0]
+    tol = 2e-2 if target == "float16" else 1e-1
+    np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol * np.abs(expected).max())
+    bias = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "beta"))
+    np.testing.assert_allclose(run(converted if target == "float16" else emulate_low_precision(converted), {"x": x})[0][1, 2],
+                               bias @ numpy_helper.to_array(model.graph.initializer[-1]), atol=1e-2)
+
+
 def _unsorted_model() -> onnx.ModelProto:
     """MatMul -> Relu -> MatMul, then an If whose branches read the last MatMul's output, all
     written in reverse, as a graph editor may leave a model (onnxruntime sorts a main graph

@@ -5,7 +5,9 @@ PyTorch's TorchScript exporter (below opset 17), TensorFlow and Paddle write Lay
 ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div(/Mul/Add) and RMSNorm as Pow/ReduceMean/Add/Sqrt/
 Div(/Mul); jax2onnx writes Flax's LayerNorm with the variance as the mean of squares less the
 squared mean, clamped at 0 (ReduceMean/Sub, Mul/ReduceMean, Mul/Sub/Max/Add/Sqrt/Div/Mul/Add),
-and casts epsilon like the input (CastLike); tf2onnx writes Keras's LayerNormalization as
+and casts epsilon like the input (CastLike), and Equinox's with x - mean set to 0 on rows whose
+values are all equal (ReduceMin/ReduceMax/Equal/Sub/Equal/And/Where) and the mean of squares
+taken in double (Cast/ReduceMean/Cast); tf2onnx writes Keras's LayerNormalization as
 TensorFlow's batch_normalization, x * g + (beta - mean * g) with g = gamma / sqrt(var + eps),
 its means by GlobalAveragePool. Converted node by node, such a block ends up part
 16-bit, part FP32 behind Casts, and runtimes' own fusions (onnxruntime's LayerNormFusion) then
@@ -199,11 +201,11 @@ def _match(variance: ir.Node, outputs: set[ir.Value]) -> NormBlock | None:
     divide, result = found
     nodes = [square, variance, *add, std, *divide]
     kind, source = "rms", base
-    centered = _centering(base, square, divide[-1], outputs)
+    centered = _centering(base, square, divide[-1], outputs) or _guarded_centering(base, square, divide[-1], outputs)
     if centered is not None:
-        mean, center = centered
+        mean, center, *guard = centered
         kind, source = "layer", center.inputs[0]
-        nodes = [mean, center, *nodes]
+        nodes = [mean, center, *guard, *nodes]
         if _axes(mean, _rank(source)) != _axes(variance, _rank(source)):
             return None
     axes = _axes(variance, _rank(source))
@@ -356,24 +358,42 @@ def _variance_chain(
     ReduceMean `variance` of x**2 + epsilon, each the sole consumer of the one before (x in
     FP32)."""
     square = variance.inputs[0].producer() if variance.inputs and variance.inputs[0] is not None else None
-    if square is None or _sole_consumer(square.outputs[0], outputs) is not variance:
+    widened = _cast_to(square, ir.DataType.DOUBLE)  # the mean of squares taken in double (Equinox)
+    if widened is not None:
+        square = widened.inputs[0].producer() if widened.inputs[0] is not None else None
+    first = widened if widened is not None else variance
+    if square is None or _sole_consumer(square.outputs[0], outputs) is not first:
         return None
     base = _squared(square)
     if base is None or not is_fp32_tensor(base):
         return None
-    add = _sole_consumer(variance.outputs[0], outputs)
-    moment = _second_moment(variance, add, base, outputs) if add is not None and add.op_type == "Sub" else None
+    last = variance
+    if widened is not None:  # and cast back to FP32
+        last = _sole_consumer(variance.outputs[0], outputs)
+        if last is None or _cast_to(last, ir.DataType.FLOAT) is None:
+            return None
+    around = [widened, last] if widened is not None else []
+    add = _sole_consumer(last.outputs[0], outputs)
+    moment = _second_moment(variance, add, base, outputs) if add is not None and add.op_type == "Sub" and not around else None
     if moment is not None:
         add = _sole_consumer(moment[1][-1].outputs[0], outputs)
+        last = moment[1][-1]
     if add is None or add.op_type != "Add":
         return None
-    last = moment[1][-1] if moment is not None else variance
     found = _epsilon(_other_input(add, last.outputs[0]), add, outputs)
     std = _sole_consumer(add.outputs[0], outputs)
     if found is None or std is None or std.op_type != "Sqrt":
         return None
     epsilon, cast = found
-    return square, base, moment, [*cast, add], epsilon, std
+    return square, base, moment, [*around, *cast, add], epsilon, std
+
+
+def _cast_to(node: ir.Node | None, dtype: ir.DataType) -> ir.Node | None:
+    """`node` when it is a Cast to `dtype`."""
+    if node is None or node.op_type != "Cast" or not node.inputs:
+        return None
+    to = node.attributes.get("to")
+    return node if to is not None and to.as_int() == dtype else None
 
 
 def _epsilon(value: ir.Value | None, add: ir.Node, outputs: set[ir.Value]) -> tuple[float, list[ir.Node]] | None:
@@ -428,6 +448,48 @@ def _centering(
     ):
         return mean, center
     return None
+
+
+def _guarded_centering(
+    base: ir.Value, square: ir.Node, divide: ir.Node, outputs: set[ir.Value]
+) -> tuple[ir.Node, ...] | None:
+    """The ReduceMean, Sub and guard nodes when `base` is x - mean(x) set to 0 on rows whose
+    values are all equal (Equinox's LayerNorm as jax2onnx writes it): Where(And(Equal(min(x),
+    max(x)), Equal(mean - mean, 0)), 0, x - mean(x)), read only by `square` and `divide`. A
+    fused LayerNorm gives such rows 0 too (their mean is their value)."""
+    where = base.producer()
+    if where is None or where.op_type != "Where" or len(where.inputs) != 3 or base in outputs:
+        return None
+    condition, zero, centered = where.inputs
+    if _scalar(zero) != 0.0 or centered is None or condition is None or {use.node for use in base.uses()} != {square, divide}:
+        return None
+    center = centered.producer()
+    if center is None or center.op_type != "Sub" or center.inputs[1] is None or _sole_consumer(centered, outputs) is not where:
+        return None
+    source, mean_value = center.inputs
+    mean = mean_value.producer()
+    both = condition.producer()
+    if mean is None or mean.op_type not in _MEANS or mean.inputs[0] is not source or both is None or both.op_type != "And":
+        return None
+    equal_extrema, finite = (value.producer() if value is not None else None for value in both.inputs)
+    if equal_extrema is None or finite is None or equal_extrema.op_type != "Equal" or finite.op_type != "Equal":
+        return None
+    if _scalar(finite.inputs[1]) != 0.0:
+        equal_extrema, finite = finite, equal_extrema
+    delta = finite.inputs[0].producer() if finite.inputs[0] is not None and _scalar(finite.inputs[1]) == 0.0 else None
+    if delta is None or delta.op_type != "Sub" or list(delta.inputs) != [mean_value, mean_value]:
+        return None
+    extrema = [value.producer() if value is not None else None for value in equal_extrema.inputs]
+    if sorted(n.op_type if n is not None else "" for n in extrema) != ["ReduceMax", "ReduceMin"]:
+        return None
+    if any(n.inputs[0] is not source or reduction_axes(n) != reduction_axes(mean) for n in extrema):  # type: ignore[union-attr]
+        return None
+    guard = [*extrema, equal_extrema, delta, finite, both, where]  # type: ignore[list-item]
+    inside = {mean, center, *guard, square, divide}
+    for node in (mean, *guard[:-1]):
+        if any(out in outputs or any(use.node not in inside for use in out.uses()) for out in node.outputs):
+            return None
+    return (mean, center, *guard)
 
 
 def _affine_tail(
