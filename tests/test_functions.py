@@ -152,6 +152,10 @@ def test_functions_that_import_called_domains_at_other_versions_convert(tmp_path
     assert {f.name for f in converted.functions} == {"Block", "Act"}
     assert [(o.domain, o.version) for o in converted.opset_import] == [("", 21), ("outer", 1), ("inner", 1)]
     assert "emulated" in result.report.validation.numerics, result.report.validation.numerics
+    # The weights live in Constants of a function body: 108 floats (stored in 16 bits where the
+    # Conv converts) and two int64 axes.
+    assert result.report.weight_bytes_before == 108 * 4 + 16
+    assert result.report.weight_bytes_after == 108 * (2 if target == "float16" else 4) + 16
     x = np.random.default_rng(0).normal(size=(2, 3, 8, 8)).astype(np.float32)
     candidate = converted if target == "float16" else emulate_low_precision(converted)
     np.testing.assert_allclose(_run(candidate, {"x": x})[0], _run(model, {"x": x})[0], rtol=3e-2, atol=3e-2)

@@ -5,13 +5,14 @@ weight bytes, and whether it wants external data when saved."""
 from __future__ import annotations
 
 import math
+from itertools import chain
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 
 from mixprec.errors import ModelLoadError
-from mixprec.graphs import all_graphs
+from mixprec.graphs import all_graphs, walk_nodes
 from mixprec.io import value_types
 
 __all__ = [
@@ -93,14 +94,16 @@ def tensor_nbytes(tensor: ir.TensorProtocol) -> int:
 
 def weight_bytes(model: ir.Model) -> int:
     """Total bytes of the weights: initializers and tensors held in Constant nodes (as some
-    exporters store them), subgraphs included."""
+    exporters store them), subgraphs and function bodies included."""
     total = 0
-    for graph in all_graphs(model):
+    graphs = all_graphs(model)
+    for graph in graphs:
         total += sum(tensor_nbytes(v.const_value) for v in graph.initializers.values() if v.const_value is not None)
-        for node in graph:
-            if node.op_type == "Constant" and (attr := node.attributes.get("value")) is not None:
-                if attr.type is ir.AttributeType.TENSOR:
-                    total += tensor_nbytes(attr.value)
+    bodies = [walk_nodes(function) for function in model.functions.values()]
+    for node in chain(*graphs, *bodies):
+        if node.op_type == "Constant" and (attr := node.attributes.get("value")) is not None:
+            if attr.type is ir.AttributeType.TENSOR:
+                total += tensor_nbytes(attr.value)
     return total
 
 
