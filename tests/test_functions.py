@@ -266,3 +266,58 @@ def test_tune_inlines_functions_before_the_opset_it_is_given(tmp_path: Path) -> 
     assert result.met
     converted = onnx.load(str(tmp_path / "tuned.onnx"))
     assert not converted.functions and converted.opset_import[0].version == 22
+
+
+def _large_weight_functions() -> onnx.ModelProto:
+    """Two functions each holding a 256 KB weight in a Constant (as jax2onnx writes them), the
+    first calling a third."""
+    rng = np.random.default_rng(5)
+
+    def weight(name: str) -> onnx.NodeProto:
+        array = rng.normal(0, 0.05, (256, 256)).astype(np.float32)
+        return onnx.helper.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(array, name))
+
+    first = onnx.helper.make_function(
+        "local", "First", ["a"], ["b"],
+        [weight("w1"), onnx.helper.make_node("MatMul", ["a", "w1"], ["m"]), onnx.helper.make_node("Act", ["m"], ["b"], domain="local")],
+        [onnx.helper.make_opsetid("", 18), onnx.helper.make_opsetid("local", 1)],
+    )
+    second = onnx.helper.make_function(
+        "local", "Second", ["a"], ["b"], [weight("w2"), onnx.helper.make_node("MatMul", ["a", "w2"], ["b"])],
+        [onnx.helper.make_opsetid("", 18)],
+    )
+    act = onnx.helper.make_function(
+        "local", "Act", ["u"], ["v"], [onnx.helper.make_node("Relu", ["u"], ["v"])], [onnx.helper.make_opsetid("", 18)]
+    )
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("First", ["x"], ["h"], domain="local"), onnx.helper.make_node("Second", ["h"], ["y"], domain="local")],
+        "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 256])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, 256])],
+    )
+    return onnx.helper.make_model(
+        graph, opset_imports=[onnx.helper.make_opsetid("", 18), onnx.helper.make_opsetid("local", 1)],
+        functions=[first, second, act],
+    )
+
+
+def test_function_bodies_are_typed_without_their_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each body is inferred with the functions it calls alone and its large constants as
+    stand-ins of their type and shape: no inference reads a weight (a model whose weights live
+    in many functions types in time linear in its size), and the bodies convert as before."""
+    sizes: list[int] = []
+    infer = onnx.shape_inference.infer_shapes
+
+    def recording(model: onnx.ModelProto | bytes, *args: object, **kwargs: object) -> onnx.ModelProto:
+        if isinstance(model, onnx.ModelProto) and model.graph.name.endswith("_body"):
+            sizes.append(model.ByteSize())
+            assert [f.name for f in model.functions] == (["Act"] if model.graph.name == "First_body" else [])
+        return infer(model, *args, **kwargs)
+
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes", recording)
+    model = _large_weight_functions()
+    result = mixprec.convert(model, tmp_path / "out.onnx", target_dtype="float16")
+    assert len(sizes) == 3 and max(sizes) < 4096, sizes  # each weight is 262,144 bytes
+    assert result.report.low_by_op.get("MatMul") == 2
+    x = np.random.default_rng(0).normal(size=(4, 256)).astype(np.float32)
+    converted = onnx.load(str(tmp_path / "out.onnx"))
+    np.testing.assert_allclose(_run(converted, {"x": x})[0], _run(model, {"x": x})[0], rtol=2e-2, atol=2e-2)

@@ -420,10 +420,11 @@ def _body_model(
     model: ir.Model,
     function: ir.Function,
     dtypes: tuple[ir.DataType, ...],
+    function_proto: onnx.FunctionProto,
     other_functions: list[onnx.FunctionProto],
 ) -> onnx.ModelProto:
-    """A model whose graph is the function's body, its inputs of the call sites' types."""
-    function_proto = ir.to_proto(function)
+    """A model whose graph is the function's body (`function_proto`), its inputs of the call
+    sites' types, with the functions it calls (`other_functions`)."""
     graph = onnx.helper.make_graph(
         list(function_proto.node),
         f"{function.name}_body",
@@ -443,6 +444,48 @@ def _body_model(
     )
 
 
+# Constant tensors above this many bytes stand in a function body inferred for its types by their
+# type and shape alone (smaller ones, shapes and axes among them, keep their values).
+_STAND_IN_BYTES = 1024
+
+
+def _shape_only(function: onnx.FunctionProto) -> onnx.FunctionProto:
+    """`function` with each large Constant tensor of its body made a stand-in: its type and
+    dimensions, its data marked external (inference reads neither; no byte is copied)."""
+    for node in function.node:
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+            continue
+        for attr in node.attribute:
+            tensor = attr.t
+            if attr.name != "value" or tensor.ByteSize() <= _STAND_IN_BYTES:
+                continue
+            stand_in = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+            stand_in.data_location = onnx.TensorProto.EXTERNAL
+            stand_in.external_data.add(key="location", value="stand-in")
+            attr.t.CopyFrom(stand_in)
+    return function
+
+
+def _callees(model: ir.Model) -> dict[tuple[str, str, str], set[tuple[str, str, str]]]:
+    """Function -> the functions its body (subgraphs included) calls directly."""
+    return {
+        key: {k for node in walk_nodes(function.graph) if (k := (node.domain, node.op_type, node.overload)) in model.functions}
+        for key, function in model.functions.items()
+    }
+
+
+def _reachable(key: tuple[str, str, str], callees: dict[tuple[str, str, str], set[tuple[str, str, str]]]) -> list:
+    """The functions `key` calls, directly or through others (itself aside)."""
+    found: dict[tuple[str, str, str], None] = {}
+    pending = list(callees.get(key, ()))
+    while pending:
+        callee = pending.pop()
+        if callee not in found and callee != key:
+            found[callee] = None
+            pending.extend(callees.get(callee, ()))
+    return list(found)
+
+
 def infer_function_types(model: ir.Model) -> list[ir.Function]:
     """Type the bodies of model-local functions from their call sites.
 
@@ -455,7 +498,10 @@ def infer_function_types(model: ir.Model) -> list[ir.Function]:
     if not model.functions:
         return typed
     calls = _call_sites(model)
-    other_functions = [ir.to_proto(f) for f in model.functions.values()]
+    # Each body serialized once, its large constants as stand-ins of their type and shape
+    # (inference reads no more of them); each body inferred with the functions it calls alone.
+    protos = {key: _shape_only(ir.to_proto(function)) for key, function in model.functions.items()}
+    callees = _callees(model)
     types = _TypeCache()
     for key, function in model.functions.items():
         sites = calls.get(key, [])
@@ -464,7 +510,7 @@ def infer_function_types(model: ir.Model) -> list[ir.Function]:
         dtypes = _call_signature(function, sites)
         if dtypes is None:
             continue
-        body = _body_model(model, function, dtypes, other_functions)
+        body = _body_model(model, function, dtypes, protos[key], [protos[k] for k in _reachable(key, callees)])
         try:
             body = onnx.shape_inference.infer_shapes(body, check_type=False, strict_mode=False)
         except Exception as e:  # noqa: BLE001 - a body we cannot type stays as it is
