@@ -269,9 +269,11 @@ def test_a_flax_layer_norm_fuses_and_squares_stay_fp32_on_large_activations(tmp_
         np.testing.assert_allclose(actual, expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
 
 
-def _equinox_layer_norm(width: int = 64) -> onnx.ModelProto:
+def _equinox_layer_norm(width: int = 64, variant: str = "") -> onnx.ModelProto:
     """What jax2onnx writes for an Equinox LayerNorm, on a dynamic batch: x - mean(x) set to 0 on
-    rows whose values are all equal, the mean of its squares taken in double, then a Dense."""
+    rows whose values are all equal, the mean of its squares taken in double, then a Dense.
+    `variant`: "extrema_dropped" reduces the extrema without keeping their axis (the guard then
+    broadcasts across rows: no LayerNorm), "double_read" also outputs the squares in double."""
     rng = np.random.default_rng(3)
     tensors = [
         numpy_helper.from_array(np.array([2], np.int64), "axes"),
@@ -302,9 +304,18 @@ def _equinox_layer_norm(width: int = 64) -> onnx.ModelProto:
         helper.make_node("Add", ["scaled", "beta"], ["normed"], name="ln_shifted"),
         helper.make_node("MatMul", ["normed", "w"], ["y"], name="dense"),
     ]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8, width])]
+    if variant == "extrema_dropped":
+        for node in nodes[2:4]:
+            node.attribute.append(helper.make_attribute("keepdims", 0))
+    if variant == "double_read":
+        nodes.append(helper.make_node("ReduceSum", ["squared64", "axes"], ["energy"], name="energy"))
+        outputs.append(helper.make_tensor_value_info("energy", TensorProto.DOUBLE, ["batch", 8, 1]))
+    batch = width if variant == "extrema_dropped" else "batch"  # rows and columns broadcast alike
+    outputs[0] = helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 8, width])
     graph = helper.make_graph(
-        nodes, "equinox_block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8, width])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8, width])], tensors,
+        nodes, "equinox_block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 8, width])],
+        outputs, tensors,
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
 
@@ -322,14 +333,33 @@ def test_an_equinox_layer_norm_fuses(target: str, tmp_path) -> None:
     assert ops["LayerNormalization"] == 1 and not ops["ReduceMean"] and not ops["Where"] and not ops["ReduceMin"]
     assert any(note.startswith("fused 1 decomposed normalization") for note in result.report.notes)
     x = np.random.default_rng(0).standard_normal((3, 8, 64)).astype(np.float32) * 3 + 2
-    x[1, 2] = 7.0  # a constant row
+    x[1, 2] = 0.1  # a constant row
     expected = run(model, {"x": x})[0]
     actual = run(emulate_low_precision(converted), {"x": x})[0]
     tol = 2e-2 if target == "float16" else 1e-1
     np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol * np.abs(expected).max())
-    bias = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "beta"))
+    weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     np.testing.assert_allclose(run(converted if target == "float16" else emulate_low_precision(converted), {"x": x})[0][1, 2],
-                               bias @ numpy_helper.to_array(model.graph.initializer[-1]), atol=1e-2)
+                               weights["beta"] @ weights["w"], atol=1e-2)
+
+
+@pytest.mark.parametrize("variant", ["extrema_dropped", "double_read"])
+def test_what_only_looks_like_an_equinox_layer_norm_stays_as_it_is(variant: str, tmp_path) -> None:
+    """No LayerNorm where the guard's extrema drop their axis (the guard then mixes rows; what
+    follows it is a root mean square, and may fuse as one) and no fusion where another node
+    reads the squares in double; the converted model keeps the FP32 numbers."""
+    width = 8 if variant == "extrema_dropped" else 64
+    model = _equinox_layer_norm(width, variant)
+    out = tmp_path / "block.onnx"
+    result = mixprec.convert(model, str(out), target_dtype="float16")
+    converted = onnx.load(out)
+    assert "LayerNormalization" not in {n.op_type for n in converted.graph.node}
+    if variant == "double_read":
+        assert not any(note.startswith("fused") for note in result.report.notes)
+    x = np.random.default_rng(1).standard_normal((width if width == 8 else 3, 8, width)).astype(np.float32)
+    x[0, 3] = 0.5  # a constant row
+    for expected, actual in zip(run(model, {"x": x}), run(emulate_low_precision(converted), {"x": x})):
+        np.testing.assert_allclose(actual, expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
 
 
 def _unsorted_model() -> onnx.ModelProto:

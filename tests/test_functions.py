@@ -304,19 +304,22 @@ def test_function_bodies_are_typed_without_their_weights(tmp_path: Path, monkeyp
     """Each body is inferred with the functions it calls alone and its large constants as
     stand-ins of their type and shape: no inference reads a weight (a model whose weights live
     in many functions types in time linear in its size), and the bodies convert as before."""
-    sizes: list[int] = []
+    seen: dict[str, tuple[int, list[str]]] = {}  # body -> (bytes handed to inference, its functions)
     infer = onnx.shape_inference.infer_shapes
 
     def recording(model: onnx.ModelProto | bytes, *args: object, **kwargs: object) -> onnx.ModelProto:
         if isinstance(model, onnx.ModelProto) and model.graph.name.endswith("_body"):
-            sizes.append(model.ByteSize())
-            assert [f.name for f in model.functions] == (["Act"] if model.graph.name == "First_body" else [])
+            seen[model.graph.name] = (model.ByteSize(), [f.name for f in model.functions])
         return infer(model, *args, **kwargs)
 
     monkeypatch.setattr(onnx.shape_inference, "infer_shapes", recording)
     model = _large_weight_functions()
     result = mixprec.convert(model, tmp_path / "out.onnx", target_dtype="float16")
-    assert len(sizes) == 3 and max(sizes) < 4096, sizes  # each weight is 262,144 bytes
+    assert sorted(seen) == ["Act_body", "First_body", "Second_body"]
+    assert max(size for size, _ in seen.values()) < 4096, seen  # each weight is 262,144 bytes
+    assert {body: functions for body, (_, functions) in seen.items()} == {
+        "First_body": ["Act"], "Second_body": [], "Act_body": [],
+    }
     assert result.report.low_by_op.get("MatMul") == 2
     x = np.random.default_rng(0).normal(size=(4, 256)).astype(np.float32)
     converted = onnx.load(str(tmp_path / "out.onnx"))

@@ -444,20 +444,25 @@ def _body_model(
     )
 
 
-# Constant tensors above this many bytes stand in a function body inferred for its types by their
-# type and shape alone (smaller ones, shapes and axes among them, keep their values).
+# Float Constant tensors above this many bytes stand in a function body inferred for its types by
+# their type and shape alone (weights; integer tensors, which inference may read as shapes, sizes
+# or indices, keep their values).
 _STAND_IN_BYTES = 1024
+_STAND_IN_TYPES = frozenset({
+    onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE,
+})
 
 
 def _shape_only(function: onnx.FunctionProto) -> onnx.FunctionProto:
-    """`function` with each large Constant tensor of its body made a stand-in: its type and
-    dimensions, its data marked external (inference reads neither; no byte is copied)."""
+    """`function` with each large float Constant tensor of its body made a stand-in: its type
+    and dimensions, its data marked external (type inference reads no float values; no byte is
+    copied)."""
     for node in function.node:
         if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
             continue
         for attr in node.attribute:
             tensor = attr.t
-            if attr.name != "value" or tensor.ByteSize() <= _STAND_IN_BYTES:
+            if attr.name != "value" or tensor.data_type not in _STAND_IN_TYPES or tensor.ByteSize() <= _STAND_IN_BYTES:
                 continue
             stand_in = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
             stand_in.data_location = onnx.TensorProto.EXTERNAL

@@ -46,7 +46,7 @@ class NormBlock:
 
     Attributes:
         kind: "layer" or "rms".
-        nodes: Its nodes in graph order.
+        nodes: Its nodes, the last one the producer of its output.
         input: The normalized tensor.
         output: The block's result (after the affine Mul/Add when present).
         axes: The normalized axes (positive, trailing).
@@ -360,6 +360,8 @@ def _variance_chain(
     square = variance.inputs[0].producer() if variance.inputs and variance.inputs[0] is not None else None
     widened = _cast_to(square, ir.DataType.DOUBLE)  # the mean of squares taken in double (Equinox)
     if widened is not None:
+        if _sole_consumer(widened.outputs[0], outputs) is not variance:
+            return None
         square = widened.inputs[0].producer() if widened.inputs[0] is not None else None
     first = widened if widened is not None else variance
     if square is None or _sole_consumer(square.outputs[0], outputs) is not first:
@@ -482,7 +484,9 @@ def _guarded_centering(
     extrema = [value.producer() if value is not None else None for value in equal_extrema.inputs]
     if sorted(n.op_type if n is not None else "" for n in extrema) != ["ReduceMax", "ReduceMin"]:
         return None
-    if any(n.inputs[0] is not source or reduction_axes(n) != reduction_axes(mean) for n in extrema):  # type: ignore[union-attr]
+    rank = _rank(source)
+    axes = _axes(mean, rank)
+    if axes is None or rank is None or any(not _extremum_over(n, source, axes, rank) for n in extrema):  # type: ignore[arg-type]
         return None
     guard = [*extrema, equal_extrema, delta, finite, both, where]  # type: ignore[list-item]
     inside = {mean, center, *guard, square, divide}
@@ -490,6 +494,15 @@ def _guarded_centering(
         if any(out in outputs or any(use.node not in inside for use in out.uses()) for out in node.outputs):
             return None
     return (mean, center, *guard)
+
+
+def _extremum_over(node: ir.Node, source: ir.Value, axes: list[int], rank: int) -> bool:
+    """Whether the ReduceMin / ReduceMax `node` reduces `source` over `axes` (positive) keeping
+    them, as the guard's mean does: a row's extrema then line up with its mean."""
+    if node.inputs[0] is not source or node.attributes.get_int("keepdims", 1) != 1:
+        return False
+    found = reduction_axes(node)
+    return bool(found) and sorted(a % rank for a in found) == axes
 
 
 def _affine_tail(
