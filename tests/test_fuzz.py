@@ -188,6 +188,34 @@ def test_hostile_and_mutated_inputs(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert tally[4] >= 20  # most mutations break the protobuf or the graph
 
 
+def _newer_function_body() -> onnx.ModelProto:
+    """A function whose body imports the default domain at a newer version than the model (it
+    runs; it cannot be inlined)."""
+    body = helper.make_function("local", "Act", ["a"], ["b"], [helper.make_node("Relu", ["a"], ["b"])], [helper.make_opsetid("", 18)])
+    model = _graph_model([helper.make_node("Act", ["x"], ["y"], domain="local")], [X], [Y])
+    model.opset_import.append(helper.make_opsetid("local", 1))
+    model.functions.append(body)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("name", "extra", "message"),
+    [
+        ("recursive-function", ["--allow-invalid"], "Cyclic dependency detected between functions: local::Rec -> local::Rec"),
+        ("newer-body", [], "function 'Act' imports the default domain at version 18, the model at 17"),
+    ],
+)
+def test_functions_that_cannot_be_inlined(
+    name: str, extra: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--inline-functions on functions no inliner can inline: a one-line error naming the
+    function, and no output."""
+    source = tmp_path / f"{name}.onnx"
+    onnx.save(_recursive_function() if name == "recursive-function" else _newer_function_body(), str(source))
+    code, last = _run_case(source, tmp_path / "out", [*extra, "--inline-functions"], capsys)
+    assert code == 2 and last == f"mixprec: error: cannot inline the model's local functions: {message}", last
+
+
 def test_outputs_are_checked_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     source = tmp_path / "m.onnx"
     onnx.save(DEMO_MODELS["cnn"](), str(source))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -143,38 +144,13 @@ class _Rewriter:
         self.value_names, self.node_names = FreshNames(values), FreshNames(nodes)  # type: ignore[arg-type]
         # FP32 values of the original model (as the planner read them, when it did), and which
         # of them end up 16-bit.
-        self.fp32: set[ir.Value] | frozenset[ir.Value] = plan.fp32 if plan.fp32 is not None else set()
+        self.fp32: Set[ir.Value] = plan.fp32 if plan.fp32 is not None else _fp32_values(plan)
         self.lowered: set[ir.Value] = set()
 
     # -- analysis of final types ----------------------------------------------------------
-    def _collect(self) -> None:
-        """The FP32 values of the original model, and which of them end up 16-bit."""
-        if self.plan.fp32 is None:
-            self._collect_fp32()
-        self._collect_lowered()
-
-    def _collect_fp32(self) -> None:
-        """The FP32 graph inputs, initializers and node inputs and outputs."""
-        plan, fp32, seen = self.plan, set(), set()
-        self.fp32 = fp32
-        for graph in plan.graphs:
-            for value in (*graph.inputs, *graph.initializers.values()):
-                if is_fp32_tensor(value):
-                    fp32.add(value)
-        for node in plan.order:
-            for value in node.outputs:  # each output once: its own type is read once
-                if is_fp32_tensor(value):
-                    fp32.add(value)
-        for node in plan.order:
-            for value in node.inputs:  # outer-scope and graph-input values not seen yet
-                if value is not None and value not in fp32 and value not in seen:
-                    seen.add(value)
-                    if is_fp32_tensor(value):
-                        fp32.add(value)
-
     def _collect_lowered(self) -> None:
         """The values that end up 16-bit: model inputs (without `keep_io_types`), constants
-        stored in 16 bits and the lowered outputs of 16-bit nodes (after `_collect_fp32`)."""
+        stored in 16 bits and the lowered outputs of 16-bit nodes."""
         plan, fp32 = self.plan, self.fp32
         if not plan.keep_io_types:
             self.lowered.update(v for v in self.model.graph.inputs if v in fp32)
@@ -434,7 +410,7 @@ class _Rewriter:
                 function.opset_imports[""] = self.model.opset_imports.get("", default)
 
     def run(self) -> RewriteStats:
-        self._collect()
+        self._collect_lowered()
         plan = self.plan
         for node in plan.order:
             self._retarget(node)
@@ -457,6 +433,28 @@ class _Rewriter:
         for graph in plan.graphs:
             keep_structure(graph)  # only Casts and Constants were added or removed: no subgraph owners
         return self.stats
+
+
+def _fp32_values(plan: PrecisionPlan) -> set[ir.Value]:
+    """The FP32 graph inputs, initializers and node inputs and outputs of the plan's model (for
+    a plan that does not carry the planner's)."""
+    fp32: set[ir.Value] = set()
+    seen: set[ir.Value] = set()
+    for graph in plan.graphs:
+        for value in (*graph.inputs, *graph.initializers.values()):
+            if is_fp32_tensor(value):
+                fp32.add(value)
+    for node in plan.order:
+        for value in node.outputs:  # each output once: its own type is read once
+            if is_fp32_tensor(value):
+                fp32.add(value)
+    for node in plan.order:
+        for value in node.inputs:  # outer-scope and graph-input values not seen yet
+            if value is not None and value not in fp32 and value not in seen:
+                seen.add(value)
+                if is_fp32_tensor(value):
+                    fp32.add(value)
+    return fp32
 
 
 def _is_noop_cast(node: ir.Node) -> bool:
