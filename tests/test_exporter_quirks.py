@@ -450,39 +450,44 @@ def test_a_graph_with_a_cycle_is_still_refused(tmp_path) -> None:
     assert not (tmp_path / "out.onnx").exists()
 
 
-def _rms_normalized_matmuls(broken: bool = False) -> onnx.ModelProto:
-    """MatMul -> SimplifiedLayerNormalization (onnxruntime's RMSNorm, registered in the ONNX
-    domain, as its transformer optimizer writes it) -> MatMul."""
+def _rms_normalized_matmuls(broken: bool = False, norm: str = "SimplifiedLayerNormalization") -> onnx.ModelProto:
+    """MatMul -> `norm` -> MatMul, the norm as onnxruntime's transformer optimizer writes it in
+    the ONNX domain: SimplifiedLayerNormalization (its RMSNorm) at opset 17, or
+    LayerNormalization at opset 14 (onnxruntime registers it below 17, where ONNX has none)."""
     rng = np.random.default_rng(0)
     inits = [
         numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), "w0"),
         numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), "w1"),
         numpy_helper.from_array(rng.uniform(0.5, 1.5, 16).astype(np.float32), "gamma"),
+        numpy_helper.from_array(rng.uniform(-0.5, 0.5, 16).astype(np.float32), "beta"),
     ]
+    scales = ["a", "gamma"] if norm == "SimplifiedLayerNormalization" else ["a", "gamma", "beta"]
     nodes = [
         helper.make_node("MatMul", ["x", "w0"], ["a"], name="mm0"),
-        helper.make_node("SimplifiedLayerNormalization", ["a", "gamma"], ["n"], name="rms", axis=-1, epsilon=1e-6),
+        helper.make_node(norm, scales, ["n"], name="rms", axis=-1, epsilon=1e-6),
         helper.make_node("MatMul", ["n", "missing" if broken else "w1"], ["y"], name="mm1"),
     ]
     graph = helper.make_graph(
         nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16])], inits,
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    opset = 17 if norm == "SimplifiedLayerNormalization" else 14
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
 
 
-def test_onnxruntime_ops_in_the_onnx_domain_are_not_the_checkers_to_refuse(tmp_path) -> None:
-    model = _rms_normalized_matmuls()
-    with pytest.raises(onnx.checker.ValidationError, match="No Op registered for SimplifiedLayerNormalization"):
+@pytest.mark.parametrize("norm", ["SimplifiedLayerNormalization", "LayerNormalization"])
+def test_onnxruntime_ops_in_the_onnx_domain_are_not_the_checkers_to_refuse(tmp_path, norm: str) -> None:
+    model = _rms_normalized_matmuls(norm=norm)
+    with pytest.raises(onnx.checker.ValidationError, match=f"No Op registered for {norm} "):
         onnx.checker.check_model(model)
     path = tmp_path / "rms.onnx"
     onnx.save(model, path)
     result = mixprec.convert(str(path), tmp_path / "out.onnx", runtime="ort-cuda")
     report = result.report
     assert report.validation.checker == "passed", report.validation
-    assert any("SimplifiedLayerNormalization: onnxruntime's own op" in note for note in report.notes), report.notes
+    assert any(f"{norm}: onnxruntime's own op" in note for note in report.notes), report.notes
     converted = onnx.load(tmp_path / "out.onnx")
-    assert {n.op_type: n for n in converted.graph.node}["SimplifiedLayerNormalization"].domain == ""
+    assert {n.op_type: n for n in converted.graph.node}[norm].domain == ""
     # ONNX inference cannot type its output: the file keeps it (the emulation rounds it then).
     declared = {v.name: v.type.tensor_type.elem_type for v in converted.graph.value_info}
     assert declared.get("n") == TensorProto.FLOAT16, declared

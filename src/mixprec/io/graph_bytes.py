@@ -116,13 +116,16 @@ class GraphFieldWriter:
     (`model_ir_version`: as onnx_ir's serializer takes it).
 
     `declared`: the node outputs whose types and shapes are written (by name; None: all that
-    have one); outputs of ops outside the ONNX domain keep theirs always (no ONNX inference can
-    recover them).
+    have one); outputs of ops ONNX does not define at the model's default-domain `opset` keep
+    theirs always (no ONNX inference can recover them).
     """
 
-    def __init__(self, model_ir_version: int | None, declared: AbstractSet[str] | None = None) -> None:
+    def __init__(
+        self, model_ir_version: int | None, declared: AbstractSet[str] | None = None, opset: int | None = None
+    ) -> None:
         self._ir_version = model_ir_version
         self._declared = declared
+        self._opset = opset
         self._attributes: dict[tuple, bytes] = {}
         self._strings: dict[str, bytes] = {}
 
@@ -231,7 +234,7 @@ class GraphFieldWriter:
 
     def keeps_type(self, node: ir.Node, name: str) -> bool:
         """Whether the node's output called `name` gets its value_info."""
-        return keeps_type(self._declared, node, name)
+        return keeps_type(self._declared, node, name, self._opset)
 
     def _attribute_bytes(self, attr: Any) -> bytes | None:  # noqa: ANN401 - an onnx_ir attribute
         """The attribute's length-prefixed AttributeProto bytes; None for a reference."""
@@ -295,20 +298,21 @@ class GraphFieldWriter:
             pieces.annotations.append(_tagged(_TAGS[_GRAPH_ANNOTATION], message.SerializeToString()))
 
 
-def keeps_type(declared: AbstractSet[str] | None, node: ir.Node, name: str) -> bool:
+def keeps_type(declared: AbstractSet[str] | None, node: ir.Node, name: str, opset: int | None = None) -> bool:
     """Whether the output of `node` called `name` keeps its type and shape in the file: the
     input declared it (`declared`, by name; None: every value keeps its own), or the node is
-    an op ONNX does not define (another domain's, or onnxruntime's own in the ONNX domain: no
-    ONNX inference can recover it)."""
-    return (
-        declared is None or name in declared or not is_default_domain(node.domain)
-        or not _onnx_defines(node.op_type)
-    )
+    an op ONNX does not define at default-domain `opset` (None: at any opset): another
+    domain's, or onnxruntime's own in the ONNX domain (SimplifiedLayerNormalization, or
+    LayerNormalization below opset 17): no ONNX inference can recover it."""
+    if declared is None or name in declared or not is_default_domain(node.domain):
+        return True
+    version = node.version if node.version is not None else opset
+    return not _onnx_defines(node.op_type, version)
 
 
 @functools.cache
-def _onnx_defines(op_type: str) -> bool:
-    return onnx.defs.has(op_type)
+def _onnx_defines(op_type: str, opset: int | None) -> bool:
+    return onnx.defs.has(op_type) if opset is None else onnx.defs.has(op_type, opset)
 
 
 def _tensor_bytes(tensor: Any) -> bytes | None:  # noqa: ANN401 - an onnx_ir tensor

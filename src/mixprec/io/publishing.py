@@ -26,7 +26,7 @@ import onnx
 import onnx_ir as ir
 
 from mixprec.errors import InputError
-from mixprec.graphs import all_graphs
+from mixprec.graphs import all_graphs, default_domain_version
 from mixprec.io.graph_bytes import keeps_type
 from mixprec.io import streaming
 from mixprec.io import value_types
@@ -57,6 +57,7 @@ def _value_info_of(model: ir.Model, declared: set[str] | None) -> Iterator[None]
         yield
         return
     stashed: list[tuple[ir.Value, ir.TypeProtocol | None, ir.Shape | None]] = []
+    opset = default_domain_version(model.opset_imports)
     for graph in all_graphs(model):
         boundary = {*graph.inputs, *graph.outputs}
         values = [*graph.initializers.values()]
@@ -66,7 +67,7 @@ def _value_info_of(model: ir.Model, declared: set[str] | None) -> Iterator[None]
             if value.name in declared or value in boundary or (value.type is None and value.shape is None):
                 continue
             producer = value.producer()
-            if producer is not None and keeps_type(declared, producer, value.name or ""):
+            if producer is not None and keeps_type(declared, producer, value.name or "", opset):
                 continue
             stashed.append((value, value.type, value.shape))
             value.type = None

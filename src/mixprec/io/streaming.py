@@ -24,6 +24,7 @@ import onnx
 import onnx_ir as ir
 from onnx import serialization
 
+from mixprec.graphs import default_domain_version
 from mixprec.io.graph_bytes import GraphFieldWriter, keeps_type
 
 __all__ = ["ProtobufTooLarge", "save"]
@@ -59,7 +60,7 @@ def save(model: ir.Model, path: str | os.PathLike, declared: AbstractSet[str] | 
             ir.save(model, path)
         return
     graph = model.graph
-    writer = GraphFieldWriter(model.ir_version, declared)
+    writer = GraphFieldWriter(model.ir_version, declared, default_domain_version(model.opset_imports))
     initializers = writer.initializers(graph)
     # Everything but the main graph's nodes, outputs and (where written above) initializers,
     # through onnx_ir's serializer.
@@ -109,9 +110,10 @@ def save(model: ir.Model, path: str | os.PathLike, declared: AbstractSet[str] | 
 def _main_types_of(model: ir.Model, declared: AbstractSet[str] | None) -> Iterator[None]:
     """Leave out the types and shapes of the main graph's node outputs that the writer would
     leave out (:func:`mixprec.io.graph_bytes.keeps_type`), for onnx_ir's own serializer."""
+    opset = default_domain_version(model.opset_imports)
     dropped = [
         (value, value.type, value.shape) for node in model.graph for value in node.outputs
-        if value.name and not value.is_graph_output() and not keeps_type(declared, node, value.name)
+        if value.name and not value.is_graph_output() and not keeps_type(declared, node, value.name, opset)
     ]
     for value, _, _ in dropped:
         value.type, value.shape = None, None

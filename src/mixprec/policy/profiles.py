@@ -255,8 +255,9 @@ def load_runtime(name: str | None = None) -> RuntimeProfile:
 @functools.cache
 def onnxruntime_onnx_domain_ops(opset: int | None) -> frozenset[str]:
     """Ops onnxruntime registers in the ONNX domain at default-domain `opset` that ONNX itself
-    does not define (SimplifiedLayerNormalization, which its transformer optimizer writes), from
-    its tables: the ONNX checker does not know them, onnxruntime runs them."""
+    does not define at that opset, from its tables: SimplifiedLayerNormalization at any opset,
+    LayerNormalization below 17 (its transformer optimizer writes both). The ONNX checker does
+    not know them, onnxruntime runs them."""
     import onnx.defs  # noqa: PLC0415
 
     if opset is None:
@@ -268,7 +269,7 @@ def onnxruntime_onnx_domain_ops(opset: int | None) -> frozenset[str]:
             continue
         found.update(
             op for (domain, op), kernels in profile.kernels.items()
-            if domain == "" and not onnx.defs.has(op) and any(k.covers(opset) for k in kernels)
+            if domain == "" and not onnx.defs.has(op, opset) and any(k.covers(opset) for k in kernels)
         )
     return frozenset(found)
 
