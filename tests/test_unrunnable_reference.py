@@ -80,6 +80,77 @@ def test_generated_shapes_grow_features_not_the_batch() -> None:
     }
 
 
+def test_a_dimension_written_as_arithmetic_of_others_takes_its_value() -> None:
+    specs = [
+        data_mod.InputSpec("ids", np.dtype(np.int64), ("batch", "sequence_length")),
+        data_mod.InputSpec("mask", np.dtype(np.int64), ("batch", "past_sequence_length + sequence_length")),
+        data_mod.InputSpec("past", np.dtype(np.float32), ("batch", 2, "past_sequence_length", 8)),
+        data_mod.InputSpec("odd", np.dtype(np.float32), ("2*sequence_length", "(past_sequence_length - 1) // 2", "s - s - 1", "s // 0", "a.b")),
+    ]
+    assert data_mod.generated_shapes(specs, dim_value=16, batch_value=2) == {
+        "ids": (2, 16), "mask": (2, 32), "past": (2, 2, 16, 8),
+        # a leading dimension is a batch; a negative size or a division by zero: the usual size
+        "odd": (2, 7, 16, 16, 16),
+    }
+
+
+def _decoder_step_with_cache(path: Path) -> None:
+    """One decoder step with a key cache, its inputs as optimum exports them: token ids
+    [batch, sequence_length], the past keys [batch, past_sequence_length, 8] and the attention
+    mask over both, [batch, 'past_sequence_length + sequence_length']. The mask's bias is added
+    to scores over the past and new keys: inputs whose mask length is not their sum fail."""
+    rng = np.random.default_rng(0)
+    tensors = [
+        numpy_helper.from_array(rng.standard_normal((32, 8)).astype(np.float32), "embedding"),
+        numpy_helper.from_array(rng.standard_normal((8, 32)).astype(np.float32), "head"),
+        numpy_helper.from_array(np.array([1], np.int64), "one_axis"),
+        numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+        numpy_helper.from_array(np.array(-1e4, np.float32), "masked"),
+    ]
+    nodes = [
+        helper.make_node("Gather", ["embedding", "input_ids"], ["x"]),
+        helper.make_node("Concat", ["past_key", "x"], ["present_key"], axis=1),
+        helper.make_node("Transpose", ["present_key"], ["kt"], perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["x", "kt"], ["scores"]),
+        helper.make_node("Unsqueeze", ["attention_mask", "one_axis"], ["mask3"]),
+        helper.make_node("Cast", ["mask3"], ["maskf"], to=TensorProto.FLOAT),
+        helper.make_node("Sub", ["one", "maskf"], ["hidden"]),
+        helper.make_node("Mul", ["hidden", "masked"], ["bias"]),
+        helper.make_node("Add", ["scores", "bias"], ["biased"]),
+        helper.make_node("Softmax", ["biased"], ["probs"], axis=-1),
+        helper.make_node("MatMul", ["probs", "present_key"], ["context"]),
+        helper.make_node("MatMul", ["context", "head"], ["logits"]),
+    ]
+    both = "past_sequence_length + sequence_length"
+    graph = helper.make_graph(
+        nodes, "decoder_step",
+        [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", both]),
+            helper.make_tensor_value_info("past_key", TensorProto.FLOAT, ["batch_size", "past_sequence_length", 8]),
+        ],
+        [
+            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", 32]),
+            helper.make_tensor_value_info("present_key", TensorProto.FLOAT, ["batch_size", both, 8]),
+        ],
+        tensors,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+def test_a_decoder_with_a_cache_is_checked_on_inputs_of_consistent_lengths(tmp_path: Path) -> None:
+    import mixprec  # noqa: PLC0415
+
+    source = tmp_path / "decoder.onnx"
+    _decoder_step_with_cache(source)
+    result = mixprec.convert(source, tmp_path / "out.onnx", runtime="ort-cpu")
+    validation = result.report.validation
+    assert validation.numerics.startswith("checked"), validation.numerics
+    assert not validation.numerics_unchecked
+    assert {o.name for o in validation.outputs} == {"logits", "present_key"}
+    assert all(o.nan_count == 0 and o.scaled_error < 0.01 for o in validation.outputs), validation.outputs
+
+
 def _pyramid(path: Path) -> None:
     """x[1, 1, H, W] -> its 64x and 32x max-pooled maps (ceil mode), the coarser one resized x2 and
     concatenated with the other: a detector's feature pyramid, which runs only where H and W halve

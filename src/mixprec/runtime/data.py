@@ -10,12 +10,14 @@ Supported on-disk layouts for :func:`load_batches`:
 
 from __future__ import annotations
 
+import ast
+import functools
 import logging
 import os
 import re
 import zipfile
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,7 +186,10 @@ def generated_shapes(
 
     Symbolic and unknown dimensions take `dim_value`; with `batch_value`, the leading
     dimension of inputs of rank >= 2 (and every dimension sharing its name) takes it instead,
-    so that growing sizes grow the feature dimensions, not the batch.
+    so that growing sizes grow the feature dimensions, not the batch. A dimension written as
+    arithmetic of others ('past_sequence_length + sequence_length', the length of a decoder's
+    attention mask as optimum exports it) takes the value of that arithmetic, so that inputs
+    sized by it agree with the others.
 
     Raises:
         InputError: An input is not a tensor or has unknown rank, or a size is negative.
@@ -206,17 +211,68 @@ def generated_shapes(
     if batch_value is not None:
         batch_names = {s.shape[0] for s in specs if len(s.shape) >= 2 and isinstance(s.shape[0], str)}  # type: ignore[arg-type, misc]
 
+    def named(name: str) -> int:
+        return batch_value if batch_value is not None and name in batch_names else dim_value
+
     def size(dim: int | str | None, index: int, rank: int) -> int:
         if isinstance(dim, int) and dim >= 0:
             return dim
         if batch_value is not None and (dim in batch_names or (dim is None and index == 0 and rank >= 2)):
             return batch_value
+        expression = _dim_expression(dim) if isinstance(dim, str) else None
+        if expression is not None:
+            value = _evaluate(expression, named)
+            if value is not None and value >= 0:
+                return value
         return dim_value
 
     return {
         spec.name: tuple(size(d, i, len(spec.shape)) for i, d in enumerate(spec.shape))  # type: ignore[arg-type]
         for spec in specs
     }
+
+
+@functools.lru_cache(maxsize=1024)
+def _dim_expression(dim: str) -> ast.expr | None:
+    """The integer arithmetic (+, -, *, //, parentheses) of dimension names and numbers that
+    `dim` writes, or None for a plain name or anything else."""
+    try:
+        tree = ast.parse(dim.strip(), mode="eval").body
+    except (SyntaxError, ValueError):
+        return None
+    return None if isinstance(tree, ast.Name) or not _is_arithmetic(tree) else tree
+
+
+_DIM_OPERATORS: dict[type, Callable[[int, int], int]] = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.FloorDiv: lambda a, b: a // b,
+}
+
+
+def _is_arithmetic(node: ast.expr) -> bool:
+    if isinstance(node, ast.BinOp):
+        return type(node.op) in _DIM_OPERATORS and _is_arithmetic(node.left) and _is_arithmetic(node.right)
+    if isinstance(node, ast.UnaryOp):
+        return isinstance(node.op, ast.USub) and _is_arithmetic(node.operand)
+    return isinstance(node, ast.Name) or (isinstance(node, ast.Constant) and type(node.value) is int)
+
+
+def _evaluate(node: ast.expr, named: Callable[[str], int]) -> int | None:
+    """The value of a dimension's arithmetic, each name at `named`'s size; None on a division
+    by zero."""
+    if isinstance(node, ast.Name):
+        return named(node.id)
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.UnaryOp):
+        operand = _evaluate(node.operand, named)
+        return None if operand is None else -operand
+    left, right = _evaluate(node.left, named), _evaluate(node.right, named)  # type: ignore[attr-defined]
+    if left is None or right is None or (right == 0 and isinstance(node.op, ast.FloorDiv)):  # type: ignore[attr-defined]
+        return None
+    return _DIM_OPERATORS[type(node.op)](left, right)  # type: ignore[attr-defined]
 
 
 def generate_inputs(
