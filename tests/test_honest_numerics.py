@@ -352,6 +352,30 @@ def test_a_branch_no_batch_took_is_said_to_be_unchecked(tmp_path: Path) -> None:
     assert notes(_branching_model(constant_condition=True), [positive]) == []
 
 
+def _switched_model() -> onnx.ModelProto:
+    """y = If(use_cache_branch, x @ A, relu(x @ B)), the condition a boolean graph input: the
+    switch of a merged decoder as optimum exports it."""
+    model = _branching_model()
+    graph = model.graph
+    del graph.node[:2]  # the computed condition
+    graph.node[0].input[0] = "use_cache_branch"
+    graph.input.append(helper.make_tensor_value_info("use_cache_branch", TensorProto.BOOL, [1]))
+    return model
+
+
+def test_generated_inputs_take_both_branches_of_a_switch_input(tmp_path: Path) -> None:
+    result = mixprec.convert(_switched_model(), tmp_path / "out.onnx", target_dtype="float16")
+    assert result.report.nodes_by_precision["low"] >= 3  # both branches' MatMuls
+    validation = result.report.validation
+    assert validation.numerics.startswith("checked on 2 batch(es)"), validation.numerics
+    assert not [n for n in validation.notes if n.startswith("If ")], validation.notes
+    # Data of the user's own is taken as it comes: one value of the switch, one branch checked.
+    data = [{"x": np.ones((4, 8), np.float32), "use_cache_branch": np.array([True])}]
+    result = mixprec.convert(_switched_model(), tmp_path / "out.onnx", target_dtype="float16", data=data, overwrite=True)
+    (note,) = [n for n in result.report.validation.notes if n.startswith("If ")]
+    assert "took only its then branch" in note
+
+
 def test_every_if_on_an_untaken_condition_is_named_and_a_fixed_one_is_not(tmp_path: Path) -> None:
     """Two Ifs reading one condition get a note each; a condition no input reaches
     (Identity of a Constant) never takes its other branch anywhere: no note."""

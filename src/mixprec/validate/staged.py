@@ -852,6 +852,7 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
     proto = onnx.load(str(reference), load_external_data=False)
     specs = with_index_limits(data_mod.input_specs(proto), proto)
     head_sizes = cache_head_sizes(proto)
+    switches = _branch_switches(proto)
     del proto
     told: list[str] = []  # the first attempt's failures, told when every attempt fails
     for fixed in ([head_sizes, {}] if head_sizes else [{}]):
@@ -872,11 +873,39 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
                 )
                 result.notes.append(f"generated inputs use {size} for symbolic dimensions ({batch} for leading ones; {why})")
             yield feeds, expected
+            yield from _switched_batch(feeds, switches, session, result)
             return
         told = told or errors
     result.runtime = "reference-fails"
     why = told[-1].split(": ", 1)[1] if told else "inputs too large to generate"
     _unchecked(result, f"not checked: the FP32 model fails on generated inputs ({why}); {_PASS_DATA}")
+
+
+def _branch_switches(proto: onnx.ModelProto) -> list[str]:
+    """Boolean graph inputs that are the condition of a main-graph If: the switch of a merged
+    decoder (optimum's use_cache_branch), whose other branch a generated batch never takes."""
+    flags = {i.name for i in proto.graph.input if i.type.tensor_type.elem_type == onnx.TensorProto.BOOL}
+    return sorted({
+        node.input[0] for node in proto.graph.node
+        if node.op_type == "If" and is_default_domain(node.domain) and node.input and node.input[0] in flags
+    })
+
+
+def _switched_batch(
+    feeds: Batch, switches: Sequence[str], session: object, result: Validation
+) -> Iterator[tuple[Batch, dict[str, np.ndarray]]]:
+    """The generated batch again with each branch switch negated, so that both branches of the
+    Ifs they steer run; nothing where there is no switch, or where the FP32 model fails that way
+    (noted)."""
+    if not switches:
+        return
+    switched = {**feeds, **{name: np.logical_not(feeds[name]) for name in switches}}
+    try:
+        expected = sessions.run_session(session, switched)  # type: ignore[arg-type]
+    except RunError as e:
+        result.notes.append(f"generated inputs with {', '.join(switches)} negated fail in the FP32 model ({e})")
+        return
+    yield switched, expected
 
 
 def _climbs(
