@@ -145,3 +145,58 @@ def test_float16_elementwise_ops_cost_more_than_fp32_where_the_runtime_converts_
     assert not any(computes_elementwise("", op) for op in ("Transpose", "Gather", "MaxPool", "Conv", "MatMul"))
     matmul = 2.0 * 512**3
     assert node_time(3 * 512**2, matmul, True, cpu) == node_time(3 * 512**2, matmul, False, cpu)
+
+
+def _cache_model(width: int) -> onnx.ModelProto:
+    """A key/value cache appended to and handed back (present = Concat(past, x)) beside a small
+    projection of the new rows: the model's inputs and outputs dwarf its arithmetic."""
+    from onnx import TensorProto, helper  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("Concat", ["past", "x"], ["present"], axis=1, name="append"),
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="proj"),
+        helper.make_node("Relu", ["h"], ["y"], name="act"),
+    ]
+    graph = helper.make_graph(
+        nodes, "cache",
+        [helper.make_tensor_value_info("past", TensorProto.FLOAT, ["batch", "past_len", width]),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", width]),
+         helper.make_tensor_value_info("present", TensorProto.FLOAT, ["batch", "past_len + seq", width])],
+        [numpy_helper.from_array(rng.standard_normal((width, width)).astype(np.float32) / 16, "w")],
+    )
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+
+def _interface_note(report) -> list[str]:  # noqa: ANN001
+    return [n for n in report.notes if "run-time casts only convert the model's FP32 inputs and outputs" in n]
+
+
+def test_casts_at_the_inputs_and_outputs_that_cost_the_estimate_are_pointed_out(tmp_path) -> None:
+    import mixprec  # noqa: PLC0415
+
+    kept = mixprec.convert(_cache_model(64), tmp_path / "kept.onnx", validate="checker").report
+    (note,) = _interface_note(kept)
+    assert "2 of the 2 run-time casts" in note and "(x, y)" in note and "--io-16bit" in note
+    without = float(note.split("without them the estimate would be about ")[1].split("x")[0])
+    assert without > 1.25 * kept.estimated_speedup
+    # What the note promises, 16-bit inputs and outputs give at least.
+    low_io = mixprec.convert(_cache_model(64), tmp_path / "low.onnx", validate="checker", keep_io_types=False).report
+    assert low_io.casts_runtime == 0 and low_io.estimated_speedup >= without - 0.01
+    assert _interface_note(low_io) == []
+    # A model whose arithmetic dwarfs its inputs and outputs: its casts are not worth a note.
+    rng = np.random.default_rng(1)
+    nodes = [
+        onnx.helper.make_node("MatMul", ["x", "w1"], ["h"]),
+        onnx.helper.make_node("Relu", ["h"], ["r"]),
+        onnx.helper.make_node("MatMul", ["r", "w2"], ["y"]),
+    ]
+    weights = [numpy_helper.from_array(rng.standard_normal((4096, 4096)).astype(np.float32) / 64, n) for n in ("w1", "w2")]
+    graph = onnx.helper.make_graph(
+        nodes, "mlp", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", "seq", 4096])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", "seq", 4096])], weights,
+    )
+    mlp = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    heavy = mixprec.convert(mlp, tmp_path / "mlp.onnx", validate="checker").report
+    assert heavy.casts_runtime == 2 and _interface_note(heavy) == [], heavy.notes

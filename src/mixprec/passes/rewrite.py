@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import onnx_ir as ir
@@ -53,6 +53,7 @@ class CastRecord:
     estimated_elements: int | None = None  # named symbolic dimensions estimated (analysis.cost_model)
     guessed_elements: int | None = None  # every dimension that is not static guessed (analysis.cost_model)
     of_constant: bool = False  # a Cast of a stored constant: runtimes fold it when they load the model
+    at_interface: bool = False  # made for the main graph's FP32 inputs or outputs alone (keep_io_types)
 
 
 @dataclass
@@ -201,6 +202,7 @@ class _Rewriter:
                 base, short, tensor_elements(value.shape), runtime=True,
                 estimated_elements=estimated_elements(value.shape), guessed_elements=guessed_elements(value.shape),
                 of_constant=tensor is not None,
+                at_interface=value.is_graph_input() and value.graph is self.model.graph and value.const_value is None,
             )
         )
         self.cache[key] = out
@@ -374,14 +376,18 @@ class _Rewriter:
             if value is None or value not in self.fp32 or self._actual(value) == required:
                 continue
             name = value.name
+            made = len(self.stats.casts)
             cast = self.cast_of(value, required)
             if cast not in self.created or cast.is_graph_output():
                 # The shared Cast is the model's own or already names an output: this output
                 # gets a Cast of its own.
                 del self.cache[(value, required)]
+                made = len(self.stats.casts)
                 cast = self.cast_of(value, required)
             if cast.producer() is None:
                 continue
+            if len(self.stats.casts) > made and graph is self.model.graph:
+                self.stats.casts[-1] = replace(self.stats.casts[-1], at_interface=True)  # made for this output alone
             # The Cast's output takes over the model-facing name.
             value.name = self.value_names(f"{name}_{self.target.short_name if value in self.lowered else 'fp32'}")
             cast.name = name

@@ -15,16 +15,16 @@ from typing import Any
 
 import onnx_ir as ir
 
-from mixprec.analysis.cost_model import CAST_BYTES_PER_ELEMENT, SYMBOLIC_DIM
+from mixprec.analysis.cost_model import CAST_BYTES_PER_ELEMENT, SYMBOLIC_DIM, cast_time
 from mixprec.passes.functions import inlining_obstacle
-from mixprec.plan.estimate import estimate_plan
+from mixprec.plan.estimate import PlanEstimate, estimate_plan
 from mixprec.report.quantized import QuantizedSummary, quantized_summary
 from mixprec.validate.results import InputScale, OutputError, Validation, shape_text
 from mixprec.graphs import has_subgraphs, walk_nodes
 from mixprec.passes.rewrite import CastRecord, RewriteStats
 from mixprec.passes.opset import first_opset_admitting, stranded_ops, stranding_note
 from mixprec.plan.model import Category, Precision, PrecisionPlan
-from mixprec.policy.costs import runtime_cost
+from mixprec.policy.costs import RuntimeCost, runtime_cost
 from mixprec.policy.profiles import RuntimeProfile
 from mixprec.policy.table import normalize_domain
 
@@ -373,6 +373,9 @@ def build_report(
     cost = runtime_cost(profile.name if profile is not None else None, target.value)
     # Casts of stored constants are folded by the runtime when it loads the model: no time.
     estimate = estimate_plan(plan, [c.guessed_elements for c in runtime if not c.of_constant], cost)
+    interface_note = _interface_casts_note(plan, runtime, estimate, cost)
+    if interface_note is not None:
+        notes.append(interface_note)
     report = Report(
         runtime=profile.name if profile is not None else "onnx",
         source=source,
@@ -436,6 +439,32 @@ def _count_decisions(plan: PrecisionPlan) -> _DecisionCounts:
             if category is not Category.NO_FLOAT:
                 counts.kept.append(KeptNode(plan.keys[node], node.op_type, category.value, decision.reason))
     return counts
+
+
+# The estimate with 16-bit inputs and outputs must be this much faster to be pointed out.
+_INTERFACE_GAIN = 1.25
+
+
+def _interface_casts_note(
+    plan: PrecisionPlan, runtime: list[CastRecord], estimate: PlanEstimate, cost: RuntimeCost
+) -> str | None:
+    """Where the Casts made for the model's FP32 inputs and outputs alone (a decoder's key/value
+    cache, read and written at every step) cost much of the estimate: what 16-bit inputs and
+    outputs would estimate instead (the same plan, those Casts gone)."""
+    interface = [c for c in runtime if c.at_interface and not c.of_constant]
+    if not plan.keep_io_types or not interface or estimate.speedup is None:
+        return None
+    saved = sum(cast_time(c.guessed_elements or 0, cost) for c in interface)
+    remaining = estimate.time - saved
+    if remaining <= 0 or estimate.fp32_time / remaining < _INTERFACE_GAIN * estimate.speedup:
+        return None
+    names = ", ".join(c.value for c in interface[:3]) + (f" and {len(interface) - 3} more" if len(interface) > 3 else "")
+    return (
+        f"{len(interface)} of the {len(runtime)} run-time casts only convert the model's FP32 inputs and "
+        f"outputs ({names}): without them the estimate would be about {estimate.fp32_time / remaining:.2f}x "
+        f"instead of {estimate.speedup:.2f}x; --io-16bit (keep_io_types=False) gives the model "
+        f"{plan.target.value} inputs and outputs, which the caller then feeds and reads"
+    )
 
 
 def _cast_traffic(runtime: list[CastRecord]) -> tuple[int | None, int | None, int | None]:
