@@ -414,3 +414,49 @@ def test_an_output_below_the_normal_range_is_named_as_the_cause(tmp_path: Path) 
     # In bfloat16 the same values are normal numbers: no such note.
     result = mixprec.convert(tmp_path / "m.onnx", tmp_path / "b.onnx", target_dtype="bf16")
     assert not any("normal range" in n for n in result.report.validation.notes)
+
+
+def _dynamically_quantized_layers(path: Path) -> Path:
+    """Four layers x -> MatMul(x, W) -> MatMul(., mix) / 8 -> Tanh, the weight products
+    quantized dynamically by onnxruntime's `quantize_dynamic` (DynamicQuantizeLinear +
+    MatMulInteger: each layer's input is quantized to int8 as the model runs); the products with
+    the `mix` input stay float."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    width = 64
+    nodes, weights, x = [], [numpy_helper.from_array(np.array(1 / 8, np.float32), "k")], "x"
+    for i in range(4):
+        weights.append(numpy_helper.from_array((rng.standard_normal((width, width)) / 8).astype(np.float32), f"w{i}"))
+        nodes += [
+            helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]),
+            helper.make_node("MatMul", [f"m{i}", "mix"], [f"g{i}"]),
+            helper.make_node("Mul", [f"g{i}", "k"], [f"a{i}"]),
+            helper.make_node("Tanh", [f"a{i}"], [f"h{i}"]),
+        ]
+        x = f"h{i}"
+    graph = helper.make_graph(
+        nodes, "layers",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, width]),
+         helper.make_tensor_value_info("mix", TensorProto.FLOAT, [width, width])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [16, width])], weights,
+    )
+    plain = path.with_name("plain.onnx")
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), plain)
+    quantize_dynamic(str(plain), str(path), weight_type=QuantType.QInt8)
+    return path
+
+
+def test_dynamic_quantization_explains_a_larger_difference(tmp_path: Path) -> None:
+    """A 16-bit rounding before a DynamicQuantizeLinear can move a value to the next int8 step:
+    the report says so rather than leaving the difference unexplained."""
+    model = _dynamically_quantized_layers(tmp_path / "dynamic.onnx")
+    assert {n.op_type for n in onnx.load(model).graph.node} >= {"DynamicQuantizeLinear", "MatMulInteger"}
+    assert not {"DequantizeLinear", "QuantizeLinear"} & {n.op_type for n in onnx.load(model).graph.node}
+    result = mixprec.convert(model, tmp_path / "out.onnx", target_dtype="float16")
+    assert result.report.nodes_by_precision["low"] > 0
+    (note,) = [n for n in result.report.validation.notes if "differs from the FP32 model" in n]
+    assert "in a quantized model one float16 rounding can move a value to the next quantization step" in note
+    # The same layers unquantized stay within rounding: no note.
+    plain = mixprec.convert(tmp_path / "plain.onnx", tmp_path / "plain16.onnx", target_dtype="float16")
+    assert not [n for n in plain.report.validation.notes if "differs from the FP32 model" in n]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import onnx_ir as ir
+
 import onnx.defs
 import pytest
 
@@ -119,3 +121,17 @@ def test_policy_retargets_the_attribute_the_facts_name() -> None:
             LowPrecision.FLOAT16,
             "my.toml",
         )
+
+
+def test_ops_that_quantize_their_input_as_they_run() -> None:
+    from mixprec.analysis.qdq import quantizes_at_run_time  # noqa: PLC0415
+
+    def node(op: str, domain: str = "", **attributes: int) -> ir.Node:
+        return ir.Node(domain, op, [], attributes=[ir.AttrInt64(k, v) for k, v in attributes.items()])
+
+    assert quantizes_at_run_time(node("DynamicQuantizeLinear"))
+    assert quantizes_at_run_time(node("MatMulNBits", "com.microsoft", accuracy_level=4))  # int8 compute
+    assert not quantizes_at_run_time(node("MatMulNBits", "com.microsoft", accuracy_level=0))
+    assert not quantizes_at_run_time(node("MatMulNBits", "com.microsoft"))
+    assert not quantizes_at_run_time(node("QuantizeLinear"))  # static: a QDQ end, not dynamic
+    assert not quantizes_at_run_time(node("MatMul"))

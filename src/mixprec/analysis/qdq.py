@@ -73,6 +73,16 @@ def has_qdq(nodes: Iterable[ir.Node]) -> bool:
     return any(op_facts(domain, op_type).quantization is not None for domain, op_type in kinds)
 
 
+def quantizes_at_run_time(node: ir.Node) -> bool:
+    """Whether the node quantizes a float input to integers as it runs (dynamic quantization,
+    `quantizes_input` in the op facts): a 16-bit rounding before it can move a value to the next
+    integer step."""
+    rule = op_facts(node.domain, node.op_type).quantizes_input
+    if rule == "int8_accuracy":
+        return node.attributes.get_int("accuracy_level", 0) == 4
+    return rule == "always"
+
+
 def quantizes_float_chain(node: ir.Node, runtime: str | None = None, target: LowPrecision | None = None) -> bool:
     """Whether the node quantizes a value computed by ops that may run in `target`: a chain
     after the DequantizeLinear(s), or a single-op group (DequantizeLinear -> MaxPool / Relu ->

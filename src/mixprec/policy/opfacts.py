@@ -77,6 +77,7 @@ class OpFacts:
     singular_inputs: InputSet = ()
     keeps_zero: bool = False
     normalizes: str | None = None
+    quantizes_input: str | None = None
 
     @property
     def carries_floats(self) -> bool:
@@ -106,6 +107,7 @@ _FLAGS = ("shape_only", "comparison", "exact_use", "random", "value_preserving",
 _NAMES = {
     "interval": INTERVAL_RULES, "flops": FLOPS_FORMULAS, "quantization": QUANTIZATION_ROLES,
     "normalizes": frozenset({"from_axis", "spatial", "groups"}),
+    "quantizes_input": frozenset({"always", "int8_accuracy"}),
 }
 _INDICES = ("scale_input", "output_type_from", "norm_scale", "norm_bias")
 _INPUT_SETS = ("additive_inputs", "scaling_inputs", "singular_inputs")

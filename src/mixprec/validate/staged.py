@@ -25,7 +25,7 @@ import onnx
 import onnx_ir as ir
 
 from mixprec.analysis.input_indices import cache_head_sizes, with_fixed_dims, with_index_limits
-from mixprec.analysis.qdq import has_qdq
+from mixprec.analysis.qdq import has_qdq, quantizes_at_run_time
 from mixprec.dtypes import LowPrecision, is_float_dtype
 from mixprec.errors import InputError, MixprecError, RunError, ValidationFailure
 from mixprec.host import host_cpu
@@ -464,8 +464,11 @@ def _beyond_rounding(outputs: Iterable[OutputError], target: LowPrecision) -> fl
 
 
 def quantized_model(model: ir.Model | None) -> bool:
-    """Whether the model quantizes or dequantizes anywhere (False when it is not in memory)."""
-    return model is not None and any(has_qdq(graph) for graph in model.graphs())
+    """Whether the model quantizes or dequantizes anywhere, dynamic quantization of its
+    activations included (False when it is not in memory)."""
+    return model is not None and any(
+        has_qdq(graph) or any(quantizes_at_run_time(node) for node in graph) for graph in model.graphs()
+    )
 
 
 def _note_large_errors(
