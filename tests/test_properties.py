@@ -35,7 +35,7 @@ from helpers import (
     to_low,
     value_types,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from onnx import numpy_helper
 
@@ -390,6 +390,18 @@ def assert_numbers(
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(recipe=recipes())
+@example(  # an identity Cast of a 16-bit input read by 16-bit and FP32 consumers: converted twice alike
+    recipe=Recipe(
+        n_inputs=1,
+        steps=[
+            Step(op="IdentityCast", a=0, b=0, const_operand=0, special=-1),
+            Step(op="LayerNormalization", a=1, b=0, const_operand=0, special=-1),
+            Step(op="Exp", a=2, b=0, const_operand=0, special=-1),
+            Step(op="Relu", a=1, b=0, const_operand=0, special=-1),
+        ],
+        outputs=[0], seed=0, opset=17,
+    ),
+)
 def test_random_graphs(recipe: Recipe) -> None:
     built = build(recipe)
     model, feeds = built.model, built.feeds

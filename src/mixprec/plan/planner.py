@@ -493,9 +493,23 @@ class Planner:
                     f"{op_name}: reads a large constant, stored in {self.target.short_name}; "
                     "its output is cast for FP32 consumers",
                 )
+            elif State.LOW in wanted and self._reads_only_low(node):
+                # In FP32 it would convert its 16-bit input and its 16-bit consumers would need
+                # a cast back: in 16 bits only its FP32 consumers need one (shared).
+                self._lower(
+                    node, facts, Category.CONSUMERS,
+                    f"{op_name}: reads {self.target.short_name} values and some consumers compute in "
+                    f"{self.target.short_name}; its output is cast for FP32 consumers",
+                )
+                self.lowered_for_consumers.append(node)
             else:
                 why = "some consumers compute in FP32" if State.HIGH in wanted else "no 16-bit consumer"
                 self._keep(node, Category.CONSUMERS, f"{op_name}: {why}", State.HIGH)
+
+    def _reads_only_low(self, node: ir.Node) -> bool:
+        """Whether every FP32 input of `node` is a 16-bit value (and it has one)."""
+        inputs = [v for v in node.inputs if v is not None and v in self.fp32]
+        return bool(inputs) and all(self.state.get(v) is State.LOW for v in inputs)
 
     # -- cast placement -----------------------------------------------------------------
     def view(self) -> PrecisionPlan:
