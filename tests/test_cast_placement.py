@@ -350,3 +350,31 @@ agraph (float[4,4] x) => (float[4,4] h, float[4,4] n)
         (n.op_type, list(n.input), list(n.output)) for n in out.graph.node
     ]
     assert_matches_fp32(model, out, random_feeds(model), target="float16")
+
+
+def test_a_chain_between_an_upcast_and_a_downcast_of_16bit_values_converts() -> None:
+    """x @ w -> Cast(float) -> * scale -> + shift -> Cast(float) -> @ w: the casts around a
+    normalization as TorchScript exports `x.to(torch.float32) ... .to(input_dtype)`. Between two
+    16-bit MatMuls the chain runs in 16 bits and both Casts vanish; it had stayed FP32 (its only
+    reader, a Cast, reads either type), a conversion there and back."""
+    model = parse(f"""{HEADER}
+agraph (float[4,4] x) => (float[4,4] y)
+<float[4,4] w = {W44}, float[4] scale = {{1.5, 0.5, 1, 2}}, float[4] shift = {{0.25, -0.5, 0, 1}}>
+{{
+  h = MatMul(x, w)
+  up = Cast<to = 1>(h)
+  scaled = Mul(up, scale)
+  shifted = Add(scaled, shift)
+  down = Cast<to = 1>(shifted)
+  y = MatMul(down, w)
+}}
+""")
+    result, out = convert(model)
+    check_full(out)
+    assert {d.precision.value for d in result.plan.decisions.values()} == {"low"}
+    assert sigs_of(out, "Mul") == [NodeSig("Mul", (H, H), (H,))]
+    assert sigs_of(out, "Add") == [NodeSig("Add", (H, H), (H,))]
+    # Only the model's own input and output are cast: both Casts of the chain were no-ops.
+    assert [(n.input[0], n.output[0]) for n in out.graph.node if n.op_type == "Cast"] == [("x", "x_fp16"), ("y_fp16", "y")]
+    assert result.report.casts_removed == 2
+    assert_matches_fp32(model, out, random_feeds(model))

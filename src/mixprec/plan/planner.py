@@ -457,6 +457,9 @@ class Planner:
                 wanted.add(State.HIGH)
                 continue
             if index in facts.flexible:
+                # Read as it is; a Cast retargeted to 16 bits vanishes where its input is 16-bit.
+                if index == 0 and _copies_input(facts) and self.decisions[consumer].precision is Precision.LOW:
+                    wanted.add(State.LOW)
                 continue
             decision = self.decisions[consumer]
             if decision.precision is Precision.LOW:
@@ -601,6 +604,13 @@ class Planner:
         if State.LOW in wanted:
             return Storage.BOTH
         return Storage.FP32
+
+
+def _copies_input(facts: NodeFacts) -> bool:
+    """Whether the node is a Cast: its output holds its input's values in the type its `to`
+    attribute names (retargeted with its consumers)."""
+    rule = facts.rule
+    return rule is not None and rule.dtype_attribute == "to"
 
 
 def plan_precision(
