@@ -352,21 +352,13 @@ def specs():
         "owlvit": ("multimodal", *_text(t, "OwlViTForObjectDetection", "OwlViTConfig", "clip",
                                         text_config=dict(towers[0]), vision_config=dict(towers[1]),
                                         projection_dim=32)),  # the text width: its class head needs it
-        # newer decoders: QK norms, sliding windows, MoE routers, hybrid attention/state space
+        # newer decoders: QK norms, sliding windows
         "gemma3": ("decoder", *_text(t, "Gemma3ForCausalLM", "Gemma3TextConfig", num_key_value_heads=2,
                                      head_dim=8, sliding_window=4, **dec)),
         "olmo2": ("decoder", *_text(t, "Olmo2ForCausalLM", "Olmo2Config", num_key_value_heads=2, **dec)),
         "starcoder2": ("decoder", *_text(t, "Starcoder2ForCausalLM", "Starcoder2Config",
                                          num_key_value_heads=2, **dec)),
         "granite": ("decoder", *_text(t, "GraniteForCausalLM", "GraniteConfig", num_key_value_heads=2, **dec)),
-        "qwen3_moe": ("decoder", *_text(t, "Qwen3MoeForCausalLM", "Qwen3MoeConfig", num_key_value_heads=2,
-                                        head_dim=8, num_experts=4, num_experts_per_tok=2,
-                                        moe_intermediate_size=32, **dec)),
-        "jamba": ("decoder", *_text(t, "JambaForCausalLM", "JambaConfig", num_key_value_heads=2,
-                                    num_experts=2, num_experts_per_tok=1, attn_layer_period=2,
-                                    attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
-                                    mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, use_mamba_kernels=False,
-                                    **dec)),
         # audio and vision encoders
         "wav2vec2_conformer": ("audio", *_text(t, "Wav2Vec2ConformerForCTC", "Wav2Vec2ConformerConfig", "audio",
                                                vocab_size=32, hidden_size=32, conv_dim=(16, 16),
@@ -376,10 +368,10 @@ def specs():
                                                **L)),
         "swinv2": ("vision", *_text(t, "Swinv2Model", "Swinv2Config", "image", image_size=IMG, patch_size=4,
                                     embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4)),
-        "hiera": ("vision", *_text(t, "HieraModel", "HieraConfig", "image", image_size=[64, 64],
+        "hiera": ("vision", *_text(t, "HieraModel", "HieraConfig", "image", image_size=[IMG, IMG],
                                    patch_size=[7, 7], patch_stride=[4, 4], patch_padding=[3, 3],
                                    embed_dim=16, num_heads=[1, 2], depths=[1, 1], query_stride=[2, 2],
-                                   masked_unit_size=[4, 4], embed_dim_multiplier=2.0)),
+                                   masked_unit_size=[4, 4], embed_dim_multiplier=2.0, num_query_pool=1)),
     }
     return out
 
@@ -393,8 +385,8 @@ NAMES = ["bert", "roberta", "distilbert", "albert", "deberta_v2", "electra", "xl
          "m2m100", "beit", "dinov2", "segformer", "mobilevit", "efficientnet", "regnet",
          "convnextv2", "siglip", "speech2text", "sew", "yolos", "detr", "encodec",
          "patchtst", "patchtsmixer", "wavlm", "data2vec_audio", "ast", "dpt", "glpn", "levit",
-         "focalnet", "pvt_v2", "owlvit", "gemma3", "olmo2", "starcoder2", "granite", "qwen3_moe",
-         "jamba", "wav2vec2_conformer", "swinv2", "hiera"]
+         "focalnet", "pvt_v2", "owlvit", "gemma3", "olmo2", "starcoder2", "granite",
+         "wav2vec2_conformer", "swinv2", "hiera"]
 
 
 # ---------------------------------------------------------------------------------------------
