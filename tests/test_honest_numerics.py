@@ -374,6 +374,11 @@ def test_generated_inputs_take_both_branches_of_a_switch_input(tmp_path: Path) -
     result = mixprec.convert(_switched_model(), tmp_path / "out.onnx", target_dtype="float16", data=data, overwrite=True)
     (note,) = [n for n in result.report.validation.notes if n.startswith("If ")]
     assert "took only its then branch" in note
+    # A switch with a default (an initializer of the same name) is not generated: left as it is.
+    defaulted = _switched_model()
+    defaulted.graph.initializer.append(numpy_helper.from_array(np.array([True]), "use_cache_branch"))
+    result = mixprec.convert(defaulted, tmp_path / "out.onnx", target_dtype="float16", overwrite=True)
+    assert result.report.validation.numerics.startswith("checked on 1 batch(es)"), result.report.validation.numerics
 
 
 def test_every_if_on_an_untaken_condition_is_named_and_a_fixed_one_is_not(tmp_path: Path) -> None:

@@ -85,12 +85,19 @@ def test_a_dimension_written_as_arithmetic_of_others_takes_its_value() -> None:
         data_mod.InputSpec("ids", np.dtype(np.int64), ("batch", "sequence_length")),
         data_mod.InputSpec("mask", np.dtype(np.int64), ("batch", "past_sequence_length + sequence_length")),
         data_mod.InputSpec("past", np.dtype(np.float32), ("batch", 2, "past_sequence_length", 8)),
-        data_mod.InputSpec("odd", np.dtype(np.float32), ("2*sequence_length", "(past_sequence_length - 1) // 2", "s - s - 1", "s // 0", "a.b")),
+        data_mod.InputSpec("doubled", np.dtype(np.float32), ("2*batch", 8)),
+        data_mod.InputSpec(
+            "odd", np.dtype(np.float32),
+            ("2*sequence_length", "(past_sequence_length - 1) // 2", "s - s - 1", "s // 0", "a.b", "n*1000000*1000000",
+             "+".join(["s"] * 5000)),
+        ),
     ]
     assert data_mod.generated_shapes(specs, dim_value=16, batch_value=2) == {
         "ids": (2, 16), "mask": (2, 32), "past": (2, 2, 16, 8),
-        # a leading dimension is a batch; a negative size or a division by zero: the usual size
-        "odd": (2, 7, 16, 16, 16),
+        "doubled": (4, 8),  # arithmetic of the batch, leading or not
+        # a negative size, a division by zero, a size far beyond its names' or arithmetic nested
+        # too deep to read: the usual size
+        "odd": (32, 7, 16, 16, 16, 16, 16),
     }
 
 

@@ -79,7 +79,8 @@ def quantizes_at_run_time(node: ir.Node) -> bool:
     integer step."""
     rule = op_facts(node.domain, node.op_type).quantizes_input
     if rule == "int8_accuracy":
-        return node.attributes.get_int("accuracy_level", 0) == 4
+        level = node.attributes.get("accuracy_level")
+        return level is not None and level.type == ir.AttributeType.INT and level.value == 4
     return rule == "always"
 
 

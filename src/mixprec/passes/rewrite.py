@@ -376,7 +376,7 @@ class _Rewriter:
             if value is None or value not in self.fp32 or self._actual(value) == required:
                 continue
             name = value.name
-            made = len(self.stats.casts)
+            made = len(self.stats.casts)  # a record added from here on is a Cast made for this output
             cast = self.cast_of(value, required)
             if cast not in self.created or cast.is_graph_output():
                 # The shared Cast is the model's own or already names an output: this output

@@ -255,9 +255,10 @@ def load_runtime(name: str | None = None) -> RuntimeProfile:
 @functools.cache
 def onnxruntime_onnx_domain_ops(opset: int | None) -> frozenset[str]:
     """Ops onnxruntime registers in the ONNX domain at default-domain `opset` that ONNX itself
-    does not define at that opset, from its tables: SimplifiedLayerNormalization at any opset,
-    LayerNormalization below 17 (its transformer optimizer writes both). The ONNX checker does
-    not know them, onnxruntime runs them."""
+    does not define at that opset, from its tables: its own ops (SimplifiedLayerNormalization)
+    at any opset, and ops ONNX defines only from a later opset where onnxruntime registers an
+    earlier version (LayerNormalization below 17; its transformer optimizer writes both). The
+    ONNX checker does not know them, onnxruntime runs them."""
     import onnx.defs  # noqa: PLC0415
 
     if opset is None:

@@ -373,7 +373,7 @@ def build_report(
     cost = runtime_cost(profile.name if profile is not None else None, target.value)
     # Casts of stored constants are folded by the runtime when it loads the model: no time.
     estimate = estimate_plan(plan, [c.guessed_elements for c in runtime if not c.of_constant], cost)
-    interface_note = _interface_casts_note(plan, runtime, estimate, cost)
+    interface_note = _interface_casts_note(model, plan, runtime, estimate, cost) if plan.keep_io_types else None
     if interface_note is not None:
         notes.append(interface_note)
     report = Report(
@@ -441,29 +441,34 @@ def _count_decisions(plan: PrecisionPlan) -> _DecisionCounts:
     return counts
 
 
-# The estimate with 16-bit inputs and outputs must be this much faster to be pointed out.
-_INTERFACE_GAIN = 1.25
+# Casts made for the model's FP32 inputs and outputs alone are pointed out from this share of the
+# estimated time on.
+_INTERFACE_SHARE = 0.2
 
 
 def _interface_casts_note(
-    plan: PrecisionPlan, runtime: list[CastRecord], estimate: PlanEstimate, cost: RuntimeCost
+    model: ir.Model, plan: PrecisionPlan, runtime: list[CastRecord], estimate: PlanEstimate, cost: RuntimeCost
 ) -> str | None:
     """Where the Casts made for the model's FP32 inputs and outputs alone (a decoder's key/value
-    cache, read and written at every step) cost much of the estimate: what 16-bit inputs and
-    outputs would estimate instead (the same plan, those Casts gone)."""
-    interface = [c for c in runtime if c.at_interface and not c.of_constant]
-    if not plan.keep_io_types or not interface or estimate.speedup is None:
+    cache, read and written at every step) take much of the estimated time: their share, and
+    the option that gives the model 16-bit inputs and outputs. A cast of an input that nodes
+    also read in FP32 does not count: with a 16-bit input it would only change direction."""
+    read_in_fp32 = {
+        value.name for value in model.graph.inputs
+        if any(consumer in plan.decisions and index not in plan.facts[consumer].flexible for consumer, index in value.uses())
+    }
+    interface = [c for c in runtime if c.at_interface and not c.of_constant and c.value not in read_in_fp32]
+    if not interface or estimate.time <= 0:
         return None
-    saved = sum(cast_time(c.guessed_elements or 0, cost) for c in interface)
-    remaining = estimate.time - saved
-    if remaining <= 0 or estimate.fp32_time / remaining < _INTERFACE_GAIN * estimate.speedup:
+    share = sum(cast_time(c.guessed_elements or 0, cost) for c in interface) / estimate.time
+    if share < _INTERFACE_SHARE:
         return None
     names = ", ".join(c.value for c in interface[:3]) + (f" and {len(interface) - 3} more" if len(interface) > 3 else "")
+    count = sum(1 for c in runtime if not c.of_constant)
     return (
-        f"{len(interface)} of the {len(runtime)} run-time casts only convert the model's FP32 inputs and "
-        f"outputs ({names}): without them the estimate would be about {estimate.fp32_time / remaining:.2f}x "
-        f"instead of {estimate.speedup:.2f}x; --io-16bit (keep_io_types=False) gives the model "
-        f"{plan.target.value} inputs and outputs, which the caller then feeds and reads"
+        f"{len(interface)} of the {count} run-time casts only convert the model's FP32 inputs and outputs "
+        f"({names}) and take {share:.0%} of the estimated time; --io-16bit (keep_io_types=False) gives the "
+        f"model {plan.target.value} inputs and outputs instead, which the caller then feeds and reads"
     )
 
 

@@ -209,7 +209,10 @@ def generated_shapes(
             )
     batch_names: set[str] = set()
     if batch_value is not None:
-        batch_names = {s.shape[0] for s in specs if len(s.shape) >= 2 and isinstance(s.shape[0], str)}  # type: ignore[arg-type, misc]
+        batch_names = {
+            s.shape[0] for s in specs  # type: ignore[misc]
+            if len(s.shape) >= 2 and isinstance(s.shape[0], str) and _dim_expression(s.shape[0]) is None  # type: ignore[arg-type]
+        }
 
     def named(name: str) -> int:
         return batch_value if batch_value is not None and name in batch_names else dim_value
@@ -217,13 +220,14 @@ def generated_shapes(
     def size(dim: int | str | None, index: int, rank: int) -> int:
         if isinstance(dim, int) and dim >= 0:
             return dim
-        if batch_value is not None and (dim in batch_names or (dim is None and index == 0 and rank >= 2)):
-            return batch_value
         expression = _dim_expression(dim) if isinstance(dim, str) else None
         if expression is not None:
             value = _evaluate(expression, named)
-            if value is not None and value >= 0:
+            # A size the arithmetic makes negative or far larger than its names: the usual one.
+            if value is not None and 0 <= value <= _EXPRESSION_GROWTH * max(dim_value, batch_value or 0, 1):
                 return value
+        elif batch_value is not None and (dim in batch_names or (dim is None and index == 0 and rank >= 2)):
+            return batch_value
         return dim_value
 
     return {
@@ -232,15 +236,20 @@ def generated_shapes(
     }
 
 
+# A dimension written as arithmetic takes its value up to this many times the generated size.
+_EXPRESSION_GROWTH = 1024
+
+
 @functools.lru_cache(maxsize=1024)
 def _dim_expression(dim: str) -> ast.expr | None:
     """The integer arithmetic (+, -, *, //, parentheses) of dimension names and numbers that
     `dim` writes, or None for a plain name or anything else."""
     try:
         tree = ast.parse(dim.strip(), mode="eval").body
-    except (SyntaxError, ValueError):
+        arithmetic = not isinstance(tree, ast.Name) and _is_arithmetic(tree)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # not Python, or nested too deep
         return None
-    return None if isinstance(tree, ast.Name) or not _is_arithmetic(tree) else tree
+    return tree if arithmetic else None
 
 
 _DIM_OPERATORS: dict[type, Callable[[int, int], int]] = {
@@ -269,7 +278,10 @@ def _evaluate(node: ast.expr, named: Callable[[str], int]) -> int | None:
     if isinstance(node, ast.UnaryOp):
         operand = _evaluate(node.operand, named)
         return None if operand is None else -operand
-    left, right = _evaluate(node.left, named), _evaluate(node.right, named)  # type: ignore[attr-defined]
+    try:
+        left, right = _evaluate(node.left, named), _evaluate(node.right, named)  # type: ignore[attr-defined]
+    except RecursionError:
+        return None
     if left is None or right is None or (right == 0 and isinstance(node.op, ast.FloorDiv)):  # type: ignore[attr-defined]
         return None
     return _DIM_OPERATORS[type(node.op)](left, right)  # type: ignore[attr-defined]

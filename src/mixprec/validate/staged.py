@@ -887,7 +887,11 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
 def _branch_switches(proto: onnx.ModelProto) -> list[str]:
     """Boolean graph inputs that are the condition of a main-graph If: the switch of a merged
     decoder (optimum's use_cache_branch), whose other branch a generated batch never takes."""
-    flags = {i.name for i in proto.graph.input if i.type.tensor_type.elem_type == onnx.TensorProto.BOOL}
+    defaults = {t.name for t in proto.graph.initializer}  # inputs with a default are not generated
+    flags = {
+        i.name for i in proto.graph.input
+        if i.type.tensor_type.elem_type == onnx.TensorProto.BOOL and i.name not in defaults
+    }
     return sorted({
         node.input[0] for node in proto.graph.node
         if node.op_type == "If" and is_default_domain(node.domain) and node.input and node.input[0] in flags
@@ -900,6 +904,7 @@ def _switched_batch(
     """The generated batch again with each branch switch negated, so that both branches of the
     Ifs they steer run; nothing where there is no switch, or where the FP32 model fails that way
     (noted)."""
+    switches = [name for name in switches if name in feeds]
     if not switches:
         return
     switched = {**feeds, **{name: np.logical_not(feeds[name]) for name in switches}}
