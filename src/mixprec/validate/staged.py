@@ -876,7 +876,7 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
                 )
                 result.notes.append(f"generated inputs use {size} for symbolic dimensions ({batch} for leading ones; {why})")
             yield feeds, expected
-            yield from _switched_batch(feeds, switches, session, result)
+            yield from _switched_batch(reference, feeds, switches, session, result)
             return
         told = told or errors
     result.runtime = "reference-fails"
@@ -899,15 +899,20 @@ def _branch_switches(proto: onnx.ModelProto) -> list[str]:
 
 
 def _switched_batch(
-    feeds: Batch, switches: Sequence[str], session: object, result: Validation
+    reference: Path, feeds: Batch, switches: Sequence[str], session: object, result: Validation
 ) -> Iterator[tuple[Batch, dict[str, np.ndarray]]]:
     """The generated batch again with each branch switch negated, so that both branches of the
     Ifs they steer run; nothing where there is no switch, or where the FP32 model fails that way
-    (noted)."""
+    (noted). Run first in the child process, as each generated size is (`_climb`): the other
+    branch may crash onnxruntime."""
     switches = [name for name in switches if name in feeds]
     if not switches:
         return
     switched = {**feeds, **{name: np.logical_not(feeds[name]) for name in switches}}
+    trial = run_isolated(reference, switched, keep_outputs=False, graph_optimization="disable")
+    if trial.death in ("signal", "hung"):
+        result.notes.append(f"generated inputs with {', '.join(switches)} negated: {_CRASH} ({trial.error})")
+        return
     try:
         expected = sessions.run_session(session, switched)  # type: ignore[arg-type]
     except RunError as e:
