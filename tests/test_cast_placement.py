@@ -13,7 +13,7 @@ import onnx
 from onnx import numpy_helper
 
 from mixprec.plan import placement
-from helpers import NodeSig, assert_matches_fp32, check_full, convert, parse, producer, random_feeds, sigs_of
+from helpers import NodeSig, assert_matches_fp32, check_full, convert, parse, producer, random_feeds, run, sigs_of
 
 F, H, I = "float", "float16", "int64"
 
@@ -378,3 +378,26 @@ agraph (float[4,4] x) => (float[4,4] y)
     assert [(n.input[0], n.output[0]) for n in out.graph.node if n.op_type == "Cast"] == [("x", "x_fp16"), ("y_fp16", "y")]
     assert result.report.casts_removed == 2
     assert_matches_fp32(model, out, random_feeds(model))
+
+
+def test_a_value_that_an_fp32_cast_also_reads_keeps_its_fp32_copy() -> None:
+    """A constant read by two Casts to float, one retargeted to 16 bits (it feeds a MatMul's
+    sum) and one kept FP32 (it feeds an FP32 subtraction): the FP32 path reads the exact value
+    (1000.3 - 1000), not its 16-bit rounding (1000.5 - 1000)."""
+    model = parse(f"""{HEADER}
+agraph (float[4,4] x) => (float[4,4] y, float[4] z)
+<float[4,4] w = {W44}, float thousand = {{1000}}>
+{{
+  c = Constant<value = float[4] {{1000.3, 1000.3, 1000.3, 1000.3}}>()
+  b = Cast<to = 1>(c)
+  m = MatMul(x, w)
+  y = Add(m, b)
+  k = Cast<to = 1>(c)
+  z = Sub(k, thousand)
+}}
+""")
+    result, out = convert(model)
+    decisions = {n.outputs[0].name: d.precision.value for n, d in result.plan.decisions.items()}
+    assert decisions["b"] == "low" and decisions["k"] == "fp32" and decisions["c"] == "fp32", decisions
+    z = run(out, random_feeds(model))[1]
+    np.testing.assert_allclose(z, np.full(4, np.float32(1000.3) - 1000, np.float32), rtol=1e-6)

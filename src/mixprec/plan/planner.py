@@ -457,9 +457,15 @@ class Planner:
                 wanted.add(State.HIGH)
                 continue
             if index in facts.flexible:
-                # Read as it is; a Cast retargeted to 16 bits vanishes where its input is 16-bit.
-                if index == 0 and _copies_input(facts) and self.decisions[consumer].precision is Precision.LOW:
-                    wanted.add(State.LOW)
+                # Read as it is; a Cast vanishes where its input already has the type it makes:
+                # 16 bits for one retargeted, FP32 for one kept (the upcast of a value that a
+                # 16-bit copy would have rounded).
+                if index == 0 and _copies_input(facts):
+                    precision = self.decisions[consumer].precision
+                    if precision is Precision.LOW:
+                        wanted.add(State.LOW)
+                    elif precision is Precision.FP32:
+                        wanted.add(State.HIGH)
                 continue
             decision = self.decisions[consumer]
             if decision.precision is Precision.LOW:
