@@ -151,8 +151,8 @@ def _judged_apart(ops: tuple[str, ...]) -> list[str]:
         return []
     return [
         f"{', '.join(ops)}: onnxruntime's own op(s) in the ONNX domain; ONNX does not define them at "
-        "the model's opset, so the ONNX checker judged the model without them, and runtimes other than onnxruntime may not "
-        "run them"
+        "the model's opset, so the ONNX checker judged the model without them, and runtimes other "
+        "than onnxruntime may not run them"
     ]
 
 

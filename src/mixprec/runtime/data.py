@@ -222,7 +222,10 @@ def generated_shapes(
             return dim
         expression = _dim_expression(dim) if isinstance(dim, str) else None
         if expression is not None:
-            value = _evaluate(expression, named)
+            try:
+                value = _evaluate(expression, named)
+            except RecursionError:  # nested deeper than the reading allowed
+                value = None
             # A size the arithmetic makes negative or far larger than its names: the usual one.
             if value is not None and 0 <= value <= _EXPRESSION_GROWTH * max(dim_value, batch_value or 0, 1):
                 return value
@@ -278,10 +281,7 @@ def _evaluate(node: ast.expr, named: Callable[[str], int]) -> int | None:
     if isinstance(node, ast.UnaryOp):
         operand = _evaluate(node.operand, named)
         return None if operand is None else -operand
-    try:
-        left, right = _evaluate(node.left, named), _evaluate(node.right, named)  # type: ignore[attr-defined]
-    except RecursionError:
-        return None
+    left, right = _evaluate(node.left, named), _evaluate(node.right, named)  # type: ignore[attr-defined]
     if left is None or right is None or (right == 0 and isinstance(node.op, ast.FloorDiv)):  # type: ignore[attr-defined]
         return None
     return _DIM_OPERATORS[type(node.op)](left, right)  # type: ignore[attr-defined]
