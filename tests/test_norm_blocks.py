@@ -519,3 +519,55 @@ def test_a_final_normalization_converts_end_to_end(make) -> None:  # noqa: ANN00
     (expected,) = run(source, {"x": x})
     (actual,) = run(converted, {"x": x})
     np.testing.assert_allclose(actual, expected, atol=2e-2, rtol=2e-2)
+
+
+def _without_ranks(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with x first reshaped to a shape given as an input of unknown length: shape
+    inference then knows no rank in the block (as past a Reshape to a computed shape in an
+    exported attention)."""
+    for node in proto.graph.node:
+        for index, name in enumerate(node.input):
+            if name == "x":
+                node.input[index] = "x_any_rank"
+    proto.graph.node.insert(0, oh.make_node("Reshape", ["x", "target"], ["x_any_rank"], name="reshape"))
+    proto.graph.input.append(oh.make_tensor_value_info("target", onnx.TensorProto.INT64, ["k"]))
+    return proto
+
+
+def _rank_feeds() -> dict[str, np.ndarray]:
+    return {**_feeds(), "target": np.asarray(SHAPE, np.int64)}
+
+
+def test_a_layer_norm_over_the_last_axis_fuses_without_the_rank() -> None:
+    """ReduceMean over axes [-1] normalizes the last axis whatever the rank: the block fuses into
+    LayerNormalization(axis=-1), its normalized shape taken from gamma."""
+    proto = _without_ranks(layer_norm(17))
+    model = _typed(proto)
+    assert next(iter(model.graph)).outputs[0].shape is None
+    result = fuse_norm_blocks(model)
+    assert result.fused == ["ln/LayerNormalization"]
+    assert _ops(model) == ["Reshape", "LayerNormalization"]
+    node = list(model.graph)[1]
+    assert node.attributes.get_int("axis") == -1
+    fused = ir.to_proto(model)
+    onnx.checker.check_model(fused, full_check=True)
+    np.testing.assert_allclose(run(fused, _rank_feeds())[0], run(proto, _rank_feeds())[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("axes", [(2,), (-2,)], ids=["positive axis", "not the last axis"])
+def test_a_mean_whose_place_the_missing_rank_hides_is_no_block(axes: tuple[int, ...]) -> None:
+    """Without the rank, a positive axis may or may not be the last one, and -2 is not trailing."""
+    model = _typed(_without_ranks(layer_norm(17, mean_axes=axes, var_axes=axes)))
+    assert find_norm_blocks(model.graph) == []
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_a_layer_norm_of_unknown_rank_fuses_in_a_conversion(target: str) -> None:
+    """Through the pipeline, from opset 12 (the opset upgrade to 17 then only declares the
+    opset, and the blocks found before it are fused)."""
+    import mixprec  # noqa: PLC0415
+
+    proto = _without_ranks(layer_norm(12))
+    result = mixprec.convert(proto, None, target_dtype=target, runtime="ort-cuda", validate="checker")
+    assert "LayerNormalization" in [n.op_type for n in result.model.graph], result.report.notes
+    assert any(n.startswith("fused 1 decomposed normalization") for n in result.report.notes)

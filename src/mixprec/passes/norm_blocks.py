@@ -49,7 +49,8 @@ class NormBlock:
         nodes: Its nodes, the last one the producer of its output.
         input: The normalized tensor.
         output: The block's result (after the affine Mul/Add when present).
-        axes: The normalized axes (positive, trailing).
+        axes: The normalized axes (trailing; positive, or negative where the input's rank is
+            unknown).
         epsilon: The constant added to the variance.
         scale: The gamma constant, if any.
         bias: The beta constant, if any (LayerNorm only).
@@ -132,17 +133,22 @@ _MEANS = ("ReduceMean", "GlobalAveragePool")
 
 
 def _axes(node: ir.Node, rank: int | None) -> list[int] | None:
-    """Positive reduced axes of a ReduceMean with keepdims=1 (or a GlobalAveragePool), when
-    they are trailing."""
-    if rank is None or node.op_type not in _MEANS:
+    """The reduced axes of a ReduceMean with keepdims=1 (or a GlobalAveragePool), when they are
+    trailing: positive where the input's rank is known; where it is not (shape inference lost
+    it past a computed Reshape), counted from the end as the node writes them ([-1]: the last
+    axis whatever the rank)."""
+    if node.op_type not in _MEANS:
         return None
     if node.op_type == "GlobalAveragePool":
-        return list(range(2, rank)) if rank > 2 else None
+        return list(range(2, rank)) if rank is not None and rank > 2 else None
     if node.attributes.get_int("keepdims", 1) != 1:
         return None
     axes = reduction_axes(node)
     if not axes:
         return None
+    if rank is None:
+        axes = sorted(axes)
+        return axes if axes == list(range(-len(axes), 0)) else None
     axes = sorted(a % rank for a in axes)
     return axes if axes and axes == list(range(rank - len(axes), rank)) else None
 
