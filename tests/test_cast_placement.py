@@ -401,3 +401,28 @@ agraph (float[4,4] x) => (float[4,4] y, float[4] z)
     assert decisions["b"] == "low" and decisions["k"] == "fp32" and decisions["c"] == "fp32", decisions
     z = run(out, random_feeds(model))[1]
     np.testing.assert_allclose(z, np.full(4, np.float32(1000.3) - 1000, np.float32), rtol=1e-6)
+
+
+def test_an_fp32_cast_of_a_computed_value_does_not_pull_its_producer_into_fp32() -> None:
+    """x @ w -> Cast(float) -> + b, read by Cast(float) -> Softmax (FP32) and by Cast(float) ->
+    @ w (16-bit), as a ResNet exported with a Cast after every op: the Add runs in 16 bits and
+    only the Softmax's upcast converts (keeping the Add FP32 for the upcast would convert twice)."""
+    model = parse(f"""{HEADER}
+agraph (float[4,4] x) => (float[4,4] y, float[4,4] z)
+<float[4,4] w = {W44}, float[4] b = {{0.25, -0.5, 0, 1}}>
+{{
+  h = MatMul(x, w)
+  t = Cast<to = 1>(h)
+  a = Add(t, b)
+  c = Cast<to = 1>(a)
+  y = Softmax<axis = -1>(c)
+  d = Cast<to = 1>(a)
+  z = MatMul(d, w)
+}}
+""")
+    result, out = convert(model)
+    decisions = {n.outputs[0].name: d.precision.value for n, d in result.plan.decisions.items()}
+    assert decisions["a"] == "low" and decisions["c"] == "fp32" and decisions["y"] == "fp32", decisions
+    conversions = [n for n in out.graph.node if n.op_type == "Cast" and n.input[0] not in ("x", "z_fp16")]
+    assert [(n.input[0], n.attribute[0].i) for n in conversions] == [("a", onnx.TensorProto.FLOAT)]
+    assert_matches_fp32(model, out, random_feeds(model))

@@ -457,14 +457,14 @@ class Planner:
                 wanted.add(State.HIGH)
                 continue
             if index in facts.flexible:
-                # Read as it is; a Cast vanishes where its input already has the type it makes:
-                # 16 bits for one retargeted, FP32 for one kept (the upcast of a value that a
-                # 16-bit copy would have rounded).
+                # Read as it is. A Cast retargeted to 16 bits vanishes where its input is 16-bit;
+                # one kept FP32 reads a constant exactly only from an FP32 copy (a computed value
+                # it upcasts is its 16-bit producer's to round, as at any boundary).
                 if index == 0 and _copies_input(facts):
                     precision = self.decisions[consumer].precision
                     if precision is Precision.LOW:
                         wanted.add(State.LOW)
-                    elif precision is Precision.FP32:
+                    elif precision is Precision.FP32 and self.is_flexible(value):
                         wanted.add(State.HIGH)
                 continue
             decision = self.decisions[consumer]
