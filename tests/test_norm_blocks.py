@@ -571,3 +571,22 @@ def test_a_layer_norm_of_unknown_rank_fuses_in_a_conversion(target: str) -> None
     result = mixprec.convert(proto, None, target_dtype=target, runtime="ort-cuda", validate="checker")
     assert "LayerNormalization" in [n.op_type for n in result.model.graph], result.report.notes
     assert any(n.startswith("fused 1 decomposed normalization") for n in result.report.notes)
+
+
+def test_a_gamma_written_as_a_reshaped_constant_gives_the_normalized_shape() -> None:
+    """Paddle2ONNX writes gamma and beta as Reshape(Constant, [-1]): without the input's rank the
+    fused op's size and affine tensors come from them, through the Reshape."""
+    proto = _without_ranks(layer_norm(17))
+    for name in ("gamma", "beta"):
+        init = next(i for i in proto.graph.initializer if i.name == name)
+        init.name = f"{name}_raw"
+        proto.graph.node.insert(0, oh.make_node("Reshape", [f"{name}_raw", "flat"], [name], name=f"{name}/reshape"))
+    proto.graph.initializer.append(numpy_helper.from_array(np.asarray([-1], np.int64), "flat"))
+    model = _typed(proto)
+    result = fuse_norm_blocks(model)
+    assert result.fused == ["ln/LayerNormalization"], result.kept
+    assert _ops(model) == ["Reshape", "LayerNormalization"]  # the reshapes of gamma and beta went with them
+    assert {"gamma_raw", "beta_raw", "flat"}.isdisjoint(model.graph.initializers)
+    fused = ir.to_proto(model)
+    onnx.checker.check_model(fused, full_check=True)
+    np.testing.assert_allclose(run(fused, _rank_feeds())[0], run(proto, _rank_feeds())[0], rtol=1e-5, atol=1e-5)

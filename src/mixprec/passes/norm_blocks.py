@@ -34,6 +34,7 @@ from mixprec.analysis.constants import read_array, reduction_axes, small_constan
 from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.graphs import FreshNames, all_graphs, keep_structure, model_names
 from mixprec.passes.opset import default_opset
+from mixprec.policy.opfacts import op_facts
 from mixprec.policy.profiles import RuntimeProfile
 
 # Per kind of block: the op it fuses into and the opset that op first exists at.
@@ -353,7 +354,11 @@ def _is_constant_operand(value: ir.Value | None) -> bool:
     producer = value.producer()
     if value.const_value is not None:
         return producer is None
-    return producer is not None and producer.op_type == "Constant" and small_constant_array(value) is not None
+    if producer is None:
+        return False
+    if producer.op_type == "Constant":
+        return small_constant_array(value) is not None
+    return op_facts(producer.domain, producer.op_type).reshapes and _constant_array(value) is not None
 
 
 def _variance_chain(
@@ -545,8 +550,22 @@ def find_norm_blocks(graph: ir.Graph) -> list[NormBlock]:
     return blocks
 
 
-def _constant_array(value: ir.Value) -> np.ndarray | None:
-    return small_constant_array(value) if value.const_value is None else read_array(value.const_value)
+def _constant_array(value: ir.Value, depth: int = 4) -> np.ndarray | None:
+    """The constant's values; through ops that only reshape a constant (Paddle2ONNX writes a
+    LayerNorm's gamma as a Reshape of a Constant) where the result's shape is static."""
+    if value.const_value is not None:
+        return read_array(value.const_value)
+    array = small_constant_array(value)
+    producer = value.producer()
+    if array is not None or producer is None or depth == 0 or not producer.inputs:
+        return array
+    shape, source = value.shape, producer.inputs[0]
+    if source is None or shape is None or not shape.is_static() or not op_facts(producer.domain, producer.op_type).reshapes:
+        return None
+    array, dims = _constant_array(source, depth - 1), tuple(int(d) for d in shape.dims)
+    if array is None or array.size != int(np.prod(dims)):
+        return None
+    return array.reshape(dims)
 
 
 def _normalized_shape(block: NormBlock) -> tuple[int, ...] | None:
@@ -641,11 +660,22 @@ def _drop_unread_constants(graph: ir.Graph, read: set[ir.Value]) -> None:
     more. Once per graph, after its blocks fused: a constant that many blocks share is looked at
     once, not once per block (a fused op reads only what its block read, so a value nothing
     reads now went dead with some block and the other way round)."""
-    constants = {
-        producer for value in read
-        if (producer := value.producer()) is not None and producer.op_type == "Constant" and producer.graph is graph
-    }
-    graph.remove([c for c in constants if not any(out.uses() or out in graph.outputs for out in c.outputs)], safe=True)
+    constants: list[ir.Node] = []
+    pending = list(read)
+    while pending:
+        producer = pending.pop().producer()
+        if producer is None or producer.graph is not graph or any(
+            out.uses() or out in graph.outputs for out in producer.outputs
+        ):
+            continue
+        if producer.op_type == "Constant":
+            constants.append(producer)
+        elif op_facts(producer.domain, producer.op_type).reshapes and all(map(_is_constant_operand, producer.inputs)):
+            fresh = [v for v in producer.inputs if v is not None and v not in read]
+            graph.remove(producer, safe=True)  # a reshaped constant (gamma as Reshape(Constant)): its own go too
+            read.update(fresh)
+            pending.extend(fresh)
+    graph.remove(constants, safe=True)
     _drop_unused_initializers(graph, read)
 
 

@@ -188,9 +188,31 @@ def upgrade_opset(model: ir.Model, opset: int, skip: frozenset[ir.Node] = frozen
         for name, value in graph.initializers.items()
         if name not in kept and value.const_value is not None
     }
+    untyped = _untyped_outputs(model)
     result = value_types.carry(model, value_types.deserialize(_convert_version(proto, current, opset)))
     _restore_weights(result.graph, detached, inputs)
+    _forget_converter_types(result, untyped)
     return result
+
+
+def _untyped_outputs(model: ir.Model) -> tuple[set[str], set[str]]:
+    """Names of the node outputs without an element type, and without a shape."""
+    outputs = [out for node in all_nodes(model) for out in node.outputs if out.name]
+    return {v.name for v in outputs if v.dtype is None}, {v.name for v in outputs if v.shape is None}
+
+
+def _forget_converter_types(model: ir.Model, untyped: tuple[set[str], set[str]]) -> None:
+    """Drop the types the converter's own shape inference wrote on values that had none: it
+    infers without data propagation, so a shape computed in the graph (Shape -> Slice -> Concat ->
+    Reshape) gets unknown dimensions that would stand in the way of the full inference, and
+    would be saved as if the model had declared them."""
+    no_dtype, no_shape = untyped
+    for node in all_nodes(model):
+        for out in node.outputs:
+            if out.name in no_shape:
+                out.shape = None
+            if out.name in no_dtype:
+                out.type = None
 
 
 def _convert_version(proto: onnx.ModelProto, current: int | None, opset: int) -> onnx.ModelProto:

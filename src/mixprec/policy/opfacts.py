@@ -63,6 +63,7 @@ class OpFacts:
     random: bool = False
     integer_inputs: tuple[tuple[int, str], ...] = ()  # (input index, role), by index
     value_preserving: bool = False
+    reshapes: bool = False
     gathers: bool = False
     bounded: bool = False
     dtype_attribute: str | None = None
@@ -103,7 +104,10 @@ def _selects(inputs: InputSet, index: int) -> bool:
 
 NO_FACTS = OpFacts()
 
-_FLAGS = ("shape_only", "comparison", "exact_use", "random", "value_preserving", "gathers", "bounded", "keeps_zero")
+_FLAGS = (
+    "shape_only", "comparison", "exact_use", "random", "value_preserving", "reshapes", "gathers", "bounded",
+    "keeps_zero",
+)
 _NAMES = {
     "interval": INTERVAL_RULES, "flops": FLOPS_FORMULAS, "quantization": QUANTIZATION_ROLES,
     "normalizes": frozenset({"from_axis", "spatial", "groups"}),
