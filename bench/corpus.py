@@ -1031,7 +1031,7 @@ def _picodet_decode(run: Runner, sample: Any, conf: float = 0.5, iou_thr: float 
     outs = list(run(sample).values())
     scores_l, boxes_l = outs[:4], outs[4:]
     all_boxes, all_scores, all_cls = [], [], []
-    h, w = 800, 608
+    w = 608
     for stride, s, b in zip((8, 16, 32, 64), scores_l, boxes_l):
         s, b = s[0], b[0]
         reg_max = b.shape[-1] // 4 - 1

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import mixprec
-from mixprec.graphs import FreshNames, model_names
+from mixprec.graphs import model_names
 from mixprec.validate.emulate import emulate_low_precision
 from mixprec.validate.recurrent import low_recurrent_nodes, round_state_each_step, steps_by_itself
 

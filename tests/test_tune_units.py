@@ -370,7 +370,6 @@ def test_flops_are_counted_where_value_info_names_the_batch_dimensions() -> None
     """Exporters write value_info with symbolic dims ("batch_size", "sequence_length"); after an
     op shape inference does not know (a runtime's own op) it keeps them, so the data's sizes are
     given to every value of those names."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     from mixprec.policy.costs import runtime_cost
