@@ -78,7 +78,7 @@ def _add(name: str = "add", a: str = "x", b: str = "y", out: str = "z") -> onnx.
 def test_rules_are_in_order_and_named() -> None:
     names = [rule.__name__ for rule in rules.RULES]
     assert names == [
-        "control_flow", "function_call", "unknown_op", "no_float", "unknown_type", "excluded", "forced",
+        "control_flow", "function_call", "integer_kernel", "unknown_op", "no_float", "unknown_type", "excluded", "forced",
         "measured_wide", "dtype_source", "fixed_type", "runtime_blocked", "schema", "policy_class",
         "runtime_one_type", "wide_inputs", "low_class", "follow_fp32", "follow_low", "flexible",
     ]

@@ -343,7 +343,10 @@ def test_block_quantized_embedding_lookup_yields_16bit_rows() -> None:
 # -- real models, quantized with onnxruntime ----------------------------------------------------------
 
 
-def _quantize(source: Path, target: Path, feeds: list[dict[str, np.ndarray]], **options) -> onnx.ModelProto:  # noqa: ANN003
+def _quantize(
+    source: Path, target: Path, feeds: list[dict[str, np.ndarray]], operators: bool = False, **options  # noqa: ANN003
+) -> onnx.ModelProto:
+    """`quantize_static` in the QDQ format (`operators`: the QOperator one, QLinearConv, ...)."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static  # noqa: PLC0415
 
     class Reader(CalibrationDataReader):
@@ -353,7 +356,8 @@ def _quantize(source: Path, target: Path, feeds: list[dict[str, np.ndarray]], **
         def get_next(self) -> dict[str, np.ndarray] | None:
             return next(self.batches, None)
 
-    quantize_static(str(source), str(target), Reader(), quant_format=QuantFormat.QDQ, **options)
+    quant_format = QuantFormat.QOperator if operators else QuantFormat.QDQ
+    quantize_static(str(source), str(target), Reader(), quant_format=quant_format, **options)
     return onnx.load(str(target))
 
 
@@ -377,6 +381,7 @@ def quantized_squeezenet(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path
     _quantize(fp32, folder / "qdq.onnx", feeds, op_types_to_quantize=ops, per_channel=True)
     _quantize(fp32, folder / "qdq_float_bias.onnx", feeds, op_types_to_quantize=ops, per_channel=True,
               extra_options={"QuantizeBias": False})
+    _quantize(fp32, folder / "qoperator.onnx", feeds, operators=True, op_types_to_quantize=ops, per_channel=True)
     return folder / "qdq.onnx", folder / "qdq_float_bias.onnx"
 
 
@@ -467,3 +472,29 @@ def test_quantized_transformer_from_pytorch(target: str, tmp_path: Path) -> None
         got = run_low(out, feeds, "bfloat16" if target == "bf16" else "float16")[0]
         assert np.isfinite(got).all()
         np.testing.assert_array_equal(got.argmax(-1), expected.argmax(-1))  # top-1 per token
+
+
+def test_ops_computing_on_integers_are_no_float_nodes(quantized_squeezenet: tuple[Path, Path], tmp_path: Path) -> None:
+    """The QOperator format (QLinearConv, com.microsoft QLinearConcat, ...) computes on integers and
+    reads FP32 only as quantization scales: such ops are counted apart, not as FP32 nodes of an
+    unknown op, their scales stay FP32, and the model runs as before."""
+    source_path = quantized_squeezenet[0].parent / "qoperator.onnx"
+    source = onnx.load(str(source_path))
+    integer_ops = [n for n in source.graph.node if n.op_type.startswith("QLinear")]
+    assert {n.op_type for n in integer_ops} >= {"QLinearConv", "QLinearConcat"}
+    result = mixprec.convert(source_path, tmp_path / "fp16.onnx", target_dtype="fp16", validate="run")
+    report = result.report
+    assert report.fp32_by_category.get("integer kernel") == len(integer_ops)
+    assert "unknown op" not in report.fp32_by_category
+    assert not [k for k in report.kept_fp32 if k.op_type.startswith("QLinear")]
+    assert f", {len(integer_ops)} computing on integers (FP32 scales only)" in report.format_text()
+    assert report.quantization.float_fp32 + report.quantization.float_low < len(integer_ops)
+    out = onnx.load(str(tmp_path / "fp16.onnx"))
+    check_full(out)
+    floats = {t.name for t in out.graph.initializer if t.data_type == TensorProto.FLOAT}
+    for node in (n for n in out.graph.node if n.op_type == "QLinearConv"):
+        assert {node.input[1], node.input[4], node.input[6]} <= floats  # x, w and y scales
+    for feeds in _images():
+        expected, got = run(source, feeds)[0], run(out, feeds)[0]
+        assert got.argmax() == expected.argmax()
+        np.testing.assert_allclose(got, expected, atol=0.02 * np.abs(expected).max())

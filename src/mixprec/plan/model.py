@@ -49,6 +49,7 @@ class Category(str, enum.Enum):
     QDQ = "quantized pair"
     CAST_COST = "placed by cast cost"
     NO_FLOAT = "no FP32 compute"
+    INTEGER_KERNEL = "integer kernel"
     PLAN = "set by plan"
 
 

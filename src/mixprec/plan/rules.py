@@ -14,23 +14,24 @@ The rules, in order:
 
 1. ``control_flow``: a node with subgraphs keeps its types (the subgraphs are converted inside).
 2. ``function_call``: a call of a model-local function keeps its signature.
-3. ``unknown_op``: an op without a policy rule or a schema stays FP32.
-4. ``no_float``: a node without FP32 values has nothing to convert.
-5. ``unknown_type``: an input whose type is unknown keeps the node FP32.
-6. ``excluded``: the user excluded the node by name.
-7. ``forced``: an analysis run before planning (integer semantics, ...) keeps it FP32.
-8. ``measured_wide``: an output measured beyond the 16-bit range keeps it FP32.
-9. ``dtype_source``: ops whose output type is an attribute (Cast, Constant, ...).
-10. ``fixed_type``: an attribute fixes the output type.
-11. ``runtime_blocked``: the runtime has no 16-bit kernel for its FP32 values.
-12. ``schema``: the schema has no 16-bit type for its FP32 values.
-13. ``policy_class``: the policy (or a condition) keeps the op FP32.
-14. ``runtime_one_type``: the runtime needs one element type where an input must stay FP32.
-15. ``wide_inputs``: inputs that must not be narrowed keep the node FP32.
-16. ``low_class``: the policy lowers the op.
-17. ``follow_fp32``: a follow op with an FP32 input stays FP32.
-18. ``follow_low``: a follow op with a 16-bit input is lowered.
-19. ``flexible``: a follow op over flexible values is left to its consumers.
+3. ``integer_kernel``: an op computing on integers (QLinearConv, ...) has nothing to convert.
+4. ``unknown_op``: an op without a policy rule or a schema stays FP32.
+5. ``no_float``: a node without FP32 values has nothing to convert.
+6. ``unknown_type``: an input whose type is unknown keeps the node FP32.
+7. ``excluded``: the user excluded the node by name.
+8. ``forced``: an analysis run before planning (integer semantics, ...) keeps it FP32.
+9. ``measured_wide``: an output measured beyond the 16-bit range keeps it FP32.
+10. ``dtype_source``: ops whose output type is an attribute (Cast, Constant, ...).
+11. ``fixed_type``: an attribute fixes the output type.
+12. ``runtime_blocked``: the runtime has no 16-bit kernel for its FP32 values.
+13. ``schema``: the schema has no 16-bit type for its FP32 values.
+14. ``policy_class``: the policy (or a condition) keeps the op FP32.
+15. ``runtime_one_type``: the runtime needs one element type where an input must stay FP32.
+16. ``wide_inputs``: inputs that must not be narrowed keep the node FP32.
+17. ``low_class``: the policy lowers the op.
+18. ``follow_fp32``: a follow op with an FP32 input stays FP32.
+19. ``follow_low``: a follow op with a 16-bit input is lowered.
+20. ``flexible``: a follow op over flexible values is left to its consumers.
 """
 
 from __future__ import annotations
@@ -157,6 +158,15 @@ def function_call(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Ruli
         op_name = format_op_name(node.domain, node.op_type)
         return _keep(Category.FUNCTION, f"{op_name}: signature kept; its body is converted inside")
     return None
+
+
+def integer_kernel(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Ruling | None:
+    """An op that computes on 8-bit integers (QLinearConv, ...) reads FP32 only as its
+    quantization scales and writes no float values: nothing in it to convert."""
+    if not op_facts(node.domain, node.op_type).integer_kernel or any(map(is_fp32_tensor, node.outputs)):
+        return None
+    op_name = format_op_name(node.domain, node.op_type)
+    return _keep(Category.INTEGER_KERNEL, f"{op_name}: computes on integers; its float inputs are quantization scales")
 
 
 def unknown_op(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Ruling | None:
@@ -493,6 +503,7 @@ def flexible(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Ruling:
 RULES: tuple[Rule, ...] = (
     control_flow,
     function_call,
+    integer_kernel,
     unknown_op,
     no_float,
     unknown_type,
@@ -520,6 +531,7 @@ RULES: tuple[Rule, ...] = (
 _MAY_DECIDE: dict[Rule, Callable[[ir.Node, NodeFacts, PlanContext], bool]] = {
     control_flow: lambda node, facts, context: context.has_control_flow,
     function_call: lambda node, facts, context: context.has_functions,
+    integer_kernel: lambda node, facts, context: op_facts(node.domain, node.op_type).integer_kernel,
     unknown_op: lambda node, facts, context: facts.rule is None or facts.sig is None,
     excluded: lambda node, facts, context: bool(context.exclude.patterns),
     forced: lambda node, facts, context: bool(context.forced),

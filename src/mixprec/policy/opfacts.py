@@ -64,6 +64,7 @@ class OpFacts:
     integer_inputs: tuple[tuple[int, str], ...] = ()  # (input index, role), by index
     value_preserving: bool = False
     reshapes: bool = False
+    integer_kernel: bool = False
     gathers: bool = False
     bounded: bool = False
     dtype_attribute: str | None = None
@@ -106,7 +107,7 @@ NO_FACTS = OpFacts()
 
 _FLAGS = (
     "shape_only", "comparison", "exact_use", "random", "value_preserving", "reshapes", "gathers", "bounded",
-    "keeps_zero",
+    "keeps_zero", "integer_kernel",
 )
 _NAMES = {
     "interval": INTERVAL_RULES, "flops": FLOPS_FORMULAS, "quantization": QUANTIZATION_ROLES,

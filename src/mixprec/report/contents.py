@@ -166,13 +166,17 @@ class Report:
     def _summary_lines(self) -> list[str]:
         """The header, node, weight and cast lines."""
         counts = self.nodes_by_precision
-        total_float = counts.get("low", 0) + counts.get("fp32", 0)
+        # Integer kernels (QLinearConv, ...) read FP32 scales only: they are no float nodes.
+        integer = self.fp32_by_category.get(Category.INTEGER_KERNEL.value, 0)
+        fp32 = counts.get("fp32", 0) - integer
+        total_float = counts.get("low", 0) + fp32
         share = 100.0 * counts.get("low", 0) / total_float if total_float else 0.0
         return [
             f"mixprec: {self.source} -> {self.output or '(in memory)'}  [{self.target}, "
             f"runtime {self.runtime}, keep_io_types={self.keep_io_types}]",
-            f"  nodes: {counts.get('low', 0)} in {self.target}, {counts.get('fp32', 0)} in fp32 "
-            f"({share:.1f}% of float nodes converted), {counts.get('none', 0)} without FP32 compute",
+            f"  nodes: {counts.get('low', 0)} in {self.target}, {fp32} in fp32 "
+            f"({share:.1f}% of float nodes converted), {counts.get('none', 0)} without FP32 compute"
+            + (f", {integer} computing on integers (FP32 scales only)" if integer else ""),
             f"  weights: {_mb(self.weight_bytes_before)} -> {_mb(self.weight_bytes_after)}"
             f"  ({self.constants_lowered} stored in {self.target}, "
             f"{self.constants_duplicated} duplicated)",
@@ -436,7 +440,7 @@ def _count_decisions(plan: PrecisionPlan) -> _DecisionCounts:
             category = decision.category
             counts.fp32_by_op[node.op_type] += 1
             counts.by_category[category] += 1
-            if category is not Category.NO_FLOAT:
+            if category not in (Category.NO_FLOAT, Category.INTEGER_KERNEL):
                 counts.kept.append(KeptNode(plan.keys[node], node.op_type, category.value, decision.reason))
     return counts
 

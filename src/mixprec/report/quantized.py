@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 
 from mixprec.analysis.qdq import folded_from, has_qdq, on_integers, role
-from mixprec.plan.model import Precision, PrecisionPlan
+from mixprec.plan.model import Category, Precision, PrecisionPlan
 
 __all__ = ["QuantizedSummary", "quantized_summary"]
 
@@ -95,7 +95,8 @@ def quantized_summary(plan: PrecisionPlan) -> QuantizedSummary | None:
             summary.quantized_low += decision.precision is Precision.LOW
         elif decision.precision is Precision.LOW:
             summary.float_low += 1
-        elif decision.precision is Precision.FP32 and node.inputs:  # Constant nodes compute nothing
+        elif decision.precision is Precision.FP32 and node.inputs and decision.category is not Category.INTEGER_KERNEL:
+            # Constant nodes compute nothing; integer kernels (QLinearConv, ...) compute on integers
             summary.float_fp32 += 1
             fp32[node.op_type] += 1
     summary.qdq_nodes = dict(sorted(qdq.items()))
