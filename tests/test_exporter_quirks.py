@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import ml_dtypes
 import numpy as np
 import onnx
 import pytest
@@ -548,3 +549,109 @@ def test_such_ops_and_sorting_with_external_data(tmp_path, unsorted: bool, monke
     result = mixprec.convert(str(folder / "m.onnx"), tmp_path / "out.onnx", runtime="ort-cuda", external_data=True)
     assert result.report.validation.checker == "passed", result.report.validation
     assert result.report.validation.runtime == "ran and emulated"
+
+
+_LOWEST = float(np.finfo(np.float32).min)  # the mask fill transformers writes: torch.finfo(dtype).min
+
+
+def _masked_attention(kind: str, shared: bool = False) -> onnx.ModelProto:
+    """q, k, v [2, 4, 8, 16] (batch, heads, sequence, head size) and a key padding mask [2, 8]
+    (bool) through attention with an additive bias filled with float32's lowest, as
+    onnxscript's onnxruntime fusions leave it:
+
+    * "where": Where(mask, 0, lowest) -> Unsqueeze -> Expand -> ONNX Attention's attn_mask (opset 23);
+    * "constant": a causal bias constant -> the attn_mask (no padding mask read);
+    * "mha": Where(...) -> com.microsoft MultiHeadAttention's attention_bias, on q, k, v [2, 8, 64];
+    * "where-node": as "where", the fill a Constant node's.
+
+    `shared`: the filled bias also feeds an Add (an arithmetic reader it cannot saturate for)."""
+    rng = np.random.default_rng(7)
+    causal = np.where(np.tril(np.ones((8, 8), bool)), 0.0, _LOWEST).astype(np.float32)[None, None]
+    tensors = [
+        numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+        numpy_helper.from_array(np.array(_LOWEST, np.float32), "lowest"),
+        numpy_helper.from_array(np.array([1, 2], np.int64), "axes"),
+        numpy_helper.from_array(np.array([2, 1, 8, 8], np.int64), "full"),
+    ]
+    mha = kind == "mha"
+    qkv_shape = [2, 8, 64] if mha else [2, 4, 8, 16]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, qkv_shape) for n in "qkv"]
+    nodes = [
+        helper.make_node("Where", ["mask", "zero", "lowest"], ["fill"], name="fill"),
+        helper.make_node("Unsqueeze", ["fill", "axes"], ["rows"], name="rows"),
+        helper.make_node("Expand", ["rows", "full"], ["bias"], name="bias"),
+    ]
+    bias = "causal" if kind == "constant" else "bias"
+    if kind != "constant":
+        inputs.append(helper.make_tensor_value_info("mask", TensorProto.BOOL, [2, 8]))
+    else:
+        nodes, tensors = [], [numpy_helper.from_array(causal, "causal")]
+    if mha:
+        nodes.append(helper.make_node(
+            "MultiHeadAttention", ["q", "k", "v", "", "", bias], ["y"], name="attention", domain="com.microsoft", num_heads=4,
+        ))
+    else:
+        nodes.append(helper.make_node("Attention", ["q", "k", "v", bias], ["y"], name="attention"))
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, qkv_shape)]
+    if shared:
+        tensors.append(numpy_helper.from_array(rng.normal(size=(2, 1, 1, 8)).astype(np.float32), "offset"))
+        nodes.append(helper.make_node("Add", [bias, "offset"], ["shifted"], name="shift"))
+        outputs.append(helper.make_tensor_value_info("shifted", TensorProto.FLOAT, [2, 1, 8, 8]))
+    if kind == "where-node":
+        lowest = next(t for t in tensors if t.name == "lowest")
+        tensors.remove(lowest)
+        nodes.insert(0, helper.make_node("Constant", [], ["lowest"], value=lowest, name="lowest"))
+    graph = helper.make_graph(nodes, "attention", inputs, outputs, tensors)
+    opsets = [helper.make_opsetid("", 23), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = 10
+    return model
+
+
+def _attention_feeds(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    feeds = {}
+    for value in model.graph.input:
+        shape = [d.dim_value for d in value.type.tensor_type.shape.dim]
+        if value.name == "mask":  # the second sequence padded after 5 tokens
+            feeds["mask"] = np.array([[True] * 8, [True] * 5 + [False] * 3])
+        else:
+            feeds[value.name] = rng.normal(size=shape).astype(np.float32)
+    return feeds
+
+
+@pytest.mark.parametrize("kind", ["where", "constant", "mha", "where-node"])
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_an_attention_bias_filled_with_float32s_lowest_saturates(kind: str, target: str, tmp_path) -> None:
+    """An attention bias filled with float32's lowest (-3.4e38, beyond both 16-bit ranges) kept
+    the whole attention FP32. Saturated to the 16-bit lowest, the masked scores still get a
+    softmax weight of 0: the attention, and the ops filling and moving the bias, convert, the
+    report says what was saturated, and the padded outputs agree with FP32."""
+    source = _masked_attention(kind)
+    out = tmp_path / "out.onnx"
+    result = mixprec.convert(source, out, target_dtype=target, validate="checker")
+    report = result.report
+    op = "MultiHeadAttention" if kind == "mha" else "Attention"
+    assert report.low_by_op.get(op) == 1, report.format_text()
+    assert not report.constants_kept_for_range and not report.kept_fp32
+    (note,) = [n for n in report.notes if "stored at its largest finite magnitude" in n]
+    assert ("causal" if kind == "constant" else "lowest") in note
+    converted = onnx.load(str(out))
+    stored_tensors = [*converted.graph.initializer, *(n.attribute[0].t for n in converted.graph.node if n.op_type == "Constant")]
+    lowest = next(t for t in stored_tensors if t.name in ("causal", "lowest"))
+    stored = numpy_helper.to_array(lowest).astype(np.float32)
+    limit = float(np.finfo(np.float16).max) if target == "float16" else float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+    assert np.isfinite(stored).all() and stored.min() == -limit
+    feeds = _attention_feeds(source)
+    expected, got = run(source, feeds)[0], run_low(converted, feeds, target)[0]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, expected, atol=0.05 if target == "bfloat16" else 0.01)
+
+
+def test_a_mask_fill_also_read_by_arithmetic_stays_fp32(tmp_path) -> None:
+    """Where the filled bias also reaches an Add (where -3.4e38 and -65504 differ), the fill keeps
+    its value: it stays FP32, as before."""
+    source = _masked_attention("where", shared=True)
+    result = mixprec.convert(source, tmp_path / "out.onnx", target_dtype="float16", validate="checker")
+    assert "lowest" in result.report.constants_kept_for_range
+    assert not any("stored at its largest finite magnitude" in n for n in result.report.notes)

@@ -322,7 +322,8 @@ class _Rewriter:
         tensor = constant_tensor(node.outputs[0])
         if tensor is None:
             return False
-        array = np.asarray(tensor.numpy()).astype(self.target.numpy_dtype)
+        saturate = node.outputs[0] in self.plan.saturated
+        array = np.asarray(cast_tensor_lazily(tensor, self.target, saturate=saturate).numpy())
         node.attributes.clear()
         node.attributes["value"] = ir.AttrTensor("value", ir.Tensor(array, name=tensor.name))
         self.stats.constants_lowered += 1  # a weight held in a Constant node

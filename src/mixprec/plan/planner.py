@@ -54,11 +54,15 @@ from mixprec.plan.placement import PlannerView, min_cut_islands
 from mixprec.plan.readings import Inputs, PolicyClass, classify, read_inputs, weight_heavy
 from mixprec.plan.rules import Action, Rule, Ruling, decide, rules_for
 from mixprec.plan.templates import OpTemplate, node_facts, op_template
-from mixprec.policy.opfacts import OpFacts, op_facts
+from mixprec.policy.opfacts import Carrier, OpFacts, op_facts
 from mixprec.policy.profiles import RuntimeProfile, load_runtime
 from mixprec.policy.table import Policy, format_op_name, normalize_domain
 
 __all__ = ["plan_precision"]
+
+# How many ops that move values a saturating constant may pass through to its readers.
+_SATURATION_HOPS = 16
+
 
 class Planner:
     """The planner's state over one model: value states, decisions so far, evidence.
@@ -144,10 +148,44 @@ class Planner:
     def _constant_state(self, value: ir.Value) -> State:
         rng = self.constant_range(value)
         if rng is not None and rng.overflow:
-            return State.WIDE
+            return State.FLEX if self.saturates(value) else State.WIDE
         if rng is not None and rng.significant_flush:
             return State.TINY
         return State.FLEX
+
+    def saturates(self, value: ir.Value) -> bool:
+        """Whether a constant beyond the 16-bit range may saturate to its largest finite
+        magnitude (recorded in `saturated`): see `_saturates_where_read`."""
+        if value in self.saturated:
+            return True
+        if self._saturates_where_read(value):
+            self.saturated.add(value)
+            return True
+        return False
+
+    def _saturates_where_read(self, value: ir.Value) -> bool:
+        """Whether every reader of the constant, through ops that only move values (Where,
+        Expand, Reshape, ...), is an input the policy saturates (an attention bias filled with
+        -3.4e38 by a Where): then it may saturate, and the ops moving it convert. A constant read
+        directly is judged by its reader (`readings`)."""
+        frontier, seen = [value], 0
+        moved = False
+        while frontier:
+            current = frontier.pop()
+            if current.is_graph_output():
+                return False
+            for consumer, index in current.uses():
+                rule = self.policy.rule_for(consumer.domain, consumer.op_type)
+                if rule is not None and index in rule.saturate_inputs:
+                    continue
+                if op_facts(consumer.domain, consumer.op_type).carrier is not Carrier.MOVEMENT:
+                    return False
+                seen += 1
+                if seen > _SATURATION_HOPS:
+                    return False
+                moved = True
+                frontier.extend(out for out in consumer.outputs if is_fp32_tensor(out))
+        return moved
 
     def _init_graph(self, graph: ir.Graph, *, main: bool) -> None:
         for value in graph.inputs:
@@ -444,7 +482,6 @@ class Planner:
                 note = f"may hold values beyond the {self.target.short_name} range (from {origin})"
         self.constant_notes[value] = note
         return note
-
 
     # -- backward pass ------------------------------------------------------------------
     def demands(self, value: ir.Value) -> set[State]:

@@ -137,6 +137,7 @@ class PlanContext(Protocol):
     def measured_state(self, value: ir.Value) -> State: ...  # WIDE or TINY for a measured value
     def is_flexible(self, value: ir.Value) -> bool: ...  # a constant, or data movement of constants
     def constant_range(self, value: ir.Value) -> ConstantRange | None: ...
+    def saturates(self, value: ir.Value) -> bool: ...  # an out-of-range constant all of whose readers saturate it
     def classify(self, node: ir.Node, facts: NodeFacts) -> PolicyClass: ...  # `readings.classify`, once per node
     def inputs(self, node: ir.Node, facts: NodeFacts) -> Inputs: ...  # `readings.read_inputs`, once per node
 
@@ -298,6 +299,8 @@ def _generated_value(
     out = node.outputs[0]
     if is_constant(out):
         rng = context.constant_range(out)
+        if rng is not None and rng.overflow and context.saturates(out):
+            return False, ()  # every reader saturates it: its readers decide
         if rng is not None and rng.overflow:
             note = rng.describe(context.target)
             reason = f"{out.name}: {note}"

@@ -23,7 +23,7 @@ from mixprec.validate.results import InputScale, OutputError, Validation, shape_
 from mixprec.graphs import has_subgraphs, walk_nodes
 from mixprec.passes.rewrite import CastRecord, RewriteStats
 from mixprec.passes.opset import first_opset_admitting, stranded_ops, stranding_note
-from mixprec.plan.model import Category, Precision, PrecisionPlan
+from mixprec.plan.model import Category, Precision, PrecisionPlan, Storage
 from mixprec.policy.costs import RuntimeCost, runtime_cost
 from mixprec.policy.profiles import RuntimeProfile
 from mixprec.policy.table import normalize_domain
@@ -374,6 +374,9 @@ def build_report(
     elements, cast_bytes, cast_estimate = _cast_traffic(runtime)
     opset_note = _newer_opset_note(model, plan, profile)
     notes = [*([opset_note] if opset_note is not None else []), *notes]
+    saturated_note = _saturated_note(plan)
+    if saturated_note is not None:
+        notes.append(saturated_note)
     cost = runtime_cost(profile.name if profile is not None else None, target.value)
     # Casts of stored constants are folded by the runtime when it loads the model: no time.
     estimate = estimate_plan(plan, [c.guessed_elements for c in runtime if not c.of_constant], cost)
@@ -490,6 +493,30 @@ def _cast_traffic(runtime: list[CastRecord]) -> tuple[int | None, int | None, in
         if all(e is not None for e in estimates) else None
     )
     return elements, cast_bytes, cast_estimate
+
+
+def _saturated_note(plan: PrecisionPlan) -> str | None:
+    """The constants beyond the 16-bit range stored at its largest finite magnitude, where every
+    reader gives the same result with it (a clip bound, an attention mask fill)."""
+    names = sorted(v.name or "" for v in plan.saturated if _stored_low(plan, v))
+    if not names:
+        return None
+    target = plan.target
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (
+        f"{len(names)} constant(s) beyond the {target.value} range stored at its largest finite "
+        f"magnitude ({target.limits.max:g}), where their readers give the same result with it "
+        f"(a clip bound, an attention mask fill): {shown}"
+    )
+
+
+def _stored_low(plan: PrecisionPlan, value: ir.Value) -> bool:
+    """Whether a constant is stored in the 16-bit type (an initializer, or a Constant node's)."""
+    if plan.storage.get(value) in (Storage.LOW, Storage.BOTH):
+        return True
+    producer = value.producer()
+    decision = plan.decisions.get(producer) if producer is not None else None
+    return decision is not None and producer.op_type == "Constant" and decision.precision is Precision.LOW
 
 
 def _newer_opset_note(model: ir.Model, plan: PrecisionPlan, profile: RuntimeProfile | None) -> str | None:
