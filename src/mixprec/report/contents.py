@@ -506,7 +506,8 @@ def _saturated_note(plan: PrecisionPlan) -> str | None:
     return (
         f"{len(names)} constant(s) beyond the {target.value} range stored at its largest finite "
         f"magnitude ({target.limits.max:g}), where their readers give the same result with it "
-        f"(a clip bound, an attention mask fill): {shown}"
+        f"(a clip bound; an attention mask fill: masked keys keep a softmax weight of 0, only a row "
+        f"whose every key is masked, as at padded positions, comes out otherwise): {shown}"
     )
 
 
