@@ -554,7 +554,7 @@ def test_such_ops_and_sorting_with_external_data(tmp_path, unsorted: bool, monke
 _LOWEST = float(np.finfo(np.float32).min)  # the mask fill transformers writes: torch.finfo(dtype).min
 
 
-def _masked_attention(kind: str, shared: bool = False) -> onnx.ModelProto:
+def _masked_attention(kind: str, shared: str | None = None) -> onnx.ModelProto:
     """q, k, v [2, 4, 8, 16] (batch, heads, sequence, head size) and a key padding mask [2, 8]
     (bool) through attention with an additive bias filled with float32's lowest, as
     onnxscript's onnxruntime fusions leave it:
@@ -564,7 +564,8 @@ def _masked_attention(kind: str, shared: bool = False) -> onnx.ModelProto:
     * "mha": Where(...) -> com.microsoft MultiHeadAttention's attention_bias, on q, k, v [2, 8, 64];
     * "where-node": as "where", the fill a Constant node's.
 
-    `shared`: the filled bias also feeds an Add (an arithmetic reader it cannot saturate for)."""
+    `shared`: the filled bias also feeds an "add" (an arithmetic reader it cannot saturate for),
+    or a "cast" to float16 (where it is -inf in the model as given)."""
     rng = np.random.default_rng(7)
     causal = np.where(np.tril(np.ones((8, 8), bool)), 0.0, _LOWEST).astype(np.float32)[None, None]
     tensors = [
@@ -593,10 +594,13 @@ def _masked_attention(kind: str, shared: bool = False) -> onnx.ModelProto:
     else:
         nodes.append(helper.make_node("Attention", ["q", "k", "v", bias], ["y"], name="attention"))
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, qkv_shape)]
-    if shared:
+    if shared == "add":
         tensors.append(numpy_helper.from_array(rng.normal(size=(2, 1, 1, 8)).astype(np.float32), "offset"))
         nodes.append(helper.make_node("Add", [bias, "offset"], ["shifted"], name="shift"))
         outputs.append(helper.make_tensor_value_info("shifted", TensorProto.FLOAT, [2, 1, 8, 8]))
+    elif shared == "cast":
+        nodes.append(helper.make_node("Cast", [bias], ["half"], to=TensorProto.FLOAT16, name="half"))
+        outputs.append(helper.make_tensor_value_info("half", TensorProto.FLOAT16, [2, 1, 8, 8]))
     if kind == "where-node":
         lowest = next(t for t in tensors if t.name == "lowest")
         tensors.remove(lowest)
@@ -648,10 +652,11 @@ def test_an_attention_bias_filled_with_float32s_lowest_saturates(kind: str, targ
     np.testing.assert_allclose(got, expected, atol=0.05 if target == "bfloat16" else 0.01)
 
 
-def test_a_mask_fill_also_read_by_arithmetic_stays_fp32(tmp_path) -> None:
-    """Where the filled bias also reaches an Add (where -3.4e38 and -65504 differ), the fill keeps
-    its value: it stays FP32, as before."""
-    source = _masked_attention("where", shared=True)
+@pytest.mark.parametrize("shared", ["add", "cast"])
+def test_a_mask_fill_also_read_elsewhere_keeps_its_value(shared: str, tmp_path) -> None:
+    """Where the filled bias also reaches an Add (where -3.4e38 and -65504 differ) or a Cast to
+    float16 (where the model as given makes it -inf), the fill keeps its value: it stays FP32."""
+    source = _masked_attention("where", shared=shared)
     result = mixprec.convert(source, tmp_path / "out.onnx", target_dtype="float16", validate="checker")
     assert "lowest" in result.report.constants_kept_for_range
     assert not any("stored at its largest finite magnitude" in n for n in result.report.notes)

@@ -178,13 +178,15 @@ class Planner:
                 rule = self.policy.rule_for(consumer.domain, consumer.op_type)
                 if rule is not None and index in rule.saturate_inputs:
                     continue
-                if op_facts(consumer.domain, consumer.op_type).carrier is not Carrier.MOVEMENT:
+                outputs = [out for out in consumer.outputs if out is not None]
+                moves = op_facts(consumer.domain, consumer.op_type).carrier is Carrier.MOVEMENT
+                if not moves or not all(map(is_fp32_tensor, outputs)):  # a Cast to another type, say
                     return False
                 seen += 1
                 if seen > _SATURATION_HOPS:
                     return False
                 moved = True
-                frontier.extend(out for out in consumer.outputs if is_fp32_tensor(out))
+                frontier.extend(outputs)
         return moved
 
     def _init_graph(self, graph: ir.Graph, *, main: bool) -> None:
