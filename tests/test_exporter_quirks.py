@@ -660,3 +660,59 @@ def test_a_mask_fill_also_read_elsewhere_keeps_its_value(shared: str, tmp_path) 
     result = mixprec.convert(source, tmp_path / "out.onnx", target_dtype="float16", validate="checker")
     assert "lowest" in result.report.constants_kept_for_range
     assert not any("stored at its largest finite magnitude" in n for n in result.report.notes)
+
+
+def test_a_fill_above_the_16bit_range_is_no_mask_and_keeps_its_value(tmp_path) -> None:
+    """A bias filled with float32's largest marks keys that get all the weight; +65504 would keep
+    the differences between their scores: it stays FP32 with the attention."""
+    source = _masked_attention("mha")
+    fill = next(t for t in source.graph.initializer if t.name == "lowest")
+    fill.CopyFrom(numpy_helper.from_array(np.array(-_LOWEST, np.float32), "lowest"))
+    result = mixprec.convert(source, tmp_path / "out.onnx", target_dtype="float16", validate="checker")
+    assert "lowest" in result.report.constants_kept_for_range
+    assert not any("stored at its largest finite magnitude" in n for n in result.report.notes)
+    feeds = _attention_feeds(source)
+    np.testing.assert_allclose(run(onnx.load(str(tmp_path / "out.onnx")), feeds)[0], run(source, feeds)[0], atol=0.01)
+
+
+def test_a_clip_bound_moved_by_a_where_of_computed_values_keeps_its_value(tmp_path) -> None:
+    """Clip(x * 1e6, min=Where(c, lowest, ReduceMin(a @ w))) / 1e6: the Where also moves a 16-bit
+    value, so its bound would reach the FP32 Clip (kept FP32: 1e6 overflows float16) as -65504
+    through a Cast. The bound keeps its value: the output is FP32's."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("Mul", ["x", "big"], ["xb"], name="scale"),
+        helper.make_node("MatMul", ["a", "w"], ["aw"], name="project"),
+        helper.make_node("ReduceMin", ["aw"], ["lo"], keepdims=0, name="lowest_value"),
+        helper.make_node("Where", ["c", "fill", "lo"], ["bound"], name="bound"),
+        helper.make_node("Clip", ["xb", "bound"], ["clipped"], name="clip"),
+        helper.make_node("Div", ["clipped", "big"], ["y"], name="unscale"),
+    ]
+    graph = helper.make_graph(
+        nodes, "clip",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8]), helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("a", TensorProto.FLOAT, [4, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])],
+        [numpy_helper.from_array(np.array(_LOWEST, np.float32), "fill"), numpy_helper.from_array(np.array(1e6, np.float32), "big"),
+         numpy_helper.from_array(rng.normal(size=(8, 8)).astype(np.float32), "w")],
+    )
+    source = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    result = mixprec.convert(source, tmp_path / "out.onnx", target_dtype="float16", validate="checker")
+    assert result.report.low_by_op.get("MatMul") == 1
+    feeds = {"x": rng.normal(size=(4, 8)).astype(np.float32), "c": np.array(True), "a": rng.normal(size=(4, 8)).astype(np.float32)}
+    np.testing.assert_allclose(run(onnx.load(str(tmp_path / "out.onnx")), feeds)[0], run(source, feeds)[0], rtol=1e-6, atol=1e-7)
+
+
+def test_a_bound_that_flushes_is_not_called_saturated() -> None:
+    """Clip(a @ w, 1e-9) stores its bound as 0 in float16 (it flushes, harmlessly): the note on
+    constants stored at the largest finite magnitude does not name it."""
+    rng = np.random.default_rng(1)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["a", "w"], ["aw"], name="project"), helper.make_node("Clip", ["aw", "eps"], ["y"], name="floor")],
+        "floor", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [4, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])],
+        [numpy_helper.from_array(rng.normal(size=(8, 8)).astype(np.float32), "w"), numpy_helper.from_array(np.array(1e-9, np.float32), "eps")],
+    )
+    result = mixprec.convert(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), None, target_dtype="float16", validate="none")
+    assert result.report.low_by_op.get("Clip") == 1
+    assert not any("stored at its largest finite magnitude" in n for n in result.report.notes)

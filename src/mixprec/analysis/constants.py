@@ -243,6 +243,16 @@ def constant_range(value: ir.Value, target: LowPrecision) -> ConstantRange | Non
     return result
 
 
+def overflows_only_below(value: ir.Value, target: LowPrecision) -> bool:
+    """Whether every value of a float32 constant beyond `target`'s range lies below it (a mask
+    fill of float32's lowest), none above."""
+    tensor = constant_tensor(value)
+    if tensor is None or tensor.dtype != ir.DataType.FLOAT:
+        return False
+    array = np.asarray(tensor.numpy())
+    return bool(array.size) and not bool((array > target.limits.max).any())
+
+
 # Constants up to this many elements are measured in batches of about as many elements (small
 # enough to stay in cache: each batch is a handful of vector operations).
 _BATCH_ELEMENTS = 1 << 16

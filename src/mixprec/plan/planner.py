@@ -37,7 +37,9 @@ from collections.abc import Mapping, Sequence
 
 import onnx_ir as ir
 
-from mixprec.analysis.constants import FLUSH_WORDS, ConstantRange, constant_range, constant_ranges, is_constant
+from mixprec.analysis.constants import (
+    FLUSH_WORDS, ConstantRange, constant_range, constant_ranges, is_constant, overflows_only_below,
+)
 from mixprec.analysis.norm_bounds import affine_bound, output_bound
 from mixprec.analysis.qdq import quantizes_float_chain
 from mixprec.dtypes import is_fp32_tensor
@@ -164,12 +166,13 @@ class Planner:
         return False
 
     def _saturates_where_read(self, value: ir.Value) -> bool:
-        """Whether every reader of the constant, through ops that only move values (Where,
-        Expand, Reshape, ...), is an input the policy saturates (an attention bias filled with
-        -3.4e38 by a Where): then it may saturate, and the ops moving it convert. A constant read
-        directly is judged by its reader (`readings`)."""
+        """Whether every reader of the constant is an input the policy saturates (a clip bound;
+        an attention mask input, for a fill below the 16-bit range), directly or through ops that
+        only move values between constants (Where(mask, 0, -3.4e38) -> Expand -> an attention
+        bias): then its 16-bit copy saturates. The moving ops are flexible then, so they stay FP32
+        where their readers do, and an FP32 reader reads the exact value."""
         frontier, seen = [value], 0
-        moved = False
+        below: bool | None = None
         while frontier:
             current = frontier.pop()
             if current.is_graph_output():
@@ -178,16 +181,30 @@ class Planner:
                 rule = self.policy.rule_for(consumer.domain, consumer.op_type)
                 if rule is not None and index in rule.saturate_inputs:
                     continue
-                outputs = [out for out in consumer.outputs if out is not None]
-                moves = op_facts(consumer.domain, consumer.op_type).carrier is Carrier.MOVEMENT
-                if not moves or not all(map(is_fp32_tensor, outputs)):  # a Cast to another type, say
+                if rule is not None and index in rule.mask_inputs:
+                    if below is None:
+                        below = overflows_only_below(value, self.target)
+                    if below:
+                        continue
+                    return False
+                if not self._moves_constants(consumer, current):
                     return False
                 seen += 1
                 if seen > _SATURATION_HOPS:
                     return False
-                moved = True
-                frontier.extend(outputs)
-        return moved
+                frontier.extend(out for out in consumer.outputs if out is not None)
+        return True
+
+    @staticmethod
+    def _moves_constants(node: ir.Node, value: ir.Value) -> bool:
+        """Whether the node only moves values (its op's integer-semantics carrier is "movement"),
+        its FP32 inputs besides `value` are constants, and its outputs are FP32 (not a Cast to
+        another type)."""
+        if op_facts(node.domain, node.op_type).carrier is not Carrier.MOVEMENT:
+            return False
+        others = (v for v in node.inputs if v is not None and v is not value and is_fp32_tensor(v))
+        outputs = [out for out in node.outputs if out is not None]
+        return all(map(is_constant, others)) and all(map(is_fp32_tensor, outputs))
 
     def _init_graph(self, graph: ir.Graph, *, main: bool) -> None:
         for value in graph.inputs:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import onnx_ir as ir
 
-from mixprec.analysis.constants import is_constant, small_constant_array
+from mixprec.analysis.constants import is_constant, overflows_only_below, small_constant_array
 from mixprec.analysis.small_floors import reads_singularly
 from mixprec.dtypes import is_fp32_tensor
 from mixprec.plan.model import Category, NodeFacts, State
@@ -104,8 +104,10 @@ def read_inputs(node: ir.Node, facts: NodeFacts, context: PlanContext, evidence:
         context.classify(node, facts).op_class is OpClass.FOLLOW and fact.value_preserving
         and _only_flexible_tiny([v for _, v, _ in considered], states, context)
     )
+    rule = facts.rule
     reading = _Reading(
-        node, context, evidence, moves_tiny, facts.rule.saturate_inputs, fact.adds, states, set(facts.lowerable)
+        node, context, evidence, moves_tiny, rule.saturate_inputs, rule.mask_inputs, fact.adds, states,
+        set(facts.lowerable),
     )
     for index, value, var in considered:
         reading.read(index, value, var)
@@ -128,6 +130,7 @@ class _Reading:
     evidence: Callable[[ir.Value], str]
     moves_tiny: bool
     saturate_inputs: frozenset[int]
+    mask_inputs: frozenset[int]
     adds: Callable[[int], bool]
     states: dict[ir.Value, State]
     lowerable: set[str]
@@ -146,6 +149,13 @@ class _Reading:
         # A bound beyond the range saturates to the 16-bit maximum; one that flushes to zero
         # does so harmlessly unless it guards a divisor or logarithm (Clip(x, 1e-9) before Log).
         if index in self.saturate_inputs and is_constant(value) and (state is State.WIDE or not guards_zero(self.node)):
+            self.saturated.append(value)
+            self.states[value] = State.FLEX
+            return
+        if (
+            index in self.mask_inputs and state is State.WIDE and is_constant(value)
+            and overflows_only_below(value, self.context.target)
+        ):  # a mask fill of float32's lowest: the 16-bit lowest gives masked scores the same weight 0
             self.saturated.append(value)
             self.states[value] = State.FLEX
             return

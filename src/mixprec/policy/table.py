@@ -46,6 +46,7 @@ class OpRule:
     fp32_inputs: frozenset[int] = frozenset()
     flexible_inputs: frozenset[int] = frozenset()
     saturate_inputs: frozenset[int] = frozenset()
+    mask_inputs: frozenset[int] = frozenset()
     dtype_attribute: str | None = None  # with `retarget_dtype`: the attribute (opfacts.toml)
     condition: str | None = None
     params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -61,6 +62,7 @@ _RULE_KEYS = {
     "fp32_inputs",
     "flexible_inputs",
     "saturate_inputs",
+    "mask_inputs",
     "retarget_dtype",
     "dtype_attribute",  # older spelling of retarget_dtype: the attribute's name
     "condition",
@@ -234,6 +236,7 @@ def _op_rule(
         fp32_inputs=_int_set(entry.get("fp32_inputs", []), where, "fp32_inputs"),
         flexible_inputs=_int_set(entry.get("flexible_inputs", []), where, "flexible_inputs"),
         saturate_inputs=_int_set(entry.get("saturate_inputs", []), where, "saturate_inputs"),
+        mask_inputs=_int_set(entry.get("mask_inputs", []), where, "mask_inputs"),
         dtype_attribute=_dtype_attribute(entry, domain, op_type, where),
         condition=condition,
         params=MappingProxyType(dict(entry.get("params", {}))),

@@ -15,6 +15,7 @@ from typing import Any
 
 import onnx_ir as ir
 
+from mixprec.analysis.constants import constant_range
 from mixprec.analysis.cost_model import CAST_BYTES_PER_ELEMENT, SYMBOLIC_DIM, cast_time
 from mixprec.passes.functions import inlining_obstacle
 from mixprec.plan.estimate import PlanEstimate, estimate_plan
@@ -498,10 +499,13 @@ def _cast_traffic(runtime: list[CastRecord]) -> tuple[int | None, int | None, in
 def _saturated_note(plan: PrecisionPlan) -> str | None:
     """The constants beyond the 16-bit range stored at its largest finite magnitude, where every
     reader gives the same result with it (a clip bound, an attention mask fill)."""
-    names = sorted(v.name or "" for v in plan.saturated if _stored_low(plan, v))
+    target = plan.target
+    names = sorted(
+        v.name or "" for v in plan.saturated
+        if _stored_low(plan, v) and (rng := constant_range(v, target)) is not None and rng.overflow
+    )
     if not names:
         return None
-    target = plan.target
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     return (
         f"{len(names)} constant(s) beyond the {target.value} range stored at its largest finite "
