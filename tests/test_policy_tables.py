@@ -142,3 +142,19 @@ def test_user_table_with_an_unknown_condition_is_a_one_line_error(tmp_path) -> N
     table.write_text('[[rule]]\nclass = "conditional"\nops = ["ReduceMean"]\ncondition = "no_such"\n')
     with pytest.raises(PolicyError, match="unknown condition 'no_such' \\(known: attribute_in"):
         load_policy(LowPrecision.FLOAT16, table)
+
+
+def test_kernel_accumulation_names_ops_the_profile_runs_in_16_bits() -> None:
+    """Each entry of tables/kernel_accumulation.toml names an op its profile has a 16-bit kernel
+    for, with its evidence; ONNX Runtime CUDA's InstanceNormalization is one, TensorRT's none."""
+    from mixprec.policy.profiles import _kernel_accumulation  # noqa: PLC0415
+
+    table = _kernel_accumulation()
+    assert table, "the table is empty"
+    for name, ops in table.items():
+        profile = load_runtime(name)
+        for (domain, op), evidence in ops.items():
+            assert profile.runs_in(domain, op, "tensor(float16)") or profile.runs_in(domain, op, "tensor(bfloat16)"), (name, op)
+            assert len(evidence) > 40
+    assert load_runtime("ort-cuda").accumulates_in_fp32("", "InstanceNormalization") is not None
+    assert load_runtime("tensorrt").accumulates_in_fp32("", "InstanceNormalization") is None

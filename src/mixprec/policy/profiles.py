@@ -114,6 +114,11 @@ class RuntimeProfile:
                 return kernel
         return None
 
+    def accumulates_in_fp32(self, domain: str, op_type: str) -> str | None:
+        """The evidence that the runtime's kernel of the op accumulates in FP32 whatever the
+        element type of its tensors (`tables/kernel_accumulation.toml`); None where not shown."""
+        return _kernel_accumulation().get(self.name, {}).get((normalize_domain(domain), op_type))
+
     def runs_in(self, domain: str, op_type: str, type_str: str) -> bool:
         """Whether the op's newest kernel admits `type_str` anywhere (schema-only: always)."""
         if self.kernels is None or (normalize_domain(domain), op_type) in _FOLDED_OPS:
@@ -250,6 +255,28 @@ def load_runtime(name: str | None = None) -> RuntimeProfile:
         one_type_ops=frozenset((normalize_domain(d), op) for d, op in data.get("one_type_ops", ())),
         engine=data.get("runtime"),
     )
+
+
+@functools.cache
+def _kernel_accumulation() -> Mapping[str, Mapping[tuple[str, str], str]]:
+    """Profile name -> (domain, op) -> evidence, from the shipped table (checked: profile names,
+    op names, evidence text)."""
+    from mixprec.errors import PolicyError  # noqa: PLC0415
+    from mixprec.graphs import parse_op_name  # noqa: PLC0415
+    from mixprec.policy.toml_tables import shipped_table  # noqa: PLC0415 - it imports this module
+
+    source = "kernel_accumulation.toml"
+    table: dict[str, Mapping[tuple[str, str], str]] = {}
+    for name, entries in shipped_table(source).items():
+        if name not in RUNTIMES or not isinstance(entries, Mapping):
+            raise PolicyError(f"{source}: [{name}] is no runtime profile (known: {', '.join(RUNTIMES)})")
+        ops: dict[tuple[str, str], str] = {}
+        for op, evidence in entries.items():
+            if not isinstance(evidence, str) or not evidence.strip():
+                raise PolicyError(f"{source}: [{name}] {op}: the evidence must be a text")
+            ops[parse_op_name(op)] = evidence
+        table[name] = MappingProxyType(ops)
+    return MappingProxyType(table)
 
 
 @functools.cache

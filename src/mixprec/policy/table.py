@@ -52,6 +52,7 @@ class OpRule:
     params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     source: str = "default"
     compute_bound: bool = False
+    kernel_accumulation: bool = False
 
 
 _RULE_KEYS = {
@@ -68,6 +69,7 @@ _RULE_KEYS = {
     "condition",
     "params",
     "compute_bound",
+    "kernel_accumulation",
 }
 
 
@@ -242,6 +244,7 @@ def _op_rule(
         params=MappingProxyType(dict(entry.get("params", {}))),
         source=source,
         compute_bound=_flag(entry.get("compute_bound", False), where, "compute_bound"),
+        kernel_accumulation=_flag(entry.get("kernel_accumulation", False), where, "kernel_accumulation"),
     )
 
 
