@@ -771,3 +771,21 @@ def test_instance_normalization_follows_where_its_kernel_accumulates_in_fp32(run
     converted = onnx.load(str(out))
     expected, got = run(source, {"x": x})[0], run(emulate_low_precision(converted), {"x": x})[0]
     np.testing.assert_allclose(got, expected, atol=0.02 * np.abs(expected).max())
+
+
+def test_a_mask_fill_that_an_fp32_reader_keeps_exact_reaches_no_16bit_reader_as_minus_infinity(tmp_path) -> None:
+    """One fill moved to two attentions, one of them excluded (FP32): the ops moving the fill stay
+    FP32 for it, so a 16-bit attention would read a Cast of float32's lowest, -inf, whose fully
+    masked rows give NaN. That attention stays FP32 too, and both read the exact fill."""
+    source = _masked_attention("where")
+    graph = source.graph
+    graph.node.append(helper.make_node("Attention", ["k", "q", "v", "bias"], ["y2"], name="other"))
+    graph.output.append(helper.make_tensor_value_info("y2", TensorProto.FLOAT, [2, 4, 8, 8]))
+    result = mixprec.convert(source, tmp_path / "out.onnx", target_dtype="float16", validate="checker", exclude_nodes=["other"])
+    reasons = {k.name: k.reason for k in result.report.kept_fp32}
+    assert "mask fill" in reasons.get("attention", ""), result.report.format_text()
+    converted = onnx.load(str(tmp_path / "out.onnx"))
+    assert not [n for n in converted.graph.node if n.op_type == "Cast" and "bias" in n.input[0]]
+    feeds = _attention_feeds(source)
+    for got, expected in zip(run(converted, feeds), run(source, feeds)):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

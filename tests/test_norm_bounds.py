@@ -207,3 +207,16 @@ def test_sin_and_cos_of_a_timestep_stay_fp32() -> None:
     t = np.array([981.0], np.float32)
     got, want = run(converted, {"t": t})[0].astype(np.float32), run(_timestep_embedding(), {"t": t})[0]
     assert np.abs(got - want).max() <= 0.01 * np.abs(want).max()
+
+
+def test_on_a_runtime_that_accumulates_in_fp32_the_normalization_converts_where_its_scaled_output_fits() -> None:
+    """On ONNX Runtime CUDA (float statistics) the InstanceNormalization converts with the affine
+    after it, unless that output could leave float16's range (a gamma of 5000 over groups of 256
+    elements: up to 16 x 5000 = 80,000); a user keeping the op FP32 keeps it FP32."""
+    result, _ = convert(_group_norm_block(), target_dtype="float16", runtime="ort-cuda")
+    assert result.report.low_by_op.get("InstanceNormalization") == 1 and not result.report.kept_fp32
+    result, _ = convert(_group_norm_block(gamma=5000.0), target_dtype="float16", runtime="ort-cuda")
+    kept = {k.name: k.reason for k in result.report.kept_fp32}
+    assert "not bounded within the float16 range" in kept["norm"] and "scale" in kept
+    result, _ = convert(_group_norm_block(), target_dtype="float16", runtime="ort-cuda", fp32_ops=["InstanceNormalization"])
+    assert {k.name for k in result.report.kept_fp32} == {"norm"}

@@ -99,6 +99,8 @@ class Planner:
         self.storage: dict[ir.Value, Storage] = {}
         self.constant_notes: dict[ir.Value, str] = {}
         self.saturated: set[ir.Value] = set()
+        # (node, input index) where an attention mask reads a saturated fill through ops moving it.
+        self.moved_mask_reads: list[tuple[ir.Node, int]] = []
         # FP32 values a 16-bit copy holds safely (bounded op outputs, ranges measured on data),
         # with the evidence: they do not hold the follow ops they feed in FP32.
         self.bounded: dict[ir.Value, str] = dict(safe_values or {})
@@ -173,6 +175,7 @@ class Planner:
         where their readers do, and an FP32 reader reads the exact value."""
         frontier, seen = [value], 0
         below: bool | None = None
+        moved_reads: list[tuple[ir.Node, int]] = []
         while frontier:
             current = frontier.pop()
             if current.is_graph_output():
@@ -184,15 +187,18 @@ class Planner:
                 if rule is not None and index in rule.mask_inputs:
                     if below is None:
                         below = overflows_only_below(value, self.target)
-                    if below:
-                        continue
-                    return False
+                    if not below:
+                        return False
+                    if current is not value:
+                        moved_reads.append((consumer, index))
+                    continue
                 if not self._moves_constants(consumer, current):
                     return False
                 seen += 1
                 if seen > _SATURATION_HOPS:
                     return False
                 frontier.extend(out for out in consumer.outputs if out is not None)
+        self.moved_mask_reads.extend(moved_reads)
         return True
 
     @staticmethod
@@ -330,6 +336,7 @@ class Planner:
         for node in self.order:
             self.decide(node)
         self._resolve_flex()
+        self._keep_masks_exact()
         self._place_casts()
         self._decide_storage()
         return self.view()
@@ -423,6 +430,15 @@ class Planner:
                     self.bounded[out] = f"{node.op_type} output: within a fixed small interval"
         if out_state is State.HIGH and fact.normalizes is not None and node.outputs and node.outputs[0] in self.fp32:
             self._bound_normalized(node, fact)
+
+    def normalized_output_fits(self, node: ir.Node) -> bool:
+        """Whether a normalization's output, through the constant scale and shift after it, is
+        bounded within the 16-bit range (see `analysis.norm_bounds`); True for other ops."""
+        fact = op_facts(node.domain, node.op_type)
+        if fact.normalizes is None or not node.outputs:
+            return True
+        bound = output_bound(node, fact, self._absmax)
+        return bound is not None and affine_bound(node.outputs[0], bound, self._absmax) <= self.target.limits.max
 
     def _bound_normalized(self, node: ir.Node, fact: OpFacts) -> None:
         """A normalization's output whose size its group and constant scale and bias bound
@@ -534,6 +550,23 @@ class Planner:
         if value in self.sub_outputs:
             wanted.add(State.HIGH)
         return wanted
+
+    def _keep_masks_exact(self) -> None:
+        """A 16-bit attention reading a saturated mask fill through ops that stayed FP32 (another
+        reader of theirs computes in FP32) would read a Cast of float32's lowest: -inf, whose
+        fully masked rows give NaN that 0-weighted values carry on. Such a reader stays FP32."""
+        for node, index in self.moved_mask_reads:
+            value = node.inputs[index] if index < len(node.inputs) else None
+            if value is None or self.decisions[node].precision is not Precision.LOW:
+                continue
+            if self.state.get(value) is State.LOW:
+                continue  # the ops moving the fill converted: it reads the saturated 16-bit value
+            reason = f"reads the mask fill {value.name!r} in FP32 (a 16-bit cast of it would be -inf)"
+            self.decisions[node] = self._decision(Precision.FP32, Category.CONSTANT_RANGE, reason)
+            self.lowered[node] = frozenset()
+            for out in node.outputs:
+                if out in self.fp32:
+                    self.state[out] = State.HIGH
 
     def _resolve_flex(self) -> None:
         for node in reversed(self.flex_nodes):

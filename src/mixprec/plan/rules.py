@@ -138,6 +138,7 @@ class PlanContext(Protocol):
     def is_flexible(self, value: ir.Value) -> bool: ...  # a constant, or data movement of constants
     def constant_range(self, value: ir.Value) -> ConstantRange | None: ...
     def saturates(self, value: ir.Value) -> bool: ...  # an out-of-range constant all of whose readers saturate it
+    def normalized_output_fits(self, node: ir.Node) -> bool: ...  # a normalization's output, scaled after it, fits
     def classify(self, node: ir.Node, facts: NodeFacts) -> PolicyClass: ...  # `readings.classify`, once per node
     def inputs(self, node: ir.Node, facts: NodeFacts) -> Inputs: ...  # `readings.read_inputs`, once per node
 
@@ -372,6 +373,14 @@ def policy_class(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Rulin
         return _keep(Category.CONDITION, found.reason)
     if found.op_class is OpClass.FP32:
         return _keep(Category.POLICY, found.reason)
+    rule = facts.rule
+    if rule is not None and rule.kernel_accumulation and not context.normalized_output_fits(node):
+        # Converted for its runtime's FP32 accumulation, a normalization's 16-bit output must fit.
+        op_name = format_op_name(node.domain, node.op_type)
+        return _keep(Category.POLICY, (
+            f"{op_name}: its output, through the constant scale and shift after it, is not bounded "
+            f"within the {context.target.value} range"
+        ))
     return None
 
 
@@ -546,6 +555,7 @@ _MAY_DECIDE: dict[Rule, Callable[[ir.Node, NodeFacts, PlanContext], bool]] = {
     ),
     policy_class: lambda node, facts, context: facts.rule is not None and (
         facts.rule.op_class in (OpClass.FP32, OpClass.CONDITIONAL) or facts.rule.condition is not None
+        or facts.rule.kernel_accumulation
     ),
     runtime_one_type: lambda node, facts, context: context.runtime.needs_one_type(node.domain, node.op_type),
     low_class: lambda node, facts, context: facts.rule is not None and facts.rule.op_class is OpClass.LOW,

@@ -20,9 +20,9 @@ from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.graphs import is_default_domain
 from mixprec.plan.model import NodeFacts
 from mixprec.policy.opfacts import op_facts
-from mixprec.policy.profiles import RuntimeProfile
+from mixprec.policy.profiles import RuntimeProfile, rule_on_runtime
 from mixprec.policy.schemas import Signature, signature
-from mixprec.policy.table import OpClass, OpRule, Policy, format_op_name
+from mixprec.policy.table import OpRule, Policy, format_op_name
 
 __all__ = ["OpTemplate", "node_facts", "op_template"]
 
@@ -118,23 +118,12 @@ def _pinned_vars(sig: Signature, rule: OpRule | None, target_type: str) -> set[s
     return excluded
 
 
-def _for_runtime(rule: OpRule | None, node: ir.Node, runtime: RuntimeProfile) -> OpRule | None:
-    """The rule as it holds on `runtime`: an op kept FP32 for its accumulation follows its inputs
-    where the runtime's kernel accumulates in FP32 whatever its tensors' type."""
-    if rule is None or rule.op_class is not OpClass.FP32 or not rule.kernel_accumulation:
-        return rule
-    if runtime.accumulates_in_fp32(node.domain, node.op_type) is None:
-        return rule
-    reason = f"{runtime.provider or runtime.name} computes its statistics in FP32 whatever the tensors' type"
-    return replace(rule, op_class=OpClass.FOLLOW, reason=reason)
-
-
 def op_template(
     node: ir.Node, opset: int | None, policy: Policy, runtime: RuntimeProfile
 ) -> OpTemplate:
     """Rule, schema binding and never-lowered type variables of the op of `node`."""
     target = policy.target
-    rule = _for_runtime(policy.rule_for(node.domain, node.op_type), node, runtime)
+    rule = rule_on_runtime(policy.rule_for(node.domain, node.op_type), node.domain, node.op_type, runtime)
     sig, blocked, runtime_reason = _binding(node, opset, rule, runtime, target)
     excluded: set[str] = set()
     if sig is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from types import MappingProxyType
 
@@ -319,6 +319,18 @@ def _condition_words(rule: OpRule) -> str:
     return {OpClass.FP32: "follows its inputs where ", OpClass.FOLLOW: "FP32 unless "}.get(rule.op_class, "")
 
 
+def rule_on_runtime(rule: OpRule | None, domain: str, op_type: str, runtime: RuntimeProfile) -> OpRule | None:
+    """The rule as it holds on `runtime`: an op the policy keeps FP32 for its accumulation follows
+    its inputs where the runtime's kernel accumulates in FP32 whatever its tensors' type (not
+    where the user keeps it FP32)."""
+    if rule is None or rule.op_class is not OpClass.FP32 or not rule.kernel_accumulation or rule.source == "user":
+        return rule
+    if runtime.accumulates_in_fp32(domain, op_type) is None:
+        return rule
+    reason = f"{runtime.provider or runtime.name} computes its statistics in FP32 whatever the tensors' type"
+    return replace(rule, op_class=OpClass.FOLLOW, reason=reason)
+
+
 def effective_classes(policy: Policy, runtime: RuntimeProfile) -> dict[str, list[tuple[str, str]]]:
     """The policy's classes as they act on `runtime`: ops the policy would convert but whose
     newest kernel has no 16-bit type move to `fp32 (no kernel)`. Class -> (op, reason) rows."""
@@ -326,7 +338,9 @@ def effective_classes(policy: Policy, runtime: RuntimeProfile) -> dict[str, list
     type_name = policy.target.value
     classes: dict[str, list[tuple[str, str]]] = {c.value: [] for c in OpClass}
     no_kernel: list[tuple[str, str]] = []
-    for (domain, op_type), rule in sorted(policy.rules.items(), key=lambda item: format_op_name(*item[0])):
+    for (domain, op_type), stated in sorted(policy.rules.items(), key=lambda item: format_op_name(*item[0])):
+        rule = rule_on_runtime(stated, domain, op_type, runtime)
+        assert rule is not None  # noqa: S101 (a stated rule stays a rule)
         name = format_op_name(domain, op_type)
         reason = rule.reason + (f"  [{_condition_words(rule)}{rule.condition} {dict(rule.params)}]" if rule.condition else "")
         if rule.op_class is not OpClass.FP32 and not runtime.runs_in(domain, op_type, type_str):
