@@ -718,61 +718,6 @@ def test_a_bound_that_flushes_is_not_called_saturated() -> None:
     assert not any("stored at its largest finite magnitude" in n for n in result.report.notes)
 
 
-def _group_norm_block() -> onnx.ModelProto:
-    """Conv -> GroupNorm as PyTorch exports it (Reshape to [N, groups, -1] -> InstanceNormalization
-    with unit scale and zero bias -> Reshape back -> Mul(gamma) -> Add(beta)) -> SiLU -> Conv."""
-    rng = np.random.default_rng(11)
-    c, groups = 32, 8
-    tensors = [
-        numpy_helper.from_array(rng.normal(0, 0.2, (c, 4, 3, 3)).astype(np.float32), "w1"),
-        numpy_helper.from_array(rng.normal(0, 0.2, (4, c, 3, 3)).astype(np.float32), "w2"),
-        numpy_helper.from_array(np.array([0, groups, -1], np.int64), "grouped"),
-        numpy_helper.from_array(np.ones(groups, np.float32), "ones"),
-        numpy_helper.from_array(np.zeros(groups, np.float32), "zeros"),
-        numpy_helper.from_array(rng.uniform(0.5, 1.5, (c, 1, 1)).astype(np.float32), "gamma"),
-        numpy_helper.from_array(rng.uniform(-0.5, 0.5, (c, 1, 1)).astype(np.float32), "beta"),
-    ]
-    nodes = [
-        helper.make_node("Conv", ["x", "w1"], ["h"], pads=[1, 1, 1, 1], name="conv_in"),
-        helper.make_node("Shape", ["h"], ["h_shape"], name="shape"),
-        helper.make_node("Reshape", ["h", "grouped"], ["g"], name="group"),
-        helper.make_node("InstanceNormalization", ["g", "ones", "zeros"], ["gn"], epsilon=1e-5, name="norm"),
-        helper.make_node("Reshape", ["gn", "h_shape"], ["n"], name="ungroup"),
-        helper.make_node("Mul", ["n", "gamma"], ["s"], name="scale"),
-        helper.make_node("Add", ["s", "beta"], ["b"], name="shift"),
-        helper.make_node("Sigmoid", ["b"], ["sg"], name="sigmoid"),
-        helper.make_node("Mul", ["b", "sg"], ["a"], name="silu"),
-        helper.make_node("Conv", ["a", "w2"], ["y"], pads=[1, 1, 1, 1], name="conv_out"),
-    ]
-    graph = helper.make_graph(
-        nodes, "group_norm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 16, 16])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4, 16, 16])], tensors,
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-
-
-@pytest.mark.parametrize("runtime", ["ort-cuda", "tensorrt", "onnx"])
-def test_instance_normalization_follows_where_its_kernel_accumulates_in_fp32(runtime: str, tmp_path) -> None:
-    """PyTorch writes GroupNorm as an InstanceNormalization over groups. ONNX Runtime's CUDA kernel
-    takes its statistics in float whatever its tensors' type, so there it converts with its
-    neighbours (no Casts around it); where no such kernel is shown it stays FP32 for its
-    accumulation. Either way the converted block agrees with FP32."""
-    source = _group_norm_block()
-    out = tmp_path / "out.onnx"
-    result = mixprec.convert(source, out, target_dtype="float16", runtime=runtime, validate="checker")
-    report = result.report
-    if runtime == "ort-cuda":
-        assert report.low_by_op.get("InstanceNormalization") == 1, report.format_text()
-        assert report.casts_runtime == 2  # the model's input and output only
-    else:
-        assert report.fp32_by_op.get("InstanceNormalization") == 1
-        assert report.casts_runtime > 2
-    x = np.random.default_rng(2).normal(size=(2, 4, 16, 16)).astype(np.float32)
-    converted = onnx.load(str(out))
-    expected, got = run(source, {"x": x})[0], run(emulate_low_precision(converted), {"x": x})[0]
-    np.testing.assert_allclose(got, expected, atol=0.02 * np.abs(expected).max())
-
-
 def test_a_mask_fill_that_an_fp32_reader_keeps_exact_reaches_no_16bit_reader_as_minus_infinity(tmp_path) -> None:
     """One fill moved to two attentions, one of them excluded (FP32): the ops moving the fill stay
     FP32 for it, so a 16-bit attention would read a Cast of float32's lowest, -inf, whose fully

@@ -220,3 +220,24 @@ def test_on_a_runtime_that_accumulates_in_fp32_the_normalization_converts_where_
     assert "not bounded within the float16 range" in kept["norm"] and "scale" in kept
     result, _ = convert(_group_norm_block(), target_dtype="float16", runtime="ort-cuda", fp32_ops=["InstanceNormalization"])
     assert {k.name for k in result.report.kept_fp32} == {"norm"}
+
+
+@pytest.mark.parametrize("runtime", ["ort-cuda", "tensorrt", "onnx"])
+def test_instance_normalization_follows_where_its_kernel_accumulates_in_fp32(runtime: str) -> None:
+    """ONNX Runtime's CUDA kernel takes InstanceNormalization's statistics in float whatever its
+    tensors' type, so there the op converts with its neighbours (no Casts around it); where no
+    such kernel is shown it stays FP32 for its accumulation. Either way the block agrees with FP32."""
+    from mixprec.validate.emulate import emulate_low_precision  # noqa: PLC0415
+
+    source = _group_norm_block()
+    result, converted = convert(source, target_dtype="float16", runtime=runtime)
+    report = result.report
+    if runtime == "ort-cuda":
+        assert report.low_by_op.get("InstanceNormalization") == 1, report.format_text()
+        assert report.casts_runtime == 2  # the model's input and output only
+    else:
+        assert report.fp32_by_op.get("InstanceNormalization") == 1
+        assert report.casts_runtime > 2
+    x = np.random.default_rng(2).normal(size=(1, _C, _HW, _HW)).astype(np.float32)
+    expected, got = run(source, {"x": x})[0], run(emulate_low_precision(converted), {"x": x})[0]
+    np.testing.assert_allclose(got, expected, atol=0.02 * np.abs(expected).max())
