@@ -437,17 +437,23 @@ class Planner:
         fact = op_facts(node.domain, node.op_type)
         if fact.normalizes is None or not node.outputs:
             return True
+        return self._normalized_bounds(node, fact) is not None
+
+    def _normalized_bounds(self, node: ir.Node, fact: OpFacts) -> tuple[float, float] | None:
+        """A normalization's largest output magnitude and the largest through the constant scale
+        and shift after it, where that fits the 16-bit range; else None."""
         bound = output_bound(node, fact, self._absmax)
-        return bound is not None and affine_bound(node.outputs[0], bound, self._absmax) <= self.target.limits.max
+        if bound is None:
+            return None
+        worst = affine_bound(node.outputs[0], bound, self._absmax)
+        return (bound, worst) if worst <= self.target.limits.max else None
 
     def _bound_normalized(self, node: ir.Node, fact: OpFacts) -> None:
         """A normalization's output whose size its group and constant scale and bias bound
         within the 16-bit range: a 16-bit copy of it is safe (see `analysis.norm_bounds`)."""
-        bound = output_bound(node, fact, self._absmax)
-        if bound is None:
-            return
-        worst = affine_bound(node.outputs[0], bound, self._absmax)
-        if worst <= self.target.limits.max:
+        bounds = self._normalized_bounds(node, fact)
+        if bounds is not None:
+            bound, worst = bounds
             self.bounded[node.outputs[0]] = (
                 f"{node.op_type} output: at most {bound:.4g} in magnitude (the square root of its group "
                 f"size times its scale, plus its bias), and at most {worst:.4g} through the constant "
