@@ -126,6 +126,8 @@ class _Analysis:
         self.sink: dict[ir.Value, str] = {}
         self.exact_use: dict[ir.Value, str] = {}
         self.data_free: dict[ir.Value, bool] = {}
+        # FP32 values computed from data and not tainted (see `_reads_only_activations`).
+        self.activations: set[ir.Value] = set()
         self.formal_owner: dict[ir.Value, ir.Node] = {}
         self.boundary_outputs: dict[ir.Value, str] = {}
         self.owners: set[ir.Node] = set()  # nodes with subgraphs
@@ -146,6 +148,8 @@ class _Analysis:
             for value in function.outputs:
                 self.boundary_outputs.setdefault(value, f"an output of function {function.name!r}")
         self.model_outputs = [v for v in model.graph.outputs if v is not None]
+        for graph in (model.graph, *(f.graph for f in model.functions.values())):
+            self.activations.update(v for v in graph.inputs if is_fp32_tensor(v) and not is_constant(v))
 
     @staticmethod
     def _facts_of(nodes: list[ir.Node]) -> dict[ir.Node, OpFacts]:
@@ -307,6 +311,8 @@ class _Analysis:
             else:
                 self.data_free[out] = free
                 self.taint[out] = taint = result
+                if not free and taint is None:
+                    self.activations.add(out)
             tainted = tainted or taint is not None
         for out in other_outs:
             self.data_free[out] = free or is_constant(out)
@@ -404,13 +410,45 @@ class _Analysis:
             return True
         return node.op_type == "Cast"
 
+    def _reads_only_activations(self, node: ir.Node, facts: OpFacts, std: bool) -> bool:
+        """Whether the node computes FP32 activations from an activation: it reads at least one
+        value of `activations`, no integer or bool and nothing tainted so far, and writes FP32
+        values only (no generator, no subgraph). Such a node records nothing: the activation
+        makes its outputs neither data-free nor tainted (what `is_data_free` and `taint_of`
+        answer for values never recorded), and it is on no integer chain."""
+        if not std or facts.shape_only or facts.random or facts.carrier is Carrier.GENERATOR or node in self.owners:
+            return False
+        activations, taint = self.activations, self.taint
+        found = False
+        for value in node.inputs:
+            if value is None:
+                continue
+            if value in activations:
+                found = True
+            elif value.dtype in INTEGER_OR_BOOL_TYPES or taint.get(value) is not None:
+                return False
+        if not found:
+            return False
+        for out in node.outputs:
+            if not is_fp32_tensor(out) or is_constant(out):
+                return False
+        return True
+
     def _forward(self) -> list[ir.Node]:
         """Bounds, data-freeness, taint and integer origins in topological order (collecting
-        `backward_nodes`); the nodes with an FP32 output of integer meaning, in order."""
+        `backward_nodes`); the nodes with an FP32 output of integer meaning, in order. Most
+        nodes of a network compute activations from activations and weights: they are only
+        checked for the backward pass (see `_reads_only_activations`)."""
         tainted: list[ir.Node] = []
+        activations = self.activations
         for node in self.order:
             facts = self.facts[node]
             std = is_default_domain(node.domain)
+            if self._reads_only_activations(node, facts, std):
+                activations.update(node.outputs)
+                if self._acts_backward(node, facts, std, False):
+                    self.backward_nodes.append(node)
+                continue
             if self._on_integer_chain(node, facts):
                 self.bounds.record(node)
             is_tainted = self._record_outputs(node, facts, std)
