@@ -392,3 +392,64 @@ def test_generated_inputs_fall_back_to_the_ladder_where_a_bound_head_size_fails(
     validation = result.report.validation
     assert not validation.numerics_unchecked, validation.numerics
     assert not any("kv_cache_dim" in note for note in validation.notes)
+
+
+def _feature_sized_model() -> onnx.ModelProto:
+    """Inputs whose feature sizes only the weights reading them fix: frames of 13 features into
+    an LSTM (through an Unsqueeze), 2 groups of 3 channels into a Conv, 11 features into a
+    MatMul. No size of the generated-input ladder is 13, 6 or 11."""
+    rng = np.random.default_rng(0)
+
+    def weight(name: str, *shape: int) -> onnx.TensorProto:
+        return numpy_helper.from_array(rng.normal(0, 0.3, shape).astype(np.float32), name)
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Unsqueeze", ["feats", "axis1"], ["seq"]),
+            helper.make_node("LSTM", ["seq", "W", "R"], ["hidden"], hidden_size=4, name="lstm"),
+            helper.make_node("Conv", ["image", "K"], ["conv"], group=2, name="conv"),
+            helper.make_node("MatMul", ["rows", "M"], ["product"], name="matmul"),
+        ],
+        "g",
+        [
+            helper.make_tensor_value_info("feats", TensorProto.FLOAT, ["frames", "features"]),
+            helper.make_tensor_value_info("image", TensorProto.FLOAT, ["n", "channels", 5]),
+            helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["n", "width"]),
+        ],
+        [
+            helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["frames", 1, 1, 4]),
+            helper.make_tensor_value_info("conv", TensorProto.FLOAT, ["n", 4, 5]),
+            helper.make_tensor_value_info("product", TensorProto.FLOAT, ["n", 2]),
+        ],
+        [
+            numpy_helper.from_array(np.array([1], np.int64), "axis1"),
+            weight("W", 1, 16, 13), weight("R", 1, 16, 4), weight("K", 4, 3, 1), weight("M", 11, 2),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_feature_size_the_weights_fix_is_the_one_generated() -> None:
+    """The LSTM's input size, the Conv's channels (its weight's times its groups) and the
+    MatMul's contracted features bind the input dimensions that name them; the others stay
+    symbolic."""
+    from mixprec.analysis.input_indices import weight_sized_dims, with_fixed_dims
+
+    model = _feature_sized_model()
+    fixed = weight_sized_dims(model)
+    assert fixed == {"features": (13, "lstm"), "channels": (6, "conv"), "width": (11, "matmul")}
+    specs = {s.name: s.shape for s in with_fixed_dims(input_specs(model), fixed)}
+    assert specs == {"feats": ("frames", 13), "image": ("n", 6, 5), "rows": ("n", 11)}
+
+
+def test_a_model_whose_weights_fix_its_feature_sizes_is_checked_on_generated_inputs(tmp_path: Path) -> None:
+    """Converted without data, the model runs on generated inputs of the sizes its weights read
+    (no size of the ladder runs it), and the report says which sizes they took."""
+    import mixprec
+
+    result = mixprec.convert(_feature_sized_model(), tmp_path / "out.onnx", target_dtype="float16", runtime="ort-cuda")
+    validation = result.report.validation
+    assert not validation.numerics_unchecked, validation.numerics
+    assert any("dimension 'features' 13" in note and "'lstm'" in note for note in validation.notes)
+    assert {o.name for o in validation.outputs} == {"hidden", "conv", "product"}
+    assert max(o.max_abs_error for o in validation.outputs) < 0.05

@@ -1,9 +1,11 @@
 """How a model uses its inputs, for the data generated to run it: token ids index an
 embedding, so they are drawn over its rows, not only 0 and 1; a key/value cache's head size
-is the one its attention op computes with, whatever the dimension is named."""
+is the one its attention op computes with, whatever the dimension is named; a feature size
+left symbolic is the one the weights that read it have."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -14,7 +16,7 @@ from mixprec.analysis.constants import constant_tensor
 from mixprec.policy.opfacts import Carrier, op_facts
 from mixprec.runtime.data import InputSpec, Shape, shape_from_proto
 
-__all__ = ["cache_head_sizes", "with_fixed_dims", "with_index_limits"]
+__all__ = ["cache_head_sizes", "weight_sized_dims", "with_fixed_dims", "with_index_limits"]
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,67 @@ def cache_head_sizes(model: onnx.ModelProto) -> dict[str, tuple[int, str]]:
             shape = shapes.get(name) if name in inputs else None
             if size and shape and isinstance(shape[-1], str) and shape[-1]:
                 fixed.setdefault(shape[-1], (size, node.name or node.op_type))
+    return fixed
+
+
+# Ops whose data input (the first) has a dimension the shape of their weight (the second input)
+# fixes: given the node's integer attributes and the weight's rank, (data axis, weight axis,
+# factor: the data dimension is the weight dimension times the attribute of that name, or 1), or
+# None where the node fixes none. A model whose input names such a size (an LSTM's input size,
+# a MatMul's contracted features, a Conv's channels) runs with that size alone.
+_SizedBy = Callable[[dict[str, int], int], tuple[int, int, str | None] | None]
+_FEATURES_LAST: _SizedBy = lambda attrs, rank: (-1, -1, None)  # noqa: E731
+_CHANNELS: _SizedBy = lambda attrs, rank: (1, 0, None)  # noqa: E731
+_SIZED_BY: dict[tuple[str, str], _SizedBy] = {
+    ("", "MatMul"): lambda attrs, rank: (-1, -2 if rank >= 2 else -1, None),
+    ("", "Gemm"): lambda attrs, rank: (0 if attrs.get("transA") else 1, 1 if attrs.get("transB") else 0, None),
+    ("", "Conv"): lambda attrs, rank: (1, 1, "group"),
+    ("", "ConvTranspose"): _CHANNELS,
+    ("", "LSTM"): _FEATURES_LAST,
+    ("", "GRU"): _FEATURES_LAST,
+    ("", "RNN"): _FEATURES_LAST,
+    ("", "BatchNormalization"): _CHANNELS,
+    ("", "InstanceNormalization"): _CHANNELS,
+    ("", "LayerNormalization"): lambda attrs, rank: (-1, -1, None) if rank == 1 and attrs.get("axis", -1) == -1 else None,
+}
+
+
+def weight_sized_dims(model: onnx.ModelProto) -> dict[str, tuple[int, str]]:
+    """Symbolic dimension names of `model`'s main-graph inputs that an op (`_SIZED_BY`) fixes by
+    the static shape of its weight, each with that size and the op's name: an input of
+    ``[frames, features]`` whose LSTM weights read 314 features runs with 314 alone. Reads the
+    graph's value_info, and infers shapes (without weights) when a data input has none."""
+    graph = model.graph
+    nodes = [n for n in graph.node if _op(n) in _SIZED_BY and len(n.input) > 1 and n.input[0] and n.input[1]]
+    constants = {t.name for t in graph.initializer}
+    names = {
+        d.dim_param for i in graph.input if i.name not in constants and i.type.HasField("tensor_type")
+        for d in i.type.tensor_type.shape.dim if d.dim_param
+    }
+    if not nodes or not names:
+        return {}
+    shapes = _static_shapes(graph)
+    shapes.update((t.name, tuple(int(d) for d in t.dims)) for t in graph.initializer)
+    if any(n.input[0] not in shapes for n in nodes):
+        try:
+            shapes.update(_static_shapes(onnx.shape_inference.infer_shapes(model).graph))
+        except Exception:  # noqa: BLE001 - a shape inference failure only leaves names unbound
+            pass
+    fixed: dict[str, tuple[int, str]] = {}
+    for node in nodes:
+        data, weight = shapes.get(node.input[0]), shapes.get(node.input[1])
+        if not data or not weight:
+            continue
+        attrs = {a.name: int(a.i) for a in node.attribute if a.type == onnx.AttributeProto.INT}
+        axes = _SIZED_BY[_op(node)](attrs, len(weight))
+        if axes is None:
+            continue
+        data_axis, weight_axis, factor = axes
+        if not (-len(data) <= data_axis < len(data) and -len(weight) <= weight_axis < len(weight)):
+            continue
+        name, size = data[data_axis], weight[weight_axis]
+        if isinstance(name, str) and name in names and isinstance(size, int) and size > 0:
+            fixed.setdefault(name, (size * (attrs.get(factor, 1) if factor else 1), node.name or node.op_type))
     return fixed
 
 

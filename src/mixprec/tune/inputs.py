@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from mixprec.analysis.input_indices import with_index_limits
+from mixprec.analysis.input_indices import cache_head_sizes, weight_sized_dims, with_fixed_dims, with_index_limits
 from mixprec.errors import InputError
 from mixprec.runtime.batches import BatchSource
 from mixprec.runtime.data import generate_inputs, input_specs
@@ -25,7 +25,10 @@ def read_batches(
     proto = onnx.load(str(model_path), load_external_data=False)
     if data is None:
         notes.append("no data given: one generated batch (random inputs) is used")
-        return [generate_inputs(with_index_limits(input_specs(proto), proto), seed=0)]
+        # Sizes the model fixes (its weights' feature sizes, a cache's head size) where the
+        # inputs name them symbolically; the others are 2.
+        fixed = {**weight_sized_dims(proto), **cache_head_sizes(proto)}
+        return [generate_inputs(with_fixed_dims(with_index_limits(input_specs(proto), proto), fixed), seed=0)]
     initializers = {t.name for t in proto.graph.initializer}
     names = [v.name for v in proto.graph.input if v.name not in initializers]
     source = BatchSource(data, names, max_batches)

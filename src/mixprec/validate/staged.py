@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from mixprec.analysis.input_indices import cache_head_sizes, with_fixed_dims, with_index_limits
+from mixprec.analysis.input_indices import cache_head_sizes, weight_sized_dims, with_fixed_dims, with_index_limits
 from mixprec.analysis.qdq import has_qdq, quantizes_at_run_time
 from mixprec.dtypes import LowPrecision, is_float_dtype
 from mixprec.errors import InputError, MixprecError, RunError, ValidationFailure
@@ -850,15 +850,18 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
     the FP32 model runs (memory bounded; see `_climb`).
     Leading dimensions take 2; when no size runs that way, the ladder is climbed again with 1
     (a model whose batch must match a fixed size elsewhere, e.g. a recurrent state of batch 1).
-    A key/value cache's head size, where its attention op fixes it, is given first; if no size
-    runs that way, the ladder alone is tried again."""
+    A key/value cache's head size, where its attention op fixes it, and a feature size the weights
+    reading it fix are given first; if no size runs that way, the ladder alone is tried again."""
     proto = onnx.load(str(reference), load_external_data=False)
     specs = with_index_limits(data_mod.input_specs(proto), proto)
-    head_sizes = cache_head_sizes(proto)
+    fixed_dims = {
+        **{name: (size, f"the size {node!r} reads with its weights") for name, (size, node) in weight_sized_dims(proto).items()},
+        **{name: (size, f"the head size of the key/value cache {node!r} reads") for name, (size, node) in cache_head_sizes(proto).items()},
+    }
     switches = _branch_switches(proto)
     del proto
     told: list[str] = []  # the first attempt's failures, told when every attempt fails
-    for fixed in ([head_sizes, {}] if head_sizes else [{}]):
+    for fixed in ([fixed_dims, {}] if fixed_dims else [{}]):
         try:
             found, largest_batch, errors = _climbs(with_fixed_dims(specs, fixed), reference, session)
         except InputError as e:
@@ -866,10 +869,8 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
             return
         if found is not None:
             feeds, expected, size, batch = found
-            for name, (head, node) in fixed.items():
-                result.notes.append(
-                    f"generated inputs give dimension {name!r} {head}: the head size of the key/value cache {node!r} reads"
-                )
+            for name, (value, why) in fixed.items():
+                result.notes.append(f"generated inputs give dimension {name!r} {value}: {why}")
             if size != _DIM_LADDER[0] or largest_batch != _GENERATED_BATCH:
                 why = "smaller ones fail in the FP32 model" if largest_batch == _GENERATED_BATCH else (
                     f"with {_GENERATED_BATCH} the FP32 model fails"
