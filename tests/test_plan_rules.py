@@ -80,7 +80,7 @@ def test_rules_are_in_order_and_named() -> None:
     assert names == [
         "control_flow", "function_call", "integer_kernel", "unknown_op", "no_float", "unknown_type", "excluded", "forced",
         "measured_wide", "dtype_source", "fixed_type", "runtime_blocked", "schema", "policy_class",
-        "runtime_one_type", "wide_inputs", "low_class", "follow_fp32", "follow_low", "flexible",
+        "runtime_one_type", "wide_inputs", "folded_at_load", "low_class", "follow_fp32", "follow_low", "flexible",
     ]
 
 

@@ -52,7 +52,7 @@ class CastRecord:
     runtime: bool  # False: the cast was done offline on a constant
     estimated_elements: int | None = None  # named symbolic dimensions estimated (analysis.cost_model)
     guessed_elements: int | None = None  # every dimension that is not static guessed (analysis.cost_model)
-    of_constant: bool = False  # a Cast of a stored constant: runtimes fold it when they load the model
+    of_constant: bool = False  # a Cast of a constant, or of a value folded when loaded: folded when loaded
     at_interface: bool = False  # made for the main graph's FP32 inputs or outputs alone (keep_io_types)
 
 
@@ -201,7 +201,7 @@ class _Rewriter:
             CastRecord(
                 base, short, tensor_elements(value.shape), runtime=True,
                 estimated_elements=estimated_elements(value.shape), guessed_elements=guessed_elements(value.shape),
-                of_constant=tensor is not None,
+                of_constant=tensor is not None or value in self.plan.folded,
                 at_interface=value.is_graph_input() and value.graph is self.model.graph and value.const_value is None,
             )
         )

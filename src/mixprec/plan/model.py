@@ -50,6 +50,7 @@ class Category(str, enum.Enum):
     CAST_COST = "placed by cast cost"
     NO_FLOAT = "no FP32 compute"
     INTEGER_KERNEL = "integer kernel"
+    FOLDED = "folded when loaded"
     PLAN = "set by plan"
 
 
@@ -133,6 +134,8 @@ class PrecisionPlan:
             and the accuracy search use for it.
         fp32: The FP32 tensor values the graphs and nodes read and write, as the planner read
             their types (None: not recorded; read again where needed).
+        folded: The values the runtime computes once, when it loads the model: constants, and
+            the outputs of nodes computed from them alone (empty where the runtime does not say).
     """
 
     target: LowPrecision
@@ -147,6 +150,13 @@ class PrecisionPlan:
     graphs: list[ir.Graph]
     keys: dict[ir.Node, str] = field(default_factory=dict)
     fp32: frozenset[ir.Value] | None = None
+    folded: frozenset[ir.Value] = frozenset()
+
+    def folds_at_load(self, node: ir.Node) -> bool:
+        """Whether the runtime computes the node once, when it loads the model (it has outputs,
+        all folded): it costs nothing per inference, in the FP32 model as in this one."""
+        folded = self.folded
+        return bool(folded) and bool(node.outputs) and all(out in folded for out in node.outputs)
 
     def input_is_lowered(self, node: ir.Node, index: int) -> bool:
         """Whether input `index` of `node` is computed in the 16-bit type."""

@@ -203,11 +203,12 @@ def _next_to_qdq(node: ir.Node) -> bool:
 
 
 def _free_values(
-    node: ir.Node, fact, fp32: frozenset[ir.Value]  # noqa: ANN001
+    node: ir.Node, fact, fp32: frozenset[ir.Value], folded: frozenset[ir.Value] = frozenset()  # noqa: ANN001
 ) -> tuple[list[ir.Value], list[ir.Value]] | None:
-    """The node's FP32 inputs that follow its precision (flexible ones and constants aside) and
-    its FP32 outputs (of `fp32`, the model's FP32 tensor values); None when an FP32 input or
-    output does not follow it (bound to a type variable that cannot be lowered)."""
+    """The node's FP32 inputs that follow its precision (flexible ones, constants and values
+    folded when the model loads aside) and its FP32 outputs (of `fp32`, the model's FP32
+    tensor values); None when an FP32 input or output does not follow it (bound to a type
+    variable that cannot be lowered)."""
     sig, lowerable, flexible = fact.sig, fact.lowerable, fact.flexible
     input_vars, output_vars = sig.input_vars, sig.output_vars
     inputs: list[ir.Value] = []
@@ -217,7 +218,7 @@ def _free_values(
         var = input_vars[index] if index < len(input_vars) else None
         if var is None or var not in lowerable:
             return None
-        if not is_constant(value):  # type: ignore[arg-type]
+        if value not in folded and not is_constant(value):  # type: ignore[arg-type]
             inputs.append(value)  # type: ignore[arg-type]
     outputs: list[ir.Value] = []
     for index, value in enumerate(node.outputs):
@@ -244,6 +245,8 @@ class PlannerView:
         is_weight_heavy: Whether a node was lowered for the large constant it reads (kept as
             decided).
         fp32: The model's FP32 tensor values.
+        folded: Values the runtime computes once when it loads the model (constants, and what
+            nodes compute from them alone): like constants, their Casts cost nothing per run.
     """
 
     plan: PrecisionPlan
@@ -254,6 +257,7 @@ class PlannerView:
     runtime: str
     is_weight_heavy: Callable[[ir.Node], bool]
     fp32: frozenset[ir.Value]
+    folded: frozenset[ir.Value] = frozenset()
 
 
 def _join(parent: list[int], root: int, other: int) -> int:
@@ -346,7 +350,7 @@ class _Islands:
             return None
         if self.quantized and (qdq_role(node) is not None or _next_to_qdq(node)):
             return None  # Q/DQ pairs have rules of their own (mixprec.plan.qdq_pairs)
-        found = _free_values(node, fact, self.planner.fp32)
+        found = _free_values(node, fact, self.planner.fp32, self.planner.folded)
         if found is None or self.is_weight_heavy(node):
             return None
         return found

@@ -57,7 +57,7 @@ from mixprec.plan.readings import Inputs, PolicyClass, classify, read_inputs, we
 from mixprec.plan.rules import Action, Rule, Ruling, decide, rules_for
 from mixprec.plan.templates import OpTemplate, node_facts, op_template
 from mixprec.policy.opfacts import Carrier, OpFacts, op_facts
-from mixprec.policy.profiles import RuntimeProfile, load_runtime
+from mixprec.policy.profiles import RuntimeProfile, constant_folding, load_runtime
 from mixprec.policy.table import Policy, format_op_name, normalize_domain
 
 __all__ = ["plan_precision"]
@@ -86,6 +86,11 @@ class Planner:
     ) -> None:
         self.model = model
         self.runtime = runtime if runtime is not None else load_runtime("onnx")
+        # How the runtime folds the nodes computed from constants alone when it loads the model,
+        # and the values it folds (constants, then the outputs of such nodes as they are
+        # decided, `start`); None where the runtime's table does not say.
+        self.folding = constant_folding(self.runtime)
+        self.folded: set[ir.Value] | None = None
         self.forced = dict(forced or {})
         self.wide_values = dict(wide_values or {})
         self.policy = policy
@@ -324,6 +329,8 @@ class Planner:
         # The constants' ranges, measured together (each graph's initializers are read below).
         fp32 = self.fp32
         constant_ranges((v for g in self.graphs for v in g.initializers.values() if v in fp32), self.target)
+        if self.folding is not None:
+            self.folded = {v for g in self.graphs for v in g.initializers.values() if is_constant(v)}
         self._init_graph(self.model.graph, main=True)
         for graph in self.graphs[1:]:
             # Subgraphs and function bodies keep their signatures: inputs are flexible, outputs
@@ -391,7 +398,24 @@ class Planner:
             facts = inputs.facts
         self.facts[node] = facts
         self._apply(node, facts, ruling)
+        if self.folded is not None and self.folds_at_load(node):
+            self.folded.update(node.outputs)
         return ruling
+
+    def folds_at_load(self, node: ir.Node) -> bool:
+        """Whether the runtime computes the node once, when it loads the model, and puts its
+        outputs in as constants: every input is a constant or such an output, and the node is
+        of an op the runtime folds, deterministic and without subgraphs."""
+        folded, folding = self.folded, self.folding
+        if folded is None or folding is None:
+            return False
+        for value in node.inputs:
+            if value is not None and value not in folded:
+                return False
+        return (
+            node not in self.owners and folding.folds(self.runtime, node.domain, node.op_type)
+            and not op_facts(node.domain, node.op_type).random
+        )
 
     def _apply(self, node: ir.Node, facts: NodeFacts, ruling: Ruling) -> None:
         for value, note in ruling.evidence:
@@ -622,13 +646,14 @@ class Planner:
             target=self.target, keep_io_types=self.keep_io_types, decisions=self.decisions,
             lowered_vars=self.lowered, facts=self.facts, storage=self.storage,
             constant_notes=self.constant_notes, saturated=self.saturated, order=self.order,
-            graphs=self.graphs, keys=self.keys, fp32=self.fp32,
+            graphs=self.graphs, keys=self.keys, fp32=self.fp32, folded=frozenset(self.folded or ()),
         )
 
     def _placement_view(self) -> PlannerView:
         """What the cast placement reads of the planner."""
+        plan = self.view()
         return PlannerView(
-            plan=self.view(),
+            plan=plan,
             model_inputs=frozenset(self.model.graph.inputs),
             main_outputs=self.main_outputs,
             sub_outputs=frozenset(self.sub_outputs),
@@ -636,6 +661,7 @@ class Planner:
             runtime=self.runtime.name,
             is_weight_heavy=lambda node: weight_heavy(node, self.facts[node]),
             fp32=self.fp32,
+            folded=plan.folded,
         )
 
     def _place_casts(self) -> None:

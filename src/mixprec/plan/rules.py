@@ -28,10 +28,12 @@ The rules, in order:
 14. ``policy_class``: the policy (or a condition) keeps the op FP32.
 15. ``runtime_one_type``: the runtime needs one element type where an input must stay FP32.
 16. ``wide_inputs``: inputs that must not be narrowed keep the node FP32.
-17. ``low_class``: the policy lowers the op.
-18. ``follow_fp32``: a follow op with an FP32 input stays FP32.
-19. ``follow_low``: a follow op with a 16-bit input is lowered.
-20. ``flexible``: a follow op over flexible values is left to its consumers.
+17. ``folded_at_load``: a node the runtime folds into a constant when it loads the model, with
+    kernels that have no 16-bit one for it, stays FP32.
+18. ``low_class``: the policy lowers the op.
+19. ``follow_fp32``: a follow op with an FP32 input stays FP32.
+20. ``follow_low``: a follow op with a 16-bit input is lowered.
+21. ``flexible``: a follow op over flexible values is left to its consumers.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from mixprec.dtypes import LowPrecision, is_fp32_tensor
 from mixprec.plan.model import Category, Decision, NodeFacts, NodeMatcher, Precision, State
 from mixprec.plan.readings import Inputs, PolicyClass
 from mixprec.policy.opfacts import OpFacts, op_facts
-from mixprec.policy.profiles import RuntimeProfile
+from mixprec.policy.profiles import ConstantFolding, RuntimeProfile
 from mixprec.policy.table import OpClass, OpRule, format_op_name
 
 __all__ = ["RULES", "Action", "PlanContext", "Rule", "Ruling", "decide", "rules_for"]
@@ -126,6 +128,7 @@ class PlanContext(Protocol):
     bounded: Mapping[ir.Value, str]  # FP32 values a 16-bit copy holds safely -> evidence
     carried: Mapping[ir.Value, ir.Value]  # FP32 values that carry a wide value's range -> that value
     fp32: Container[ir.Value]  # the model's FP32 tensor values (read once when planning starts)
+    folding: ConstantFolding | None  # how the runtime folds constant nodes when it loads a model
 
     has_control_flow: bool  # some node owns subgraphs
     has_functions: bool  # the model has functions of its own
@@ -137,6 +140,7 @@ class PlanContext(Protocol):
     def measured_state(self, value: ir.Value) -> State: ...  # WIDE or TINY for a measured value
     def is_flexible(self, value: ir.Value) -> bool: ...  # a constant, or data movement of constants
     def constant_range(self, value: ir.Value) -> ConstantRange | None: ...
+    def folds_at_load(self, node: ir.Node) -> bool: ...  # computed from constants when the model loads
     def saturates(self, value: ir.Value) -> bool: ...  # an out-of-range constant all of whose readers saturate it
     def normalized_output_fits(self, node: ir.Node) -> bool: ...  # a normalization's output, scaled after it, fits
     def classify(self, node: ir.Node, facts: NodeFacts) -> PolicyClass: ...  # `readings.classify`, once per node
@@ -452,6 +456,27 @@ def _has_lowered_output(node: ir.Node, facts: NodeFacts) -> bool:
     )
 
 
+def folded_at_load(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Ruling | None:
+    """A node computed from constants alone, which the runtime folds into a constant when it
+    loads the model with kernels that have no 16-bit one for it, stays FP32: lowered, it would
+    run at every inference instead (a weight dequantized from int8 by a Mul with its scale: the
+    whole weight, each time). Its 16-bit readers read a Cast of it, folded too: to them it is a
+    constant (FLEX). Inputs beyond the 16-bit range, or saturated, are the range rules' to decide.
+    """
+    if not context.folds_at_load(node):
+        return None
+    inputs = context.inputs(node, facts)
+    if inputs.wide or inputs.saturated:
+        return None
+    folding = context.folding
+    assert folding is not None  # noqa: S101 (folds_at_load holds)
+    op_name = format_op_name(node.domain, node.op_type)
+    return _keep(Category.FOLDED, (
+        f"{op_name} of constants: {context.runtime.engine} computes it once when it loads the model, with "
+        f"{folding.kernels.name} kernels, which have no {context.target.value} {op_name}"
+    ), State.FLEX)
+
+
 def low_class(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Ruling | None:
     """The policy lowers the op."""
     found = context.classify(node, facts)
@@ -529,6 +554,7 @@ RULES: tuple[Rule, ...] = (
     policy_class,
     runtime_one_type,
     wide_inputs,
+    folded_at_load,
     low_class,
     follow_fp32,
     follow_low,
@@ -558,6 +584,9 @@ _MAY_DECIDE: dict[Rule, Callable[[ir.Node, NodeFacts, PlanContext], bool]] = {
         or facts.rule.kernel_accumulation
     ),
     runtime_one_type: lambda node, facts, context: context.runtime.needs_one_type(node.domain, node.op_type),
+    folded_at_load: lambda node, facts, context: context.folding is not None and context.folding.folds_only_in_fp32(
+        context.runtime, node.domain, node.op_type, context.target.type_str
+    ),
     low_class: lambda node, facts, context: facts.rule is not None and facts.rule.op_class is OpClass.LOW,
 }
 

@@ -279,6 +279,68 @@ def _kernel_accumulation() -> Mapping[str, Mapping[tuple[str, str], str]]:
     return MappingProxyType(table)
 
 
+@dataclass(frozen=True)
+class ConstantFolding:
+    """How an engine folds the nodes computed from constants alone when it loads a model
+    (`tables/constant_folding.toml`).
+
+    Attributes:
+        kernels: The profile whose kernels compute them (onnxruntime: its CPU provider's).
+        domains: Domains whose nodes fold on any provider ("" for ONNX).
+        not_folded: (domain, op) it leaves unfolded although their inputs are constants.
+        evidence: The source that shows it.
+    """
+
+    kernels: RuntimeProfile
+    domains: frozenset[str]
+    not_folded: frozenset[tuple[str, str]]
+    evidence: str
+
+    def folds(self, profile: RuntimeProfile, domain: str, op_type: str) -> bool:
+        """Whether a node of the op whose inputs are all constant folds on `profile`."""
+        domain = normalize_domain(domain)
+        if (domain, op_type) in self.not_folded:
+            return False
+        return domain in self.domains or profile.name == self.kernels.name
+
+    def folds_only_in_fp32(self, profile: RuntimeProfile, domain: str, op_type: str, type_str: str) -> bool:
+        """Whether such a node folds on `profile` in FP32 but not in `type_str` (its kernels
+        have no 16-bit one: lowered, it would run at every inference)."""
+        return self.folds(profile, domain, op_type) and not self.kernels.runs_in(domain, op_type, type_str)
+
+
+def constant_folding(profile: RuntimeProfile) -> ConstantFolding | None:
+    """How the engine of `profile` folds constant nodes when it loads a model; None where the
+    table does not say (schema-only profiles, engines that fold with their own kernels)."""
+    return _constant_folding().get(profile.engine) if profile.engine is not None else None
+
+
+@functools.cache
+def _constant_folding() -> Mapping[str, ConstantFolding]:
+    """Engine -> how it folds, from the shipped table (checked: profile names, op names, evidence)."""
+    from mixprec.errors import PolicyError  # noqa: PLC0415
+    from mixprec.graphs import parse_op_name  # noqa: PLC0415
+    from mixprec.policy.toml_tables import shipped_table  # noqa: PLC0415 - it imports this module
+
+    source = "constant_folding.toml"
+    table: dict[str, ConstantFolding] = {}
+    for engine, entry in shipped_table(source).items():
+        if not isinstance(entry, Mapping):
+            raise PolicyError(f"{source}: [{engine}] must be a table")
+        kernels, evidence = entry.get("kernels"), entry.get("evidence")
+        if kernels not in RUNTIMES:
+            raise PolicyError(f"{source}: [{engine}] kernels = {kernels!r} is no runtime profile (known: {', '.join(RUNTIMES)})")
+        if not isinstance(evidence, str) or not evidence.strip():
+            raise PolicyError(f"{source}: [{engine}] the evidence must be a text")
+        table[engine] = ConstantFolding(
+            kernels=load_runtime(kernels),
+            domains=frozenset(normalize_domain(d) for d in entry.get("domains", ())),
+            not_folded=frozenset(parse_op_name(op) for op in entry.get("not_folded", ())),
+            evidence=evidence,
+        )
+    return MappingProxyType(table)
+
+
 @functools.cache
 def onnxruntime_onnx_domain_ops(opset: int | None) -> frozenset[str]:
     """Ops onnxruntime registers in the ONNX domain at default-domain `opset` that ONNX itself

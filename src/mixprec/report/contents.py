@@ -128,6 +128,12 @@ class Report:
     cost_limitation: str | None = None  # what the host lacks that 16-bit speed needs
     # QDQ models: Q/DQ nodes, the ops between them and the float ops outside (None otherwise).
     quantization: QuantizedSummary | None = None
+    # FP32 nodes the runtime computes once, when it loads the model, from constants alone (a
+    # weight dequantized from int8): no float compute per inference; counted apart, not listed.
+    fp32_folded_at_load: int = 0
+    # Casts of constants and of what the runtime folds when it loads the model: folded with them
+    # (not in `casts_runtime`).
+    casts_folded: int = 0
 
     def to_dict(self, *, include_graph: bool = False) -> dict[str, Any]:
         """JSON-ready form (`include_graph`: add the compact per-node listing)."""
@@ -169,7 +175,8 @@ class Report:
         counts = self.nodes_by_precision
         # Integer kernels (QLinearConv, ...) read FP32 scales only: they are no float nodes.
         integer = self.fp32_by_category.get(Category.INTEGER_KERNEL.value, 0)
-        fp32 = counts.get("fp32", 0) - integer
+        folded = self.fp32_folded_at_load
+        fp32 = counts.get("fp32", 0) - integer - folded
         total_float = counts.get("low", 0) + fp32
         share = 100.0 * counts.get("low", 0) / total_float if total_float else 0.0
         return [
@@ -177,12 +184,14 @@ class Report:
             f"runtime {self.runtime}, keep_io_types={self.keep_io_types}]",
             f"  nodes: {counts.get('low', 0)} in {self.target}, {fp32} in fp32 "
             f"({share:.1f}% of float nodes converted), {counts.get('none', 0)} without FP32 compute"
-            + (f", {integer} computing on integers (FP32 scales only)" if integer else ""),
+            + (f", {integer} computing on integers (FP32 scales only)" if integer else "")
+            + (f", {folded} computed from constants when the model loads" if folded else ""),
             f"  weights: {_mb(self.weight_bytes_before)} -> {_mb(self.weight_bytes_after)}"
             f"  ({self.constants_lowered} stored in {self.target}, "
             f"{self.constants_duplicated} duplicated)",
             f"  casts: {self.casts_runtime} at run time"
             + self._cast_traffic_text()
+            + (f", {self.casts_folded} of constants folded when the model loads" if self.casts_folded else "")
             + f", {self.casts_removed} redundant removed",
         ]
 
@@ -371,7 +380,9 @@ def build_report(
     what the steps said; `validation`: what the checks found)."""
     target = plan.target
     counts = _count_decisions(plan)
-    runtime = [c for c in stats.casts if c.runtime]
+    # Casts of constants, and of values folded when the model loads, are folded with them.
+    runtime = [c for c in stats.casts if c.runtime and not c.of_constant]
+    folded_casts = sum(1 for c in stats.casts if c.runtime and c.of_constant)
     elements, cast_bytes, cast_estimate = _cast_traffic(runtime)
     opset_note = _newer_opset_note(model, plan, profile)
     notes = [*([opset_note] if opset_note is not None else []), *notes]
@@ -380,7 +391,7 @@ def build_report(
         notes.append(saturated_note)
     cost = runtime_cost(profile.name if profile is not None else None, target.value)
     # Casts of stored constants are folded by the runtime when it loads the model: no time.
-    estimate = estimate_plan(plan, [c.guessed_elements for c in runtime if not c.of_constant], cost)
+    estimate = estimate_plan(plan, [c.guessed_elements for c in runtime], cost)
     interface_note = _interface_casts_note(model, plan, runtime, estimate, cost) if plan.keep_io_types else None
     if interface_note is not None:
         notes.append(interface_note)
@@ -395,6 +406,8 @@ def build_report(
         fp32_by_op=dict(counts.fp32_by_op),
         fp32_by_category={category.value: n for category, n in counts.by_category.items()},
         kept_fp32=counts.kept,
+        fp32_folded_at_load=counts.folded_fp32,
+        casts_folded=folded_casts,
         casts_inserted=len(stats.casts),
         casts_runtime=len(runtime),
         cast_elements_per_inference=elements,
@@ -429,6 +442,7 @@ class _DecisionCounts:
     fp32_by_op: Counter[str] = field(default_factory=Counter)
     by_category: Counter[Category] = field(default_factory=Counter)
     kept: list[KeptNode] = field(default_factory=list)
+    folded_fp32: int = 0  # FP32 nodes the runtime folds when it loads the model (not in the others)
 
 
 def _count_decisions(plan: PrecisionPlan) -> _DecisionCounts:
@@ -440,6 +454,8 @@ def _count_decisions(plan: PrecisionPlan) -> _DecisionCounts:
         counts.by_precision[precision] += 1
         if precision is Precision.LOW:
             counts.low_by_op[node.op_type] += 1
+        elif precision is Precision.FP32 and plan.folded and plan.folds_at_load(node):
+            counts.folded_fp32 += 1
         elif precision is Precision.FP32:
             category = decision.category
             counts.fp32_by_op[node.op_type] += 1

@@ -95,8 +95,12 @@ def quantized_summary(plan: PrecisionPlan) -> QuantizedSummary | None:
             summary.quantized_low += decision.precision is Precision.LOW
         elif decision.precision is Precision.LOW:
             summary.float_low += 1
-        elif decision.precision is Precision.FP32 and node.inputs and decision.category is not Category.INTEGER_KERNEL:
-            # Constant nodes compute nothing; integer kernels (QLinearConv, ...) compute on integers
+        elif (
+            decision.precision is Precision.FP32 and node.inputs and decision.category is not Category.INTEGER_KERNEL
+            and not plan.folds_at_load(node)
+        ):
+            # Constant nodes compute nothing; integer kernels (QLinearConv, ...) compute on
+            # integers; what the runtime folds when it loads the model runs once
             summary.float_fp32 += 1
             fp32[node.op_type] += 1
     summary.qdq_nodes = dict(sorted(qdq.items()))
