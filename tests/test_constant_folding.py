@@ -103,8 +103,116 @@ def test_the_folding_table_names_the_kernels_of_each_engine() -> None:
     cuda, cpu = load_runtime("ort-cuda"), load_runtime("ort-cpu")
     folding = constant_folding(cuda)
     assert folding is not None and folding.kernels.name == "ort-cpu" and constant_folding(cpu) == folding
-    assert folding.folds_only_in_fp32(cuda, "", "Mul", "tensor(float16)")
-    assert not folding.folds_only_in_fp32(cuda, "", "Reshape", "tensor(float16)")  # the CPU has it in float16
-    assert not folding.folds(cuda, "", "DequantizeLinear")
-    assert not folding.folds(cuda, "com.microsoft", "Gelu") and folding.folds(cpu, "com.microsoft", "Gelu")
+    assert folding.folds_only_in_fp32("", "Mul", 17, "tensor(float16)")
+    assert not folding.folds_only_in_fp32("", "Reshape", 17, "tensor(float16)")  # the CPU has it in float16
+    # Max has a float16 CPU kernel from opset 12 only: at opset 11 it folds in FP32 alone.
+    assert folding.folds_only_in_fp32("", "Max", 11, "tensor(float16)")
+    assert not folding.folds_only_in_fp32("", "Max", 13, "tensor(float16)")
+    assert not folding.folds("", "DequantizeLinear") and not folding.folds("", "Dropout")
+    assert not folding.folds("com.microsoft", "FastGelu")  # other domains stay as they are
     assert constant_folding(load_runtime("tensorrt")) is None and constant_folding(load_runtime("onnx")) is None
+
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+def test_a_constant_that_flushes_to_zero_still_keeps_its_divisor_fp32() -> None:
+    """Where(c, 1e-9, 1) computes from constants alone, but 1e-9 flushes to zero in float16:
+    the divisor it feeds keeps FP32 as before, and nothing divides by zero."""
+    graph = helper.make_graph(
+        [helper.make_node("Where", ["c", "tiny", "one"], ["w"], name="where"),
+         helper.make_node("Div", ["x", "w"], ["d"], name="div"),
+         helper.make_node("MatMul", ["d", "W"], ["y"], name="mm")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        [numpy_helper.from_array(np.array([True, True, False, True]), "c"),
+         numpy_helper.from_array(np.full(4, 1e-9, np.float32), "tiny"),
+         numpy_helper.from_array(np.ones(4, np.float32), "one"),
+         numpy_helper.from_array(np.eye(4, dtype=np.float32), "W")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = {"x": np.array([[1e-6, 2e-6, 3.0, 4e-6]], np.float32)}
+    result, out = convert(model, target_dtype="float16", runtime="ort-cuda")
+    decisions = {node.name: decision for node, decision in result.plan.decisions.items()}
+    assert decisions["div"].precision is Precision.FP32 and decisions["where"].category is not Category.FOLDED
+    got = _run(out, feeds)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, _run(model, feeds), rtol=1e-3)
+
+
+def test_a_value_other_rules_hold_fp32_is_no_foldable_constant() -> None:
+    """Exp of constants stays FP32 by policy (its values may leave the float16 range): the Mul
+    that scales it, and the Add that reads that, follow it in FP32 as before; the values up to
+    2e5 are not cast to float16."""
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("Exp", ["e"], ["r"], name="exp"),
+         helper.make_node("Mul", ["r", "k"], ["rk"], name="mul"),
+         helper.make_node("MatMul", ["x", "W"], ["xw"], name="mm"),
+         helper.make_node("Add", ["xw", "rk"], ["y"], name="add")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 16])],
+        [numpy_helper.from_array(np.linspace(0, 11, 16).astype(np.float32), "e"),
+         numpy_helper.from_array(np.array(5000, np.float32), "k"),
+         numpy_helper.from_array(rng.normal(size=(16, 16)).astype(np.float32), "W")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    result, out = convert(model, target_dtype="float16", runtime="ort-cuda")
+    decisions = {node.name: decision for node, decision in result.plan.decisions.items()}
+    assert decisions["mul"].category is Category.FOLLOW and decisions["add"].precision is Precision.FP32
+    feeds = {"x": rng.normal(size=(2, 16)).astype(np.float32)}
+    got = _run(out, feeds)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, _run(model, feeds), rtol=1e-3)
+
+
+def test_a_mask_fill_moved_by_constant_ops_still_saturates_into_a_16bit_attention() -> None:
+    """Where(causal, 0, float32's lowest) -> Tile into MultiHeadAttention's attention bias: the
+    fill saturates, the ops moving it follow the attention, which computes in float16 — as
+    before; the fill, beyond the range, is no constant that fits."""
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("Where", ["cond", "zero", "fill"], ["wm"], name="where"),
+         helper.make_node("Tile", ["wm", "rep"], ["bias"], name="tile"),
+         helper.make_node("MatMul", ["x", "Wq"], ["q"], name="mq"),
+         helper.make_node("MultiHeadAttention", ["q", "q", "q", "", "", "bias"], ["a"], domain="com.microsoft",
+                          num_heads=2, name="mha"),
+         helper.make_node("MatMul", ["a", "Wo"], ["y"], name="mo")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8])],
+        [numpy_helper.from_array(np.tril(np.ones((1, 1, 4, 4), bool)), "cond"),
+         numpy_helper.from_array(np.zeros(1, np.float32), "zero"),
+         numpy_helper.from_array(np.array([np.finfo(np.float32).min], np.float32), "fill"),
+         numpy_helper.from_array(np.ones(4, np.int64), "rep"),
+         numpy_helper.from_array(rng.normal(size=(8, 8)).astype(np.float32), "Wq"),
+         numpy_helper.from_array(rng.normal(size=(8, 8)).astype(np.float32), "Wo")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    result, _ = convert(model, target_dtype="float16", runtime="ort-cuda")
+    decisions = {node.name: decision for node, decision in result.plan.decisions.items()}
+    assert decisions["mha"].precision is Precision.LOW
+    assert decisions["tile"].precision is Precision.LOW and decisions["where"].category is not Category.FOLDED
+    assert result.report.casts_runtime == 2  # the model's input and output only
+
+
+def test_an_op_whose_cpu_kernel_lacks_float16_at_the_models_opset_folds_in_fp32() -> None:
+    """Max has a float16 CPU kernel from opset 12 on: Max of constants at opset 11 stays FP32
+    to fold; at opset 13 it folds in float16 and follows its reader."""
+    def model(opset: int) -> onnx.ModelProto:
+        rng = np.random.default_rng(0)
+        graph = helper.make_graph(
+            [helper.make_node("Max", ["a", "b"], ["m"], name="max"),
+             helper.make_node("MatMul", ["x", "m"], ["y"], name="mm")],
+            "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
+            [numpy_helper.from_array(rng.normal(size=(8, 8)).astype(np.float32), "a"),
+             numpy_helper.from_array(rng.normal(size=(8, 8)).astype(np.float32), "b")],
+        )
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+    old, _ = convert(model(11), target_dtype="float16", runtime="ort-cuda", opset=11)
+    new, _ = convert(model(13), target_dtype="float16", runtime="ort-cuda", opset=13)
+    assert next(d for n, d in old.plan.decisions.items() if n.name == "max").category is Category.FOLDED
+    assert next(d for n, d in new.plan.decisions.items() if n.name == "max").precision is Precision.LOW
+    assert new.report.fp32_folded_at_load == 0  # lowered, and folded in float16: not counted as FP32

@@ -66,6 +66,15 @@ __all__ = ["plan_precision"]
 _SATURATION_HOPS = 16
 
 
+def _type_fits(dtype: ir.DataType | None, largest: float) -> bool:
+    """Whether every value of an integer or bool element type is at most `largest` in magnitude."""
+    if dtype == ir.DataType.BOOL:
+        return True
+    if dtype is None or not dtype.is_integer():
+        return False
+    return 2 ** (dtype.bitwidth - (1 if dtype.is_signed() else 0)) <= largest
+
+
 class Planner:
     """The planner's state over one model: value states, decisions so far, evidence.
 
@@ -86,11 +95,13 @@ class Planner:
     ) -> None:
         self.model = model
         self.runtime = runtime if runtime is not None else load_runtime("onnx")
-        # How the runtime folds the nodes computed from constants alone when it loads the model,
-        # and the values it folds (constants, then the outputs of such nodes as they are
-        # decided, `start`); None where the runtime's table does not say.
+        # How the runtime folds the nodes computed from constants alone when it loads the model
+        # (None where its table does not say); the FP32 values such nodes compute from constants
+        # that fit the 16-bit type, which `folded_at_load` builds on (`_note_fold_input`); and
+        # the values the runtime folds, once every node is decided (`_folded_values`).
         self.folding = constant_folding(self.runtime)
-        self.folded: set[ir.Value] | None = None
+        self.fold_inputs: set[ir.Value] = set()
+        self.folded: frozenset[ir.Value] = frozenset()
         self.forced = dict(forced or {})
         self.wide_values = dict(wide_values or {})
         self.policy = policy
@@ -329,8 +340,6 @@ class Planner:
         # The constants' ranges, measured together (each graph's initializers are read below).
         fp32 = self.fp32
         constant_ranges((v for g in self.graphs for v in g.initializers.values() if v in fp32), self.target)
-        if self.folding is not None:
-            self.folded = {v for g in self.graphs for v in g.initializers.values() if is_constant(v)}
         self._init_graph(self.model.graph, main=True)
         for graph in self.graphs[1:]:
             # Subgraphs and function bodies keep their signatures: inputs are flexible, outputs
@@ -344,7 +353,9 @@ class Planner:
             self.decide(node)
         self._resolve_flex()
         self._keep_masks_exact()
+        self.folded = self._folded_values()
         self._place_casts()
+        self.folded = self._folded_values()  # the placement may have lowered what folded in FP32
         self._decide_storage()
         return self.view()
 
@@ -398,24 +409,82 @@ class Planner:
             facts = inputs.facts
         self.facts[node] = facts
         self._apply(node, facts, ruling)
-        if self.folded is not None and self.folds_at_load(node):
-            self.folded.update(node.outputs)
+        if self.folding is not None:
+            self._note_fold_input(node, ruling)
         return ruling
 
-    def folds_at_load(self, node: ir.Node) -> bool:
-        """Whether the runtime computes the node once, when it loads the model, and puts its
-        outputs in as constants: every input is a constant or such an output, and the node is
-        of an op the runtime folds, deterministic and without subgraphs."""
-        folded, folding = self.folded, self.folding
-        if folded is None or folding is None:
-            return False
-        for value in node.inputs:
-            if value is not None and value not in folded:
-                return False
+    # -- constants the runtime folds when it loads the model ----------------------------
+    def opset_of(self, node: ir.Node) -> int | None:
+        """The opset version the node's op is taken at."""
+        return self._opset(node)
+
+    def _folds(self, node: ir.Node) -> bool:
+        """Whether the node is of an op the runtime folds, deterministic and without subgraphs
+        (its inputs aside)."""
+        folding = self.folding
         return (
-            node not in self.owners and folding.folds(self.runtime, node.domain, node.op_type)
+            folding is not None and node not in self.owners and folding.folds(node.domain, node.op_type)
             and not op_facts(node.domain, node.op_type).random
         )
+
+    def _fits_folded(self, value: ir.Value) -> bool:
+        """Whether an FP32 value is a constant that fits the 16-bit type (neither overflows nor
+        flushes where that matters), or computed from such constants alone (`fold_inputs`)."""
+        if value in self.fold_inputs:
+            return True
+        if not is_constant(value):
+            return False
+        rng = self.constant_range(value)
+        return rng is not None and not rng.overflow and not rng.significant_flush
+
+    def folds_at_load(self, node: ir.Node) -> bool:
+        """Whether the runtime computes the node once, when it loads the model, from values that
+        fit the 16-bit type: its FP32 inputs are such values (`_fits_folded`), its other inputs
+        constants or computed from them, and the runtime folds its op."""
+        fp32 = self.fp32
+        for value in node.inputs:
+            if value is None:
+                continue
+            if value in fp32:
+                if not self._fits_folded(value):
+                    return False
+            elif value not in self.fold_inputs and not is_constant(value):
+                return False
+        return self._folds(node)
+
+    def _note_fold_input(self, node: ir.Node, ruling: Ruling) -> None:
+        """Record the FP32 outputs `folded_at_load` may build on: a folded node's, and those of
+        an op that moves or converts values (Reshape, Cast from an int8 weight, ...) computed
+        from fitting constants alone (from integers whose type's range fits the 16-bit type,
+        for a conversion)."""
+        if ruling.category is not Category.FOLDED:
+            fact = op_facts(node.domain, node.op_type)
+            if not (fact.value_preserving or fact.carrier is Carrier.MOVEMENT) or not self.folds_at_load(node):
+                return
+            if fact.dtype_attribute is not None and not all(
+                v is None or v in self.fp32 or v in self.fold_inputs or _type_fits(v.dtype, self.target.limits.max)
+                for v in node.inputs
+            ):
+                return
+        self.fold_inputs.update(out for out in node.outputs if out in self.fp32)
+
+    def _folded_values(self) -> frozenset[ir.Value]:
+        """The values the runtime folds when it loads the model: constants, and the outputs of
+        the nodes it folds in the precision they were decided in (in plan order)."""
+        if self.folding is None:
+            return frozenset()
+        folding, type_str = self.folding, self.target.type_str
+        folded = {v for g in self.graphs for v in g.initializers.values() if is_constant(v)}
+        for node in self.order:
+            if any(v is not None and v not in folded for v in node.inputs) or not self._folds(node):
+                continue
+            precision = self.decisions[node].precision
+            if precision is not Precision.NONE and not folding.folds_in(
+                node.domain, node.op_type, self._opset(node), type_str if precision is Precision.LOW else "tensor(float)"
+            ):
+                continue
+            folded.update(node.outputs)
+        return frozenset(folded)
 
     def _apply(self, node: ir.Node, facts: NodeFacts, ruling: Ruling) -> None:
         for value, note in ruling.evidence:
@@ -646,7 +715,7 @@ class Planner:
             target=self.target, keep_io_types=self.keep_io_types, decisions=self.decisions,
             lowered_vars=self.lowered, facts=self.facts, storage=self.storage,
             constant_notes=self.constant_notes, saturated=self.saturated, order=self.order,
-            graphs=self.graphs, keys=self.keys, fp32=self.fp32, folded=frozenset(self.folded or ()),
+            graphs=self.graphs, keys=self.keys, fp32=self.fp32, folded=self.folded,
         )
 
     def _placement_view(self) -> PlannerView:

@@ -140,7 +140,8 @@ class PlanContext(Protocol):
     def measured_state(self, value: ir.Value) -> State: ...  # WIDE or TINY for a measured value
     def is_flexible(self, value: ir.Value) -> bool: ...  # a constant, or data movement of constants
     def constant_range(self, value: ir.Value) -> ConstantRange | None: ...
-    def folds_at_load(self, node: ir.Node) -> bool: ...  # computed from constants when the model loads
+    def folds_at_load(self, node: ir.Node) -> bool: ...  # computed when the model loads from fitting constants
+    def opset_of(self, node: ir.Node) -> int | None: ...  # the opset version of the node's op
     def saturates(self, value: ir.Value) -> bool: ...  # an out-of-range constant all of whose readers saturate it
     def normalized_output_fits(self, node: ir.Node) -> bool: ...  # a normalization's output, scaled after it, fits
     def classify(self, node: ir.Node, facts: NodeFacts) -> PolicyClass: ...  # `readings.classify`, once per node
@@ -458,10 +459,12 @@ def _has_lowered_output(node: ir.Node, facts: NodeFacts) -> bool:
 
 def folded_at_load(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Ruling | None:
     """A node computed from constants alone, which the runtime folds into a constant when it
-    loads the model with kernels that have no 16-bit one for it, stays FP32: lowered, it would
-    run at every inference instead (a weight dequantized from int8 by a Mul with its scale: the
-    whole weight, each time). Its 16-bit readers read a Cast of it, folded too: to them it is a
-    constant (FLEX). Inputs beyond the 16-bit range, or saturated, are the range rules' to decide.
+    loads the model with kernels that have no 16-bit one for it (at its opset), stays FP32:
+    lowered, it would run at every inference instead (a weight dequantized from int8 by a Mul
+    with its scale: the whole weight, each time). Only where its FP32 inputs are constants that
+    fit the 16-bit type, or computed from such alone (`Planner.folds_at_load`): its 16-bit
+    readers read a Cast of it, folded too, and to them it is a constant (FLEX). Constants beyond
+    the range, flushing or saturating, and values other rules hold FP32, are theirs to decide.
     """
     if not context.folds_at_load(node):
         return None
@@ -585,7 +588,7 @@ _MAY_DECIDE: dict[Rule, Callable[[ir.Node, NodeFacts, PlanContext], bool]] = {
     ),
     runtime_one_type: lambda node, facts, context: context.runtime.needs_one_type(node.domain, node.op_type),
     folded_at_load: lambda node, facts, context: context.folding is not None and context.folding.folds_only_in_fp32(
-        context.runtime, node.domain, node.op_type, context.target.type_str
+        node.domain, node.op_type, context.opset_of(node), context.target.type_str
     ),
     low_class: lambda node, facts, context: facts.rule is not None and facts.rule.op_class is OpClass.LOW,
 }

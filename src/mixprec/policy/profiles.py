@@ -286,7 +286,7 @@ class ConstantFolding:
 
     Attributes:
         kernels: The profile whose kernels compute them (onnxruntime: its CPU provider's).
-        domains: Domains whose nodes fold on any provider ("" for ONNX).
+        domains: Domains whose nodes fold ("" for ONNX).
         not_folded: (domain, op) it leaves unfolded although their inputs are constants.
         evidence: The source that shows it.
     """
@@ -296,17 +296,26 @@ class ConstantFolding:
     not_folded: frozenset[tuple[str, str]]
     evidence: str
 
-    def folds(self, profile: RuntimeProfile, domain: str, op_type: str) -> bool:
-        """Whether a node of the op whose inputs are all constant folds on `profile`."""
+    def folds(self, domain: str, op_type: str) -> bool:
+        """Whether a node of the op whose inputs are all constant folds (in a type its kernels
+        have: see `folds_in`)."""
         domain = normalize_domain(domain)
-        if (domain, op_type) in self.not_folded:
-            return False
-        return domain in self.domains or profile.name == self.kernels.name
+        return domain in self.domains and (domain, op_type) not in self.not_folded
 
-    def folds_only_in_fp32(self, profile: RuntimeProfile, domain: str, op_type: str, type_str: str) -> bool:
-        """Whether such a node folds on `profile` in FP32 but not in `type_str` (its kernels
-        have no 16-bit one: lowered, it would run at every inference)."""
-        return self.folds(profile, domain, op_type) and not self.kernels.runs_in(domain, op_type, type_str)
+    def folds_in(self, domain: str, op_type: str, version: int | None, type_str: str) -> bool:
+        """Whether such a node at opset `version` folds computing in `type_str` (its kernels
+        have one for that type at that version)."""
+        if not self.folds(domain, op_type):
+            return False
+        kernel = self.kernels.kernel(domain, op_type, version) if version is not None else None
+        return kernel is not None and any(type_str in types for types in kernel.types.values())
+
+    def folds_only_in_fp32(self, domain: str, op_type: str, version: int | None, type_str: str) -> bool:
+        """Whether such a node folds in FP32 but not in `type_str` (lowered, it would run at
+        every inference)."""
+        return self.folds_in(domain, op_type, version, "tensor(float)") and not self.folds_in(
+            domain, op_type, version, type_str
+        )
 
 
 def constant_folding(profile: RuntimeProfile) -> ConstantFolding | None:
