@@ -52,7 +52,7 @@ def estimate_plan(plan: PrecisionPlan, cast_elements: list[int | None], cost: Ru
     movers: dict[tuple[str, str], bool] = {}  # op -> it computes element by element (see `node_time`)
     for node in plan.order:
         decision = plan.decisions[node]
-        if plan.folded and plan.folds_at_load(node):
+        if node in plan.folded_nodes:
             continue  # computed once when the model loads, in both models
         if decision.precision is Precision.NONE or decision.category in BOUNDARIES:
             converted += cost.launch_bytes

@@ -136,6 +136,8 @@ class PrecisionPlan:
             their types (None: not recorded; read again where needed).
         folded: The values the runtime computes once, when it loads the model: constants, and
             the outputs of nodes computed from them alone (empty where the runtime does not say).
+        folded_nodes: Those nodes: they cost nothing per inference, in the FP32 model as in
+            this one.
     """
 
     target: LowPrecision
@@ -151,12 +153,7 @@ class PrecisionPlan:
     keys: dict[ir.Node, str] = field(default_factory=dict)
     fp32: frozenset[ir.Value] | None = None
     folded: frozenset[ir.Value] = frozenset()
-
-    def folds_at_load(self, node: ir.Node) -> bool:
-        """Whether the runtime computes the node once, when it loads the model (it has outputs,
-        all folded): it costs nothing per inference, in the FP32 model as in this one."""
-        folded = self.folded
-        return bool(folded) and bool(node.outputs) and all(out in folded for out in node.outputs)
+    folded_nodes: frozenset[ir.Node] = frozenset()
 
     def input_is_lowered(self, node: ir.Node, index: int) -> bool:
         """Whether input `index` of `node` is computed in the 16-bit type."""

@@ -101,7 +101,10 @@ class Planner:
         # the values the runtime folds, once every node is decided (`_folded_values`).
         self.folding = constant_folding(self.runtime)
         self.fold_inputs: set[ir.Value] = set()
+        self._fold_ops: dict[tuple[str, str], tuple[bool, bool, bool]] = {}
+        self._input_free: list[ir.Node] = []  # nodes without inputs, as decided
         self.folded: frozenset[ir.Value] = frozenset()
+        self.folded_nodes: frozenset[ir.Node] = frozenset()
         self.forced = dict(forced or {})
         self.wide_values = dict(wide_values or {})
         self.policy = policy
@@ -340,6 +343,10 @@ class Planner:
         # The constants' ranges, measured together (each graph's initializers are read below).
         fp32 = self.fp32
         constant_ranges((v for g in self.graphs for v in g.initializers.values() if v in fp32), self.target)
+        if self.folding is not None:
+            self.fold_inputs = {
+                v for g in self.graphs for v in g.initializers.values() if is_constant(v) and self._fits(v)
+            }
         self._init_graph(self.model.graph, main=True)
         for graph in self.graphs[1:]:
             # Subgraphs and function bodies keep their signatures: inputs are flexible, outputs
@@ -353,9 +360,8 @@ class Planner:
             self.decide(node)
         self._resolve_flex()
         self._keep_masks_exact()
-        self.folded = self._folded_values()
         self._place_casts()
-        self.folded = self._folded_values()  # the placement may have lowered what folded in FP32
+        self.folded, self.folded_nodes = self._folded_values()
         self._decide_storage()
         return self.view()
 
@@ -418,73 +424,96 @@ class Planner:
         """The opset version the node's op is taken at."""
         return self._opset(node)
 
-    def _folds(self, node: ir.Node) -> bool:
-        """Whether the node is of an op the runtime folds, deterministic and without subgraphs
-        (its inputs aside)."""
-        folding = self.folding
-        return (
-            folding is not None and node not in self.owners and folding.folds(node.domain, node.op_type)
-            and not op_facts(node.domain, node.op_type).random
-        )
+    def _fold_op(self, node: ir.Node) -> tuple[bool, bool, bool]:
+        """(the runtime folds the op and it is deterministic, it moves or converts values, it
+        converts to the type of an attribute), per op."""
+        key = (node.domain, node.op_type)
+        found = self._fold_ops.get(key)
+        if found is None:
+            fact = op_facts(*key)
+            folds = self.folding is not None and self.folding.folds(*key) and not fact.random
+            moves = fact.value_preserving or fact.carrier is Carrier.MOVEMENT
+            found = self._fold_ops[key] = (folds, moves, fact.dtype_attribute is not None)
+        return found
 
-    def _fits_folded(self, value: ir.Value) -> bool:
-        """Whether an FP32 value is a constant that fits the 16-bit type (neither overflows nor
-        flushes where that matters), or computed from such constants alone (`fold_inputs`)."""
-        if value in self.fold_inputs:
+    def _folds(self, node: ir.Node) -> bool:
+        """Whether the runtime folds the node's op, deterministic and without subgraphs (its
+        inputs aside)."""
+        return self._fold_op(node)[0] and node not in self.owners
+
+    def _fits(self, constant: ir.Value) -> bool:
+        """Whether a constant's values fit the 16-bit type (an FP32 one neither overflows nor
+        flushes where that matters; others are not converted)."""
+        if constant not in self.fp32:
             return True
-        if not is_constant(value):
-            return False
-        rng = self.constant_range(value)
+        rng = self.constant_range(constant)
         return rng is not None and not rng.overflow and not rng.significant_flush
 
     def folds_at_load(self, node: ir.Node) -> bool:
         """Whether the runtime computes the node once, when it loads the model, from values that
-        fit the 16-bit type: its FP32 inputs are such values (`_fits_folded`), its other inputs
-        constants or computed from them, and the runtime folds its op."""
-        fp32 = self.fp32
+        fit the 16-bit type: every input is a constant that fits or computed from such alone
+        (`fold_inputs`), and the runtime folds its op."""
+        fold_inputs = self.fold_inputs
         for value in node.inputs:
-            if value is None:
-                continue
-            if value in fp32:
-                if not self._fits_folded(value):
-                    return False
-            elif value not in self.fold_inputs and not is_constant(value):
+            if value is not None and value not in fold_inputs:
                 return False
         return self._folds(node)
 
     def _note_fold_input(self, node: ir.Node, ruling: Ruling) -> None:
-        """Record the FP32 outputs `folded_at_load` may build on: a folded node's, and those of
-        an op that moves or converts values (Reshape, Cast from an int8 weight, ...) computed
-        from fitting constants alone (from integers whose type's range fits the 16-bit type,
-        for a conversion)."""
+        """Record the values `folded_at_load` may build on: a folded node's outputs, a Constant
+        node's that fit, and those of an op that moves or converts values (Reshape, Cast from
+        an int8 weight, ...) computed from such alone (from integers whose type's range fits
+        the 16-bit type, for a conversion)."""
         if ruling.category is not Category.FOLDED:
-            fact = op_facts(node.domain, node.op_type)
-            if not (fact.value_preserving or fact.carrier is Carrier.MOVEMENT) or not self.folds_at_load(node):
+            inputs = node.inputs
+            if not inputs:  # a Constant node (or a generator): where the final walk starts too
+                self._input_free.append(node)
+                if self._folds(node):
+                    self.fold_inputs.update(out for out in node.outputs if is_constant(out) and self._fits(out))
                 return
-            if fact.dtype_attribute is not None and not all(
-                v is None or v in self.fp32 or v in self.fold_inputs or _type_fits(v.dtype, self.target.limits.max)
-                for v in node.inputs
+            fold_inputs = self.fold_inputs
+            for value in inputs:  # most nodes read an activation: one lookup
+                if value is not None and value not in fold_inputs:
+                    return
+            folds, moves, converts = self._fold_op(node)
+            if not folds or not moves or node in self.owners:
+                return
+            if converts and not all(
+                v is None or v in self.fp32 or _type_fits(v.dtype, self.target.limits.max) for v in node.inputs
             ):
                 return
-        self.fold_inputs.update(out for out in node.outputs if out in self.fp32)
+        self.fold_inputs.update(node.outputs)
 
-    def _folded_values(self) -> frozenset[ir.Value]:
-        """The values the runtime folds when it loads the model: constants, and the outputs of
-        the nodes it folds in the precision they were decided in (in plan order)."""
+    def _folded_values(self) -> tuple[frozenset[ir.Value], frozenset[ir.Node]]:
+        """The values the runtime folds when it loads the model (constants, and the outputs of
+        the nodes it folds in the precision they were decided in) and those nodes: found from
+        the constants forward, through their readers (a node is looked at when an input folds)."""
         if self.folding is None:
-            return frozenset()
-        folding, type_str = self.folding, self.target.type_str
-        folded = {v for g in self.graphs for v in g.initializers.values() if is_constant(v)}
-        for node in self.order:
-            if any(v is not None and v not in folded for v in node.inputs) or not self._folds(node):
+            return frozenset(), frozenset()
+        folding, type_str, decisions = self.folding, self.target.type_str, self.decisions
+        folded: set[ir.Value] = {v for g in self.graphs for v in g.initializers.values() if is_constant(v)}
+        nodes: set[ir.Node] = set()
+        # Constant nodes have no input to reach them by: they start the walk with the constants.
+        pending = list(self._input_free)
+        values = list(folded)
+        while pending or values:
+            if not pending:
+                pending = [use.node for use in values.pop().uses()]
                 continue
-            precision = self.decisions[node].precision
+            node = pending.pop()
+            if node in nodes or any(v is not None and v not in folded for v in node.inputs):
+                continue
+            if node not in decisions or not self._folds(node):
+                continue
+            precision = decisions[node].precision
             if precision is not Precision.NONE and not folding.folds_in(
                 node.domain, node.op_type, self._opset(node), type_str if precision is Precision.LOW else "tensor(float)"
             ):
                 continue
+            nodes.add(node)
             folded.update(node.outputs)
-        return frozenset(folded)
+            values.extend(node.outputs)
+        return frozenset(folded), frozenset(nodes)
 
     def _apply(self, node: ir.Node, facts: NodeFacts, ruling: Ruling) -> None:
         for value, note in ruling.evidence:
@@ -715,7 +744,7 @@ class Planner:
             target=self.target, keep_io_types=self.keep_io_types, decisions=self.decisions,
             lowered_vars=self.lowered, facts=self.facts, storage=self.storage,
             constant_notes=self.constant_notes, saturated=self.saturated, order=self.order,
-            graphs=self.graphs, keys=self.keys, fp32=self.fp32, folded=self.folded,
+            graphs=self.graphs, keys=self.keys, fp32=self.fp32, folded=self.folded, folded_nodes=self.folded_nodes,
         )
 
     def _placement_view(self) -> PlannerView:
@@ -730,7 +759,7 @@ class Planner:
             runtime=self.runtime.name,
             is_weight_heavy=lambda node: weight_heavy(node, self.facts[node]),
             fp32=self.fp32,
-            folded=plan.folded,
+            folded=frozenset(self.fold_inputs),
         )
 
     def _place_casts(self) -> None:

@@ -454,7 +454,7 @@ def _count_decisions(plan: PrecisionPlan) -> _DecisionCounts:
         counts.by_precision[precision] += 1
         if precision is Precision.LOW:
             counts.low_by_op[node.op_type] += 1
-        elif precision is Precision.FP32 and plan.folded and plan.folds_at_load(node):
+        elif precision is Precision.FP32 and node in plan.folded_nodes:
             counts.folded_fp32 += 1
         elif precision is Precision.FP32:
             category = decision.category

@@ -97,7 +97,7 @@ def quantized_summary(plan: PrecisionPlan) -> QuantizedSummary | None:
             summary.float_low += 1
         elif (
             decision.precision is Precision.FP32 and node.inputs and decision.category is not Category.INTEGER_KERNEL
-            and not plan.folds_at_load(node)
+            and node not in plan.folded_nodes
         ):
             # Constant nodes compute nothing; integer kernels (QLinearConv, ...) compute on
             # integers; what the runtime folds when it loads the model runs once
