@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from helpers import convert
 from mixprec.plan.model import Category, Precision
+from mixprec.report.html import render_html_report
 
 
 def _weight_only_int8(rows: int = 64, cols: int = 32) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
@@ -64,6 +65,7 @@ def test_a_weight_dequantized_from_int8_folds_when_the_model_loads(tmp_path) -> 
     assert report.fp32_folded_at_load == 2  # the Cast from int8 and the Mul
     assert report.casts_runtime == 2 and report.casts_folded == 1  # x in, y out; the weight's Cast
     assert "2 computed from constants when the model loads" in report.format_text()
+    assert "(1 of constants, folded when the model loads)" in render_html_report(report)
     assert not any(k.name.startswith("dequant") for k in report.kept_fp32)
 
     # Loaded, nothing of the weight's chain is left to run: it is one float16 constant.

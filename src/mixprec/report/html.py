@@ -225,7 +225,9 @@ def _header(report: Report, page: Page) -> str:
             if report.cast_elements_per_inference is not None
             else ""
         )
-        + f"; {report.casts_inserted} inserted, {report.casts_removed} redundant removed</div>"
+        + f"; {report.casts_inserted} inserted"
+        + (f" ({report.casts_folded} of constants, folded when the model loads)" if report.casts_folded else "")
+        + f", {report.casts_removed} redundant removed</div>"
         + _speed_note(report)
         + "</div>",
         *_quantization_card(report),
