@@ -218,3 +218,32 @@ def test_an_op_whose_cpu_kernel_lacks_float16_at_the_models_opset_folds_in_fp32(
     assert next(d for n, d in old.plan.decisions.items() if n.name == "max").category is Category.FOLDED
     assert next(d for n, d in new.plan.decisions.items() if n.name == "max").precision is Precision.LOW
     assert new.report.fp32_folded_at_load == 0  # lowered, and folded in float16: not counted as FP32
+
+
+def test_a_scale_in_a_constant_node_folds_like_an_initializer() -> None:
+    """The scale as a Constant node (as function bodies must write it): the dequantizing Mul
+    and the Cast of its result count as folded, as with an initializer."""
+    model, _ = _weight_only_int8()
+    scale = next(t for t in model.graph.initializer if t.name == "w_scale")
+    model.graph.node.insert(0, helper.make_node("Constant", [], ["w_scale"], value=scale, name="scale"))
+    model.graph.initializer.remove(scale)
+    result, _ = convert(model, target_dtype="float16", runtime="ort-cuda")
+    names = {node.name for node in result.plan.folded_nodes}
+    assert {"dequant_cast", "dequant_mul", "scale"} <= names
+    assert result.report.casts_runtime == 2 and result.report.casts_folded == 1
+
+
+def test_a_16bit_node_of_constants_the_cpu_cannot_run_is_not_counted_as_folded() -> None:
+    """A float16 Mul of float16 constants already in the model: the CPU provider has no float16
+    Mul, so onnxruntime leaves it, and what reads it, to run at every inference."""
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["a", "b"], ["m"], name="mul16"),
+         helper.make_node("Cast", ["m"], ["mf"], to=TensorProto.FLOAT, name="cast"),
+         helper.make_node("Add", ["x", "mf"], ["y"], name="add")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        [numpy_helper.from_array(np.full(4, 0.5, np.float16), "a"), numpy_helper.from_array(np.full(4, 3, np.float16), "b")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    result, _ = convert(model, target_dtype="float16", runtime="ort-cuda")
+    assert not {node.name for node in result.plan.folded_nodes} & {"mul16", "cast"}

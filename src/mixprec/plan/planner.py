@@ -484,6 +484,17 @@ class Planner:
                 return
         self.fold_inputs.update(node.outputs)
 
+    @staticmethod
+    def _computed_type(node: ir.Node, precision: Precision, low: str) -> str:
+        """The element type a node computes in, as kernel tables write it: the 16-bit type when
+        lowered, FP32 when kept, else its first input's own (a float16 or integer node)."""
+        if precision is Precision.LOW:
+            return low
+        if precision is Precision.FP32:
+            return "tensor(float)"
+        dtype = next((v.dtype for v in node.inputs if v is not None), None)
+        return f"tensor({dtype.name.lower()})" if dtype is not None else "tensor(unknown)"
+
     def _folded_values(self) -> tuple[frozenset[ir.Value], frozenset[ir.Node]]:
         """The values the runtime folds when it loads the model (constants, and the outputs of
         the nodes it folds in the precision they were decided in) and those nodes: found from
@@ -505,11 +516,10 @@ class Planner:
                 continue
             if node not in decisions or not self._folds(node):
                 continue
-            precision = decisions[node].precision
-            if precision is not Precision.NONE and not folding.folds_in(
-                node.domain, node.op_type, self._opset(node), type_str if precision is Precision.LOW else "tensor(float)"
+            if node.inputs and not folding.folds_in(
+                node.domain, node.op_type, self._opset(node), self._computed_type(node, decisions[node].precision, type_str)
             ):
-                continue
+                continue  # a Constant node needs no kernel: it is a constant already
             nodes.add(node)
             folded.update(node.outputs)
             values.extend(node.outputs)
