@@ -102,7 +102,7 @@ class Planner:
         self.folding = constant_folding(self.runtime)
         self.fold_inputs: set[ir.Value] = set()
         self._fold_ops: dict[tuple[str, str], tuple[bool, bool, bool]] = {}
-        self._input_free: list[ir.Node] = []  # nodes without inputs, as decided
+        self._constants: list[ir.Value] = []  # the graphs' initializers that are no graph inputs
         self.folded: frozenset[ir.Value] = frozenset()
         self.folded_nodes: frozenset[ir.Node] = frozenset()
         self.forced = dict(forced or {})
@@ -344,9 +344,8 @@ class Planner:
         fp32 = self.fp32
         constant_ranges((v for g in self.graphs for v in g.initializers.values() if v in fp32), self.target)
         if self.folding is not None:
-            self.fold_inputs = {
-                v for g in self.graphs for v in g.initializers.values() if is_constant(v) and self._fits(v)
-            }
+            self._constants = [v for g in self.graphs for v in g.initializers.values() if is_constant(v)]
+            self.fold_inputs = set(self._constants)  # whether FP32 ones fit is read where it matters
         self._init_graph(self.model.graph, main=True)
         for graph in self.graphs[1:]:
             # Subgraphs and function bodies keep their signatures: inputs are flexible, outputs
@@ -452,12 +451,21 @@ class Planner:
     def folds_at_load(self, node: ir.Node) -> bool:
         """Whether the runtime computes the node once, when it loads the model, from values that
         fit the 16-bit type: every input is a constant that fits or computed from such alone
-        (`fold_inputs`), and the runtime folds its op."""
+        (`fold_inputs`: constants, and what was computed from fitting ones), and the runtime
+        folds its op."""
         fold_inputs = self.fold_inputs
         for value in node.inputs:
             if value is not None and value not in fold_inputs:
                 return False
-        return self._folds(node)
+        return self._folds(node) and self._constants_fit(node)
+
+    def _constants_fit(self, node: ir.Node) -> bool:
+        """Whether the node's FP32 constant inputs fit the 16-bit type (read only for nodes of
+        constants alone: `fold_inputs` holds every constant, whatever its values)."""
+        fp32 = self.fp32
+        return all(
+            value is None or value not in fp32 or not is_constant(value) or self._fits(value) for value in node.inputs
+        )
 
     def _note_fold_input(self, node: ir.Node, ruling: Ruling) -> None:
         """Record the values `folded_at_load` may build on: a folded node's outputs, a Constant
@@ -466,17 +474,16 @@ class Planner:
         the 16-bit type, for a conversion)."""
         if ruling.category is not Category.FOLDED:
             inputs = node.inputs
-            if not inputs:  # a Constant node (or a generator): where the final walk starts too
-                self._input_free.append(node)
+            if not inputs:  # a Constant node (or a generator)
                 if self._folds(node):
-                    self.fold_inputs.update(out for out in node.outputs if is_constant(out) and self._fits(out))
+                    self.fold_inputs.update(out for out in node.outputs if is_constant(out))
                 return
             fold_inputs = self.fold_inputs
             for value in inputs:  # most nodes read an activation: one lookup
                 if value is not None and value not in fold_inputs:
                     return
             folds, moves, converts = self._fold_op(node)
-            if not folds or not moves or node in self.owners:
+            if not folds or not moves or node in self.owners or not self._constants_fit(node):
                 return
             if converts and not all(
                 v is None or v in self.fp32 or _type_fits(v.dtype, self.target.limits.max) for v in node.inputs
@@ -497,32 +504,27 @@ class Planner:
 
     def _folded_values(self) -> tuple[frozenset[ir.Value], frozenset[ir.Node]]:
         """The values the runtime folds when it loads the model (constants, and the outputs of
-        the nodes it folds in the precision they were decided in) and those nodes: found from
-        the constants forward, through their readers (a node is looked at when an input folds)."""
+        the nodes it folds in the precision they were decided in) and those nodes, in plan order
+        (topological: a node's inputs are settled before it)."""
         if self.folding is None:
             return frozenset(), frozenset()
         folding, type_str, decisions = self.folding, self.target.type_str, self.decisions
-        folded: set[ir.Value] = {v for g in self.graphs for v in g.initializers.values() if is_constant(v)}
+        folded: set[ir.Value] = set(self._constants)
         nodes: set[ir.Node] = set()
-        # Constant nodes have no input to reach them by: they start the walk with the constants.
-        pending = list(self._input_free)
-        values = list(folded)
-        while pending or values:
-            if not pending:
-                pending = [use.node for use in values.pop().uses()]
-                continue
-            node = pending.pop()
-            if node in nodes or any(v is not None and v not in folded for v in node.inputs):
-                continue
-            if node not in decisions or not self._folds(node):
-                continue
-            if node.inputs and not folding.folds_in(
-                node.domain, node.op_type, self._opset(node), self._computed_type(node, decisions[node].precision, type_str)
-            ):
-                continue  # a Constant node needs no kernel: it is a constant already
-            nodes.add(node)
-            folded.update(node.outputs)
-            values.extend(node.outputs)
+        for node in self.order:
+            inputs = node.inputs
+            for value in inputs:  # most nodes read an activation: one lookup
+                if value is not None and value not in folded:
+                    break
+            else:
+                if node not in decisions or not self._folds(node):
+                    continue
+                if inputs and not folding.folds_in(
+                    node.domain, node.op_type, self._opset(node), self._computed_type(node, decisions[node].precision, type_str)
+                ):
+                    continue  # a Constant node needs no kernel: it is a constant already
+                nodes.add(node)
+                folded.update(node.outputs)
         return frozenset(folded), frozenset(nodes)
 
     def _apply(self, node: ir.Node, facts: NodeFacts, ruling: Ruling) -> None:
