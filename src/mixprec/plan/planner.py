@@ -51,6 +51,7 @@ from mixprec.graphs import (
     subgraphs_of,
     unique_names,
 )
+from mixprec.plan.load_folding import LoadFolding
 from mixprec.plan.model import Category, Decision, NodeFacts, NodeMatcher, Precision, PrecisionPlan, State, Storage
 from mixprec.plan.placement import PlannerView, min_cut_islands
 from mixprec.plan.readings import Inputs, PolicyClass, classify, read_inputs, weight_heavy
@@ -64,15 +65,6 @@ __all__ = ["plan_precision"]
 
 # How many ops that move values a saturating constant may pass through to its readers.
 _SATURATION_HOPS = 16
-
-
-def _type_fits(dtype: ir.DataType | None, largest: float) -> bool:
-    """Whether every value of an integer or bool element type is at most `largest` in magnitude."""
-    if dtype == ir.DataType.BOOL:
-        return True
-    if dtype is None or not dtype.is_integer():
-        return False
-    return 2 ** (dtype.bitwidth - (1 if dtype.is_signed() else 0)) <= largest
 
 
 class Planner:
@@ -96,13 +88,10 @@ class Planner:
         self.model = model
         self.runtime = runtime if runtime is not None else load_runtime("onnx")
         # How the runtime folds the nodes computed from constants alone when it loads the model
-        # (None where its table does not say); the FP32 values such nodes compute from constants
-        # that fit the 16-bit type, which `folded_at_load` builds on (`_note_fold_input`); and
-        # the values the runtime folds, once every node is decided (`_folded_values`).
+        # (None where its table does not say), what of this model it folds (`start`), and the
+        # values and nodes it folds once every node is decided.
         self.folding = constant_folding(self.runtime)
-        self.fold_inputs: set[ir.Value] = set()
-        self._fold_ops: dict[tuple[str, str], tuple[bool, bool, bool]] = {}
-        self._constants: list[ir.Value] = []  # the graphs' initializers that are no graph inputs
+        self.load_folding: LoadFolding | None = None
         self.folded: frozenset[ir.Value] = frozenset()
         self.folded_nodes: frozenset[ir.Node] = frozenset()
         self.forced = dict(forced or {})
@@ -344,8 +333,10 @@ class Planner:
         fp32 = self.fp32
         constant_ranges((v for g in self.graphs for v in g.initializers.values() if v in fp32), self.target)
         if self.folding is not None:
-            self._constants = [v for g in self.graphs for v in g.initializers.values() if is_constant(v)]
-            self.fold_inputs = set(self._constants)  # whether FP32 ones fit is read where it matters
+            constants = (v for g in self.graphs for v in g.initializers.values() if is_constant(v))
+            self.load_folding = LoadFolding(
+                self.folding, self.target, constants, fp32, self.owners, self.constant_range, self._opset
+            )
         self._init_graph(self.model.graph, main=True)
         for graph in self.graphs[1:]:
             # Subgraphs and function bodies keep their signatures: inputs are flexible, outputs
@@ -360,7 +351,8 @@ class Planner:
         self._resolve_flex()
         self._keep_masks_exact()
         self._place_casts()
-        self.folded, self.folded_nodes = self._folded_values()
+        if self.load_folding is not None:
+            self.folded, self.folded_nodes = self.load_folding.folded(self.order, self.decisions)
         self._decide_storage()
         return self.view()
 
@@ -414,118 +406,19 @@ class Planner:
             facts = inputs.facts
         self.facts[node] = facts
         self._apply(node, facts, ruling)
-        if self.folding is not None:
-            self._note_fold_input(node, ruling)
+        if self.load_folding is not None:
+            self.load_folding.note(node, ruling.category is Category.FOLDED)
         return ruling
 
-    # -- constants the runtime folds when it loads the model ----------------------------
+    # -- constants the runtime folds when it loads the model (see `load_folding`) --------
     def opset_of(self, node: ir.Node) -> int | None:
         """The opset version the node's op is taken at."""
         return self._opset(node)
 
-    def _fold_op(self, node: ir.Node) -> tuple[bool, bool, bool]:
-        """(the runtime folds the op and it is deterministic, it moves or converts values, it
-        converts to the type of an attribute), per op."""
-        key = (node.domain, node.op_type)
-        found = self._fold_ops.get(key)
-        if found is None:
-            fact = op_facts(*key)
-            folds = self.folding is not None and self.folding.folds(*key) and not fact.random
-            moves = fact.value_preserving or fact.carrier is Carrier.MOVEMENT
-            found = self._fold_ops[key] = (folds, moves, fact.dtype_attribute is not None)
-        return found
-
-    def _folds(self, node: ir.Node) -> bool:
-        """Whether the runtime folds the node's op, deterministic and without subgraphs (its
-        inputs aside)."""
-        return self._fold_op(node)[0] and node not in self.owners
-
-    def _fits(self, constant: ir.Value) -> bool:
-        """Whether a constant's values fit the 16-bit type (an FP32 one neither overflows nor
-        flushes where that matters; others are not converted)."""
-        if constant not in self.fp32:
-            return True
-        rng = self.constant_range(constant)
-        return rng is not None and not rng.overflow and not rng.significant_flush
-
     def folds_at_load(self, node: ir.Node) -> bool:
-        """Whether the runtime computes the node once, when it loads the model, from values that
-        fit the 16-bit type: every input is a constant that fits or computed from such alone
-        (`fold_inputs`: constants, and what was computed from fitting ones), and the runtime
-        folds its op."""
-        fold_inputs = self.fold_inputs
-        for value in node.inputs:
-            if value is not None and value not in fold_inputs:
-                return False
-        return self._folds(node) and self._constants_fit(node)
-
-    def _constants_fit(self, node: ir.Node) -> bool:
-        """Whether the node's FP32 constant inputs fit the 16-bit type (read only for nodes of
-        constants alone: `fold_inputs` holds every constant, whatever its values)."""
-        fp32 = self.fp32
-        return all(
-            value is None or value not in fp32 or not is_constant(value) or self._fits(value) for value in node.inputs
-        )
-
-    def _note_fold_input(self, node: ir.Node, ruling: Ruling) -> None:
-        """Record the values `folded_at_load` may build on: a folded node's outputs, a Constant
-        node's that fit, and those of an op that moves or converts values (Reshape, Cast from
-        an int8 weight, ...) computed from such alone (from integers whose type's range fits
-        the 16-bit type, for a conversion)."""
-        if ruling.category is not Category.FOLDED:
-            inputs = node.inputs
-            if not inputs:  # a Constant node (or a generator)
-                if self._folds(node):
-                    self.fold_inputs.update(out for out in node.outputs if is_constant(out))
-                return
-            fold_inputs = self.fold_inputs
-            for value in inputs:  # most nodes read an activation: one lookup
-                if value is not None and value not in fold_inputs:
-                    return
-            folds, moves, converts = self._fold_op(node)
-            if not folds or not moves or node in self.owners or not self._constants_fit(node):
-                return
-            if converts and not all(
-                v is None or v in self.fp32 or _type_fits(v.dtype, self.target.limits.max) for v in node.inputs
-            ):
-                return
-        self.fold_inputs.update(node.outputs)
-
-    @staticmethod
-    def _computed_type(node: ir.Node, precision: Precision, low: str) -> str:
-        """The element type a node computes in, as kernel tables write it: the 16-bit type when
-        lowered, FP32 when kept, else its first input's own (a float16 or integer node)."""
-        if precision is Precision.LOW:
-            return low
-        if precision is Precision.FP32:
-            return "tensor(float)"
-        dtype = next((v.dtype for v in node.inputs if v is not None), None)
-        return f"tensor({dtype.name.lower()})" if dtype is not None else "tensor(unknown)"
-
-    def _folded_values(self) -> tuple[frozenset[ir.Value], frozenset[ir.Node]]:
-        """The values the runtime folds when it loads the model (constants, and the outputs of
-        the nodes it folds in the precision they were decided in) and those nodes, in plan order
-        (topological: a node's inputs are settled before it)."""
-        if self.folding is None:
-            return frozenset(), frozenset()
-        folding, type_str, decisions = self.folding, self.target.type_str, self.decisions
-        folded: set[ir.Value] = set(self._constants)
-        nodes: set[ir.Node] = set()
-        for node in self.order:
-            inputs = node.inputs
-            for value in inputs:  # most nodes read an activation: one lookup
-                if value is not None and value not in folded:
-                    break
-            else:
-                if node not in decisions or not self._folds(node):
-                    continue
-                if inputs and not folding.folds_in(
-                    node.domain, node.op_type, self._opset(node), self._computed_type(node, decisions[node].precision, type_str)
-                ):
-                    continue  # a Constant node needs no kernel: it is a constant already
-                nodes.add(node)
-                folded.update(node.outputs)
-        return frozenset(folded), frozenset(nodes)
+        """Whether the runtime computes the node once, when it loads the model, from constants
+        that fit the 16-bit type or what was computed from such alone."""
+        return self.load_folding is not None and self.load_folding.folds_at_load(node)
 
     def _apply(self, node: ir.Node, facts: NodeFacts, ruling: Ruling) -> None:
         for value, note in ruling.evidence:
@@ -771,7 +664,7 @@ class Planner:
             runtime=self.runtime.name,
             is_weight_heavy=lambda node: weight_heavy(node, self.facts[node]),
             fp32=self.fp32,
-            folded=frozenset(self.fold_inputs),
+            folded=frozenset(self.load_folding.inputs) if self.load_folding is not None else frozenset(),
         )
 
     def _place_casts(self) -> None:
