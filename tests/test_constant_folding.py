@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 from helpers import convert
 from mixprec.plan.model import Category, Precision
 from mixprec.report.html import render_html_report
+from mixprec.tune.flops import fp32_share
 
 
 def _weight_only_int8(rows: int = 64, cols: int = 32) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
@@ -66,6 +67,8 @@ def test_a_weight_dequantized_from_int8_folds_when_the_model_loads(tmp_path) -> 
     assert report.casts_runtime == 2 and report.casts_folded == 1  # x in, y out; the weight's Cast
     assert "2 computed from constants when the model loads" in report.format_text()
     assert "(1 of constants, folded when the model loads)" in render_html_report(report)
+    # The accuracy search's FP32 share counts what runs: the MatMul and the Add, in float16.
+    assert fp32_share(result.plan, {})[0] == 0.0
     assert not any(k.name.startswith("dequant") for k in report.kept_fp32)
 
     # Loaded, nothing of the weight's chain is left to run: it is one float16 constant.
@@ -247,3 +250,4 @@ def test_a_16bit_node_of_constants_the_cpu_cannot_run_is_not_counted_as_folded()
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     result, _ = convert(model, target_dtype="float16", runtime="ort-cuda")
     assert not {node.name for node in result.plan.folded_nodes} & {"mul16", "cast"}
+

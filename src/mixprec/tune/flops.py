@@ -74,14 +74,15 @@ def node_costs(proto: onnx.ModelProto, batch: Mapping[str, np.ndarray], cost: Ru
 
 
 def fp32_share(plan: PrecisionPlan, flops: Mapping[str, float]) -> tuple[float, float | None]:
-    """FP32 share of the nodes that compute floats (control-flow and function-call nodes aside)."""
+    """FP32 share of the nodes that compute floats (control-flow and function-call nodes aside,
+    and those the runtime computes once, when it loads the model)."""
     names = plan.keys
     low = fp32 = 0
     low_flops = fp32_flops = 0.0
     known = False
     for node in plan.order:
         decision = plan.decisions[node]
-        if decision.precision is Precision.NONE or decision.category in BOUNDARIES:
+        if decision.precision is Precision.NONE or decision.category in BOUNDARIES or node in plan.folded_nodes:
             continue
         cost = flops.get(names[node])
         if decision.precision is Precision.FP32:
