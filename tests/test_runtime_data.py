@@ -387,7 +387,9 @@ def test_generated_inputs_fall_back_to_the_ladder_where_a_bound_head_size_fails(
     import mixprec
     from mixprec.validate import staged
 
-    monkeypatch.setattr(staged, "cache_head_sizes", lambda proto: {"kv_cache_dim": (5, "layer0/attn")})
+    monkeypatch.setattr(
+        staged, "fixed_input_dims", lambda proto: {"kv_cache_dim": (5, "the head size of the key/value cache 'layer0/attn' reads")}
+    )
     result = mixprec.convert(_cached_attention_model(head=16), tmp_path / "out.onnx", target_dtype="float16")
     validation = result.report.validation
     assert not validation.numerics_unchecked, validation.numerics

@@ -5,7 +5,7 @@ left symbolic is the one the weights that read it have."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -16,7 +16,7 @@ from mixprec.analysis.constants import constant_tensor
 from mixprec.policy.opfacts import Carrier, op_facts
 from mixprec.runtime.data import InputSpec, Shape, shape_from_proto
 
-__all__ = ["cache_head_sizes", "weight_sized_dims", "with_fixed_dims", "with_index_limits"]
+__all__ = ["cache_head_sizes", "fixed_input_dims", "weight_sized_dims", "with_fixed_dims", "with_index_limits"]
 
 
 @dataclass(frozen=True)
@@ -137,31 +137,66 @@ def _head_sizes(op: tuple[str, str], dims: list[Shape | None], present: list[boo
     return split(key, kv_heads), split(value, kv_heads)
 
 
-def cache_head_sizes(model: onnx.ModelProto) -> dict[str, tuple[int, str]]:
+class _Shapes:
+    """The shapes of a model's main-graph values: its value_info and initializers, and shapes
+    inferred (without weights) at most once, when a value asked for has none."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self._model = model
+        self._shapes: dict[str, Shape] | None = None
+        self._inferred = False
+
+    def covering(self, names: Iterable[str]) -> dict[str, Shape]:
+        """The shapes, inferred first where one of `names` has none."""
+        if self._shapes is None:
+            graph = self._model.graph
+            self._shapes = _static_shapes(graph)
+            self._shapes.update((t.name, tuple(int(d) for d in t.dims)) for t in graph.initializer)
+        if not self._inferred and any(name and name not in self._shapes for name in names):
+            self._inferred = True
+            try:
+                self._shapes.update(_static_shapes(onnx.shape_inference.infer_shapes(self._model).graph))
+            except Exception:  # noqa: BLE001 - a shape inference failure only leaves names unbound
+                pass
+        return self._shapes
+
+
+def fixed_input_dims(model: onnx.ModelProto) -> dict[str, tuple[int, str]]:
+    """The sizes `model` fixes for symbolic dimensions of its inputs, each with why: a feature
+    size the weights reading it have (:func:`weight_sized_dims`) and a key/value cache's head
+    size (:func:`cache_head_sizes`, which wins where both name one). Shapes are inferred at
+    most once for both."""
+    shapes = _Shapes(model)
+    return {
+        **{name: (size, f"the size {node!r} reads with its weights") for name, (size, node) in weight_sized_dims(model, shapes).items()},
+        **{
+            name: (size, f"the head size of the key/value cache {node!r} reads")
+            for name, (size, node) in cache_head_sizes(model, shapes).items()
+        },
+    }
+
+
+def cache_head_sizes(model: onnx.ModelProto, shapes: _Shapes | None = None) -> dict[str, tuple[int, str]]:
     """Symbolic dimension names that a key/value cache input of `model`'s main graph takes as
     its head size, each with the size the attention op reading it computes with and that op's
     name: a name such as "kv_cache_dim" does not say that it must be, say, 32. Reads the
-    graph's value_info, and infers shapes (without weights) when an attention input has none."""
+    graph's value_info, and infers shapes (without weights) when an attention input has none
+    (`shapes`: shared with another reading of the same model)."""
     graph = model.graph
     nodes = [n for n in graph.node if _op(n) in _CACHES]
     inputs = {i.name for i in graph.input}
     if not any(n.input[i] in inputs for n in nodes for i in _CACHES[_op(n)] if i < len(n.input)):
         return {}
-    shapes = _static_shapes(graph)
-    if any(name and name not in shapes for n in nodes for name in n.input[:3]):
-        try:
-            shapes = _static_shapes(onnx.shape_inference.infer_shapes(model).graph)
-        except Exception:  # noqa: BLE001 - a shape inference failure only leaves names unbound
-            pass
+    found = (shapes or _Shapes(model)).covering(name for n in nodes for name in n.input[:3])
     fixed: dict[str, tuple[int, str]] = {}
     for node in nodes:
         op = _op(node)
         attrs = {a.name: int(a.i) for a in node.attribute if a.type == onnx.AttributeProto.INT}
         named = [i < len(node.input) and bool(node.input[i]) for i in range(3)]
-        sizes = _head_sizes(op, [shapes.get(name) if name else None for name in node.input[:3]], named, attrs)
+        sizes = _head_sizes(op, [found.get(name) if name else None for name in node.input[:3]], named, attrs)
         for index, size in zip(_CACHES[op], sizes):
             name = node.input[index] if index < len(node.input) else ""
-            shape = shapes.get(name) if name in inputs else None
+            shape = found.get(name) if name in inputs else None
             if size and shape and isinstance(shape[-1], str) and shape[-1]:
                 fixed.setdefault(shape[-1], (size, node.name or node.op_type))
     return fixed
@@ -189,11 +224,12 @@ _SIZED_BY: dict[tuple[str, str], _SizedBy] = {
 }
 
 
-def weight_sized_dims(model: onnx.ModelProto) -> dict[str, tuple[int, str]]:
+def weight_sized_dims(model: onnx.ModelProto, shapes: _Shapes | None = None) -> dict[str, tuple[int, str]]:
     """Symbolic dimension names of `model`'s main-graph inputs that an op (`_SIZED_BY`) fixes by
     the static shape of its weight, each with that size and the op's name: an input of
     ``[frames, features]`` whose LSTM weights read 314 features runs with 314 alone. Reads the
-    graph's value_info, and infers shapes (without weights) when a data input has none."""
+    graph's value_info, and infers shapes (without weights) when a data input has none
+    (`shapes`: shared with another reading of the same model)."""
     graph = model.graph
     nodes = [n for n in graph.node if _op(n) in _SIZED_BY and len(n.input) > 1 and n.input[0] and n.input[1]]
     constants = {t.name for t in graph.initializer}
@@ -203,16 +239,10 @@ def weight_sized_dims(model: onnx.ModelProto) -> dict[str, tuple[int, str]]:
     }
     if not nodes or not names:
         return {}
-    shapes = _static_shapes(graph)
-    shapes.update((t.name, tuple(int(d) for d in t.dims)) for t in graph.initializer)
-    if any(n.input[0] not in shapes for n in nodes):
-        try:
-            shapes.update(_static_shapes(onnx.shape_inference.infer_shapes(model).graph))
-        except Exception:  # noqa: BLE001 - a shape inference failure only leaves names unbound
-            pass
+    found = (shapes or _Shapes(model)).covering(n.input[0] for n in nodes)
     fixed: dict[str, tuple[int, str]] = {}
     for node in nodes:
-        data, weight = shapes.get(node.input[0]), shapes.get(node.input[1])
+        data, weight = found.get(node.input[0]), found.get(node.input[1])
         if not data or not weight:
             continue
         attrs = {a.name: int(a.i) for a in node.attribute if a.type == onnx.AttributeProto.INT}

@@ -468,9 +468,6 @@ def folded_at_load(node: ir.Node, facts: NodeFacts, context: PlanContext) -> Rul
     """
     if not context.folds_at_load(node):
         return None
-    inputs = context.inputs(node, facts)
-    if inputs.wide or inputs.saturated:
-        return None
     folding = context.folding
     assert folding is not None  # noqa: S101 (folds_at_load holds)
     op_name = format_op_name(node.domain, node.op_type)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from mixprec.analysis.input_indices import cache_head_sizes, weight_sized_dims, with_fixed_dims, with_index_limits
+from mixprec.analysis.input_indices import fixed_input_dims, with_fixed_dims, with_index_limits
 from mixprec.errors import InputError
 from mixprec.runtime.batches import BatchSource
 from mixprec.runtime.data import generate_inputs, input_specs
@@ -27,8 +27,8 @@ def read_batches(
         notes.append("no data given: one generated batch (random inputs) is used")
         # Sizes the model fixes (its weights' feature sizes, a cache's head size) where the
         # inputs name them symbolically; the others are 2.
-        fixed = {**weight_sized_dims(proto), **cache_head_sizes(proto)}
-        return [generate_inputs(with_fixed_dims(with_index_limits(input_specs(proto), proto), fixed), seed=0)]
+        specs = with_fixed_dims(with_index_limits(input_specs(proto), proto), fixed_input_dims(proto))
+        return [generate_inputs(specs, seed=0)]
     initializers = {t.name for t in proto.graph.initializer}
     names = [v.name for v in proto.graph.input if v.name not in initializers]
     source = BatchSource(data, names, max_batches)

@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from mixprec.analysis.input_indices import cache_head_sizes, weight_sized_dims, with_fixed_dims, with_index_limits
+from mixprec.analysis.input_indices import fixed_input_dims, with_fixed_dims, with_index_limits
 from mixprec.analysis.qdq import has_qdq, quantizes_at_run_time
 from mixprec.dtypes import LowPrecision, is_float_dtype
 from mixprec.errors import InputError, MixprecError, RunError, ValidationFailure
@@ -854,10 +854,7 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
     reading it fix are given first; if no size runs that way, the ladder alone is tried again."""
     proto = onnx.load(str(reference), load_external_data=False)
     specs = with_index_limits(data_mod.input_specs(proto), proto)
-    fixed_dims = {
-        **{name: (size, f"the size {node!r} reads with its weights") for name, (size, node) in weight_sized_dims(proto).items()},
-        **{name: (size, f"the head size of the key/value cache {node!r} reads") for name, (size, node) in cache_head_sizes(proto).items()},
-    }
+    fixed_dims = fixed_input_dims(proto)
     switches = _branch_switches(proto)
     del proto
     told: list[str] = []  # the first attempt's failures, told when every attempt fails
