@@ -64,7 +64,7 @@ def convert(
     follow_ops: Iterable[str] = (),
     exclude_nodes: Sequence[str] = (),
     keep_io_types: bool = True,
-    inline_functions: bool = False,
+    inline_functions: bool | None = None,
     policy_file: str | os.PathLike | None = None,
     validate: bool | str = True,
     data: str | os.PathLike | Iterable[Batch] | None = None,
@@ -97,8 +97,10 @@ def convert(
         exclude_nodes: Node names or regular expressions (`re.search`) of nodes kept in FP32.
         keep_io_types: Keep FP32 model inputs and outputs in FP32.
         inline_functions: Inline the model's local functions first, as runtimes do when they
-            load a model: their bodies then convert with the rest of the graph. Default: each
-            function keeps its FP32 signature and converts inside its body.
+            load a model, so that their bodies convert with the rest of the graph. None (the
+            default): where nothing stands in the way and inlining copies at most 64 MiB of
+            constants; True: always (an InputError says why it cannot); False: each function
+            keeps its FP32 signature and converts inside its body.
         policy_file: A TOML policy table to use instead of the shipped one.
         validate: "auto"/True: the ONNX checker always; for models with at most 1 GiB of
             weights, onnxruntime runs and compares both models (up to 5,000 nodes) or creates

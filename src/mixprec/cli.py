@@ -77,10 +77,14 @@ def _parser() -> argparse.ArgumentParser:
                          help="this op type follows the widest type of its inputs; repeatable")
     convert.add_argument("--io-16bit", action="store_true",
                          help="make the model's FP32 inputs and outputs 16-bit too")
-    convert.add_argument("--inline-functions", action="store_true",
-                         help="inline the model's local functions first, as runtimes do when they load "
-                              "it: their bodies convert with the rest of the graph (default: each keeps "
-                              "its FP32 signature and converts inside)")
+    functions = convert.add_mutually_exclusive_group()
+    functions.add_argument("--inline-functions", action="store_true",
+                           help="inline the model's local functions first, as runtimes do when they load "
+                                "it, or fail saying why not (default: inlined unless that cannot be done or "
+                                "would copy more than 64 MiB of constants)")
+    functions.add_argument("--keep-functions", action="store_true",
+                           help="keep the model's local functions: each keeps its FP32 signature and "
+                                "converts inside, behind Casts at its inputs and outputs")
     convert.add_argument("--opset", type=int, metavar="N",
                          help="upgrade the model to opset N first (default: only when the target "
                               "type needs it, e.g. 22 for bfloat16 Conv)")
@@ -140,8 +144,12 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--fp32-op", action="append", default=[], metavar="OP",
                       help="keep this op type in FP32; repeatable")
     tune.add_argument("--opset", type=int, metavar="N", help="upgrade the model to opset N first")
-    tune.add_argument("--inline-functions", action="store_true",
-                      help="inline the model's local functions first, as runtimes do when they load it")
+    tune_functions = tune.add_mutually_exclusive_group()
+    tune_functions.add_argument("--inline-functions", action="store_true",
+                                help="inline the model's local functions first, or fail saying why not "
+                                     "(default: inlined where that can be done)")
+    tune_functions.add_argument("--keep-functions", action="store_true",
+                                help="keep the model's local functions, each converting inside its FP32 signature")
     tune.add_argument("--runtime", default=None, choices=RUNTIMES,
                       help=f"the runtime the model is deployed to (default {DEFAULT_RUNTIME}); with "
                            "openvino installed, --runtime openvino evaluates candidates on it for real")
@@ -175,7 +183,7 @@ def _config(args: argparse.Namespace) -> Config:
         "fp32_ops": args.fp32_op,
         "keep_io_types": not args.io_16bit,
         "opset": args.opset,
-        "inline_functions": args.inline_functions,
+        "inline_functions": True if args.inline_functions else False if args.keep_functions else None,
         "runtime": args.runtime,
         "plan": args.plan,
     }

@@ -49,7 +49,7 @@ class IOConfig:
     """The model's interface and file: I/O types, opset, external data, invalid input."""
 
     keep_io_types: bool = True
-    inline_functions: bool = False
+    inline_functions: bool | None = None  # None: inline where nothing stands in the way
     opset: int | None = None
     external_data: bool | None = None
     allow_invalid: bool = False

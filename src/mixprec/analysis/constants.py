@@ -42,6 +42,8 @@ def constant_tensor(value: ir.Value) -> ir.TensorProtocol | None:
 def constant_node_tensor(node: ir.Node) -> ir.TensorProtocol | None:
     """The tensor a Constant node produces (`value`, `value_float(s)`, `value_int(s)`)."""
     attributes = node.attributes
+    if any(attr.is_ref() for attr in attributes.values()):
+        return None  # a function's caller gives the value
     attr = attributes.get("value")
     if attr is not None and attr.type == ir.AttributeType.TENSOR:
         return attr.as_tensor()

@@ -102,7 +102,7 @@ def weight_bytes(model: ir.Model) -> int:
     bodies = [walk_nodes(function) for function in model.functions.values()]
     for node in chain(*graphs, *bodies):
         if node.op_type == "Constant" and (attr := node.attributes.get("value")) is not None:
-            if attr.type is ir.AttributeType.TENSOR:
+            if attr.type is ir.AttributeType.TENSOR and not attr.is_ref():  # a caller's is counted there
                 total += tensor_nbytes(attr.value)
     return total
 

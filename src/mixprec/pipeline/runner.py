@@ -42,6 +42,7 @@ from mixprec.pipeline.steps import (
     load,
     normalize,
     reference,
+    reference_inlined,
     refuse_invalid_input,
     rewrite,
     save,
@@ -201,6 +202,8 @@ def _prepare(steps: Steps, source: object, config: Config, cleanup: contextlib.E
     ref = steps.run("reference", reference, loaded, loaded.model, config, cleanup)
     inlined = steps.run("inline", inline, loaded, config)
     steps.check("inline", inlined.model)
+    if inlined.changed:
+        ref = reference_inlined(ref, inlined.model, config, cleanup)
     upgraded = steps.run("upgrade", upgrade, loaded, config)
     model = upgraded.model
     steps.check("upgrade", model)

@@ -11,6 +11,7 @@ file); steps that edit the model edit it in place and say whether they changed i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 import time
@@ -33,13 +34,14 @@ from mixprec.io import StagedModel, load_model, typed_values, uses_external_data
 from mixprec.io.onnx_file import FileChecks
 from mixprec.io.onnx_file import checker_error as onnx_checker_error
 from mixprec.passes.fold_dequantize import fold_constant_dequantizations
-from mixprec.passes.functions import inline_functions
+from mixprec.passes.functions import inline_as_asked
 from mixprec.passes.integer_groups import write_groups_on_integers
 from mixprec.passes.norm_blocks import FusedKernels, fuse_norm_blocks, opset_for_fusion
 from mixprec.passes.norm_scales import FoldedScales, fold_norm_scales
 from mixprec.passes.opset import stranded_ops, stranding_note, upgrade_for_target, upgrade_opset
 from mixprec.passes.rewrite import RewriteStats, apply_plan
 from mixprec.passes.split_dequantize import split_shared_dequantizations
+from mixprec.plan.file import plan_keeps_functions
 from mixprec.plan.model import Category, PrecisionPlan
 from mixprec.policy.profiles import RuntimeProfile, load_runtime
 from mixprec.policy.schemas import op_exists
@@ -210,14 +212,22 @@ class Edited:
     notes: tuple[str, ...] = ()
 
 
+def op_named(profile: RuntimeProfile) -> Callable[[str, str], bool]:
+    """Whether (domain, name) names an op: of the ONNX standard, or one the runtime has a kernel
+    for (a local function so named does not run: the op does)."""
+    return lambda domain, name: op_exists(name, domain) or profile.knows(domain, name)
+
+
 def inline(loaded: Loaded, config: Config) -> Edited:
-    """Inline the model's local functions where asked (in place), as runtimes do when they
-    load it: their bodies then convert with the rest of the graph."""
-    model = loaded.model
-    if not config.io.inline_functions or not model.functions:
-        return Edited(model, False)
-    count = inline_functions(model)
-    return Edited(model, True, (f"inlined {count} local function(s) into the graphs that call them (--inline-functions)",))
+    """Inline the model's local functions (in place) as `--inline-functions` / `--keep-functions`
+    ask, by default where nothing stands in the way (:func:`inline_as_asked`) and unless the
+    plan file given was made with them kept."""
+    model, mode = loaded.model, config.io.inline_functions
+    if mode is None and model.functions and config.nodes.plan is not None and plan_keeps_functions(config.nodes.plan):
+        mode = False  # the plan names nodes of the functions' bodies and their calls
+    before = len(model.functions)
+    note = inline_as_asked(model, mode, op_named(loaded.profile))
+    return Edited(model, len(model.functions) != before, (note,) if note else ())
 
 
 def upgrade(loaded: Loaded, config: Config) -> Edited:
@@ -263,6 +273,8 @@ class Reference:
         data: The user's input batches, if any.
         weights_before: The FP32 model's weight bytes.
         external: The input kept its weights in external data.
+        calibrated: The FP32 model the calibration runs where it is not `path`'s: the model
+            with its functions inlined, whose bodies' values only it names.
     """
 
     path: Path | None
@@ -270,6 +282,7 @@ class Reference:
     data: BatchSource | None
     weights_before: int
     external: bool
+    calibrated: Path | None = None
 
     @property
     def weights_large(self) -> bool:
@@ -293,6 +306,18 @@ def reference(loaded: Loaded, model: ir.Model, config: Config, cleanup: contextl
         path = Path(folder) / "reference.onnx"
         value_types.save(model, path, external_data="reference.onnx.data" if weights > RUN_MAX_WEIGHT_BYTES else None)
     return Reference(path, level, data, weights, uses_external_data(model))
+
+
+def reference_inlined(ref: Reference, model: ir.Model, config: Config, cleanup: contextlib.ExitStack) -> Reference:
+    """`ref` with the model whose functions were just inlined on disk for the calibration to run
+    (in a folder `cleanup` removes), where it will run."""
+    calibration = config.calibration
+    if ref.data is None or not calibration.calibrate or calibration.ranges is not None:
+        return ref
+    folder = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="mixprec-inlined-"))
+    path = Path(folder) / "inlined.onnx"
+    value_types.save(model, path, external_data="inlined.onnx.data" if ref.weights_large else None)
+    return dataclasses.replace(ref, calibrated=path)
 
 
 # -- type, normalize ---------------------------------------------------------------------------------
@@ -617,7 +642,8 @@ def _calibrate(model: ir.Model, reference: Reference, config: Config, notes: lis
 
     assert reference.path is not None and reference.data is not None
     try:
-        return calibrate(reference.path, reference.data, progress=config.output.progress, elem_types=_elem_types(model))
+        path = reference.calibrated or reference.path
+        return calibrate(path, reference.data, progress=config.output.progress, elem_types=_elem_types(model))
     except RunError as e:
         notes.append(f"calibration skipped: the FP32 model does not run in onnxruntime: {e}")
         return None

@@ -24,7 +24,8 @@ Applying a plan (``convert(..., plan=...)``): nodes marked ``fp32`` are kept FP3
 plan applies to itself); nodes marked ``low`` are left to the planner, which converts them when the op
 policy, the schema and value ranges allow (any it keeps FP32 is reported in a note); ``none``
 entries and model nodes missing from the plan are left to the planner. An entry naming no node
-of the model is an error.
+of the model is an error. A plan made with the model's local functions kept (its entries decide
+their calls) keeps them when applied; conversion inlines them otherwise.
 """
 
 from __future__ import annotations
@@ -159,7 +160,10 @@ class PlanFile:
             entry = self.nodes[name]
             node = by_name.get(name)
             if node is None:
-                raise InputError(f"plan {self.source}: node {name!r} is not in the model")
+                hint = ""
+                if model.functions and not plan_keeps_functions(self):
+                    hint = " (the plan was made with the model's local functions inlined: apply it without --keep-functions)"
+                raise InputError(f"plan {self.source}: node {name!r} is not in the model{hint}")
             if entry.op_type is not None and entry.op_type != node.op_type:
                 raise InputError(
                     f"plan {self.source}: node {name!r} is a {entry.op_type} in the plan but a "
@@ -253,6 +257,11 @@ class PlanFile:
 def _shorten(items: Sequence[str], sep: str) -> str:
     more = f"{sep}and {len(items) - _NOTE_NODES} more" if len(items) > _NOTE_NODES else ""
     return sep.join(items[:_NOTE_NODES]) + more
+
+
+def plan_keeps_functions(source: PlanLike | PlanFile) -> bool:
+    """Whether the plan was made with the model's local functions kept: it decides their calls."""
+    return any(entry.category == Category.FUNCTION.value for entry in load_plan(source).nodes.values())
 
 
 def load_plan(source: PlanLike | PlanFile) -> PlanFile:

@@ -319,6 +319,8 @@ def _generated_value(
     tensor_attr = node.attributes.get("value") if fills else None
     if tensor_attr is None:
         return False, ()
+    if tensor_attr.is_ref():  # a function's caller gives it: nothing this rewrite can retype
+        return _keep(Category.UNKNOWN_TYPE, f"fill value given by the function's caller ({tensor_attr.ref_attr_name})", facts=facts)
     array = tensor_attr.as_tensor().numpy().astype("float32")
     rng = tensor_range(ir.Tensor(array), context.target)
     note = f"fill value {array.reshape(-1)[:1]}: {rng.describe(context.target)}"

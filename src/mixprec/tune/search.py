@@ -183,7 +183,9 @@ class _Search:
     def _fp32_model(self, model: str | os.PathLike | onnx.ModelProto) -> Path:
         """The FP32 model as a file (upgraded first when `opset` is given)."""
         from mixprec.io import load_model  # noqa: PLC0415
-        from mixprec.passes.functions import inline_functions  # noqa: PLC0415
+        from mixprec.passes.functions import inline_as_asked  # noqa: PLC0415
+        from mixprec.pipeline.steps import op_named  # noqa: PLC0415
+        from mixprec.policy.profiles import load_runtime  # noqa: PLC0415
         from mixprec.passes.opset import default_opset, upgrade_opset  # noqa: PLC0415
 
         opset = self.config.io.opset  # stays pinned: no candidate moves past it
@@ -196,8 +198,8 @@ class _Search:
         ir_model, _ = load_model(model)
         current = default_opset(ir_model)
         if opset is not None and current is not None and current < opset:
-            if self.config.io.inline_functions:  # the version converter drops local functions
-                inline_functions(ir_model)
+            # the version converter drops local functions
+            inline_as_asked(ir_model, self.config.io.inline_functions, op_named(load_runtime(self.config.runtime)))
             ir_model = upgrade_opset(ir_model, opset)
             self.notes.append(f"opset upgraded from {current} to {opset}")
         path = self.workdir / "fp32.onnx"
