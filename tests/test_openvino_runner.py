@@ -234,3 +234,22 @@ def test_models_are_read_in_a_child_before_this_process_reads_them(models: dict[
     assert child is not None and child.poll() is None  # alive, and kept for the next session
     OpenVinoSession(models["fp32"])
     assert openvino_module._PROBE.process is child
+
+
+def test_a_scalar_input_runs_and_a_refused_input_is_a_run_error(tmp_path: Path) -> None:
+    """A rank-0 input takes a 0-d array (not one of shape [1]); an input OpenVINO refuses is a
+    RunError naming it, which the conversion's check reports instead of failing."""
+    from mixprec.errors import RunError  # noqa: PLC0415
+
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [])
+    two = onnx.numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Mul", ["x", "two"], ["y"])], "g", [x], [y], [two])
+    path = tmp_path / "scalar.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), str(path))
+    session = OpenVinoSession(path, precision="f32")
+    np.testing.assert_array_equal(session.run({"x": np.array(1.5, np.float32)})["y"], np.array(3.0, np.float32))
+    with pytest.raises(RunError, match="^OpenVINO refused input 'x' of "):
+        session.run({"x": np.ones((2, 2), np.float32)})
+    result = mixprec.convert(path, tmp_path / "out.onnx", target_dtype="bf16", runtime="openvino")
+    assert "OpenVINO CPU" in result.report.validation.numerics, result.report.validation.numerics

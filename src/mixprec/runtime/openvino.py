@@ -252,7 +252,10 @@ class OpenVinoSession:
                     f"(data has: {', '.join(sorted(feeds)) or 'nothing'})"
                 )
             tensor = _to_tensor(self._ov, name, np.asarray(feeds[name]), port.get_element_type())
-            self._request.set_tensor(port, tensor)
+            try:
+                self._request.set_tensor(port, tensor)
+            except Exception as exc:
+                raise RunError(f"OpenVINO refused input {name!r} of {self.path}: {_summary(exc)}") from exc
 
     def _infer(self) -> None:
         try:
@@ -330,7 +333,7 @@ def _port_name(port: Any, graph_names: set[str]) -> str:
 
 
 def _to_tensor(ov: Any, name: str, array: np.ndarray, element_type: Any) -> Any:
-    array = np.ascontiguousarray(array)
+    array = np.ascontiguousarray(array).reshape(array.shape)  # a scalar stays one (not shape [1])
     if element_type == ov.Type.bf16:
         if not (np.issubdtype(array.dtype, np.floating) or array.dtype == ml_dtypes.bfloat16):
             raise InputError(f"input {name!r} is bfloat16; got {array.dtype} data")
