@@ -292,3 +292,17 @@ def test_bad_factory_files_are_one_line_and_write_nothing(
     err = capsys.readouterr().err.strip()
     assert expected in err and "\n" not in err, err
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.onnx")]
+
+
+class _Scaled(torch.nn.Module):
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        assert scale.dim() == 0, scale.shape
+        return x * scale
+
+
+def test_run_module_hands_a_scalar_input_over_as_one() -> None:
+    from mixprec.frontends.torch_module import run_module  # noqa: PLC0415
+
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    (out,) = run_module(_Scaled(), {"x": x, "scale": np.array(2.0, np.float32)}, (torch.zeros(2, 3), torch.tensor(1.0)), ["x", "scale"])
+    np.testing.assert_array_equal(out, 2 * x)

@@ -253,3 +253,4 @@ def test_a_scalar_input_runs_and_a_refused_input_is_a_run_error(tmp_path: Path) 
         session.run({"x": np.ones((2, 2), np.float32)})
     result = mixprec.convert(path, tmp_path / "out.onnx", target_dtype="bf16", runtime="openvino")
     assert "OpenVINO CPU" in result.report.validation.numerics, result.report.validation.numerics
+

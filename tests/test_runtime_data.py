@@ -455,3 +455,20 @@ def test_a_model_whose_weights_fix_its_feature_sizes_is_checked_on_generated_inp
     assert any("dimension 'features' 13" in note and "'lstm'" in note for note in validation.notes)
     assert {o.name for o in validation.outputs} == {"hidden", "conv", "product"}
     assert max(o.max_abs_error for o in validation.outputs) < 0.05
+
+
+def test_onnxruntime_runs_take_a_scalar_input_as_one(tmp_path: Path) -> None:
+    """Through OrtValues too (a model with an input onnxruntime's numpy path would take), a
+    rank-0 feed stays rank 0: Unsqueeze makes a [1] of it, not a [1, 1]."""
+    import onnxruntime as ort  # noqa: PLC0415
+
+    from mixprec.runtime.sessions import _run_with_ort_values  # noqa: PLC0415
+
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)
+    axes = onnx.numpy_helper.from_array(np.array([0], np.int64), "axes")
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Unsqueeze", ["x", "axes"], ["y"])], "g", [x], [y], [axes])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (out,) = _run_with_ort_values(session, {"x": np.array(1.5, np.float32)}, ["y"], session.get_inputs())
+    assert out.shape == (1,)

@@ -171,7 +171,7 @@ def run_module(
     if missing:
         raise InputError(f"the batch has no data for model input {missing[0]!r}")
     values = iter(feeds[name] for name in input_names)
-    rebuilt = [torch.from_numpy(np.ascontiguousarray(next(values))) if isinstance(x, torch.Tensor) else x for x in leaves]
+    rebuilt = [torch.from_numpy(_contiguous(next(values))) if isinstance(x, torch.Tensor) else x for x in leaves]
     args, kwargs = torch.utils._pytree.tree_unflatten(rebuilt, spec)
     with torch.no_grad():
         outputs = module(*args, **kwargs)
@@ -331,3 +331,8 @@ def _feeds(model: ir.Model, args: tuple, kwargs: dict, torch: Any) -> dict[str, 
             "tensor(s) (an unused input was dropped?): pass only the inputs the module uses"
         )
     return {v.name: t.detach().cpu().numpy() for v, t in zip(inputs, tensors)}  # type: ignore[misc]
+
+
+def _contiguous(array: np.ndarray) -> np.ndarray:
+    """`array` in C order, a scalar kept one (numpy's ascontiguousarray gives it shape [1])."""
+    return np.ascontiguousarray(array).reshape(np.shape(array))

@@ -211,10 +211,10 @@ def _run_with_ort_values(
             if array.dtype != np.dtype(ml_dtypes.bfloat16):
                 raise RunError(f"input {name!r} is bfloat16; got {array.dtype} data")
             ort_feeds[name] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
-                np.ascontiguousarray(array).view(np.uint16), onnx.TensorProto.BFLOAT16
+                np.ascontiguousarray(array).reshape(array.shape).view(np.uint16), onnx.TensorProto.BFLOAT16
             )
         else:
-            ort_feeds[name] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))
+            ort_feeds[name] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array).reshape(array.shape))
     values = session.run_with_ort_values(output_names, ort_feeds)
     return [_ort_value_to_numpy(name, value) for name, value in zip(output_names, values)]
 
