@@ -354,3 +354,31 @@ def test_a_measured_accumulator_does_not_hold_what_its_scale_brings_back_in_rang
     assert "scores" not in kept and result.report.low_by_op.get("MatMul") == 1
     errors = result.report.validation.outputs
     assert errors and all(o.nan_count == 0 and o.inf_count == 0 and o.scaled_error < 0.01 for o in errors)
+
+
+def test_an_overflow_on_generated_inputs_is_planned_again_with_their_ranges(tmp_path: Path) -> None:
+    """With no data, the attention's scores overflow float16 on the generated N(0, 1) inputs
+    (its weights scaled 30 times): the first plan gains non-finite outputs there, so the model is
+    planned again with the ranges measured on those inputs, the scores stay FP32, and the output
+    written is finite. With calibration off, the first plan stands and overflows."""
+    model = attention_model()
+    for init in model.graph.initializer:
+        if init.name in ("wq", "wk"):
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * 30, init.name))
+    source = tmp_path / "scaled.onnx"
+    onnx.save(model, str(source))
+    out = tmp_path / "out.onnx"
+    result = mixprec.convert(source, out, target_dtype="fp16", runtime="ort-cuda")
+    (note,) = [n for n in result.report.notes if n.startswith("planned twice")]
+    assert "non-finite values start at MatMul node 'attn/scores'" in note, note
+    assert result.report.source == str(source)
+    kept = {k.name: k.category for k in result.report.kept_fp32}
+    assert kept.get("attn/scores") == DATA_RANGE, kept
+    assert all(o.new_nonfinite == 0 for o in result.report.validation.outputs)
+    x = {"x": np.random.default_rng(3).normal(0, 1, (1, 8, 64)).astype(np.float32)}
+    assert np.isfinite(run(out, x)).all()
+    assert result.report.seconds["validate"] > 0
+    plain = mixprec.convert(source, tmp_path / "plain.onnx", target_dtype="fp16", runtime="ort-cuda", calibrate=False)
+    assert not [n for n in plain.report.notes if n.startswith("planned twice")]
+    assert any(o.new_nonfinite for o in plain.report.validation.outputs)
+    assert not np.isfinite(run(tmp_path / "plain.onnx", x)).all()

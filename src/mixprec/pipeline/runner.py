@@ -24,8 +24,7 @@ from mixprec.analysis.calibrate import RangeTable
 from mixprec.analysis.constants import copy_ranges
 from mixprec.config import Config
 from mixprec.graphs import node_keys
-from mixprec.io import StagedModel
-from mixprec.io import value_types
+from mixprec.io import StagedModel, value_types
 from mixprec.io.loading import shared_reads
 from mixprec.pipeline.planning import PlanInputs, Planned, make_plan
 from mixprec.pipeline.steps import (
@@ -38,6 +37,7 @@ from mixprec.pipeline.steps import (
     Typed,
     analyze,
     fold,
+    generated_overflow_ranges,
     inline,
     load,
     normalize,
@@ -270,10 +270,37 @@ def convert_model(source: object, output: Path | None, config: Config) -> Conver
             built = report((repaired.note,))
         assert checked.validation is not None and built is not None
         built.validation = checked.validation
+        ranges = steps.run("validate", generated_overflow_ranges, checked.validation, prepared.reference, config)
+        if ranges is not None and prepared.reference.path is not None:
+            return _plan_again_with_ranges(prepared, built, output, config, ranges, steps)
         if staged is not None and output is not None:  # last: nothing is written when a step fails
             steps.run("publish", staged.publish)
     built.seconds, built.cpu_seconds = steps.totals()
     return ConversionResult(rewritten.model, built, planned.plan, output, ranges=prepared.analysis.ranges)
+
+
+def _plan_again_with_ranges(
+    prepared: Prepared, first: Report, output: Path | None, config: Config, ranges: RangeTable, steps: Steps
+) -> ConversionResult:
+    """Convert the FP32 model again with `ranges`, measured on the generated inputs the first
+    conversion gained non-finite outputs on: what leaves the 16-bit range there stays FP32. The
+    first conversion is not written; the report says why the second was made."""
+    assert prepared.reference.path is not None
+    origin = next((n for n in first.validation.notes if n.startswith("non-finite values start at ")), None)
+    where = f" ({origin})" if origin else ""
+    result = convert_model(prepared.reference.path, output, config.with_options(ranges=ranges))
+    report = result.report
+    report.source = first.source
+    report.notes = [
+        *report.notes,
+        f"planned twice: the first plan gained non-finite outputs on the generated inputs{where}; the "
+        f"values measured beyond the {config.ops.target.value} range on those inputs stay FP32 (--data "
+        "measures the ranges of real inputs)",
+    ]
+    first_seconds, first_cpu = steps.totals()
+    report.seconds = {k: v + first_seconds.get(k, 0.0) for k, v in report.seconds.items()}
+    report.cpu_seconds = {k: v + first_cpu.get(k, 0.0) for k, v in report.cpu_seconds.items()}
+    return result
 
 
 def _save_and_validate(

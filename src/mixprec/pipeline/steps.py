@@ -49,7 +49,7 @@ from mixprec.policy.table import Policy, load_policy, parse_op_name
 from mixprec.runtime.batches import BatchSource
 from mixprec.validate.checker import checker_error, input_problem, judged_again
 from mixprec.validate.results import Validation
-from mixprec.validate.staged import RuntimeRejection, start_output_checker, validate_staged
+from mixprec.validate.staged import RuntimeRejection, generated_batches, start_output_checker, validate_staged
 
 Findings = dict[str, tuple[Category, str]]  # node key -> (category, reason) of a node kept FP32
 
@@ -541,6 +541,26 @@ class Checked:
 
     validation: Validation | None
     rejection: RuntimeRejection | None = None
+
+
+def generated_overflow_ranges(validation: Validation, reference: Reference, config: Config) -> RangeTable | None:
+    """Where the converted model gains non-finite outputs on the inputs validation generated (no
+    data given, ranges not given, calibration on), the FP32 ranges measured on those inputs, for
+    a plan that keeps FP32 what leaves the 16-bit range there; else None."""
+    calibration = config.calibration
+    if calibration.data is not None or calibration.ranges is not None or not calibration.calibrate:
+        return None
+    if reference.path is None or not any(o.new_nonfinite for o in (*validation.outputs, *validation.real_outputs)):
+        return None
+    batches = generated_batches(reference.path)
+    if not batches:
+        return None
+    from mixprec.analysis.calibrate import calibrate  # noqa: PLC0415
+
+    try:
+        return calibrate(reference.calibrated or reference.path, batches)  # its own types: the model is rewritten
+    except RunError:
+        return None
 
 
 def start_checker(model: ir.Model, reference: Reference) -> FileChecks | None:

@@ -882,6 +882,16 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
     _unchecked(result, f"not checked: the FP32 model fails on generated inputs ({why}); {_PASS_DATA}")
 
 
+def generated_batches(reference: Path) -> list[Batch]:
+    """The batches validation generates for the FP32 model at `reference` (the same each run),
+    or none where it cannot (the model fails on every size tried)."""
+    try:
+        session = sessions.make_session(reference, graph_optimization="disable")
+    except RunError:
+        return []
+    return [feeds for feeds, _ in _generated_batch(reference, session, Validation())]
+
+
 def _branch_switches(proto: onnx.ModelProto) -> list[str]:
     """Boolean graph inputs that are the condition of a main-graph If: the switch of a merged
     decoder (optimum's use_cache_branch), whose other branch a generated batch never takes."""
