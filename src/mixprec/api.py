@@ -86,7 +86,8 @@ def convert(
 
     Args:
         model: Path to an .onnx file, an `onnx.ModelProto`, or an `onnx_ir.Model` (converted in
-            place; when onnxruntime rejects that conversion and nodes are kept FP32 for it, the
+            place; when onnxruntime rejects that conversion and nodes are kept FP32 for it, or
+            it is planned again for values that leave the 16-bit range on generated inputs, the
             result's `model` is a new object converted from a copy of the input).
         output: Where to save the result; nothing is written when the conversion or its
             validation fails.

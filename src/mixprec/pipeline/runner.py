@@ -12,6 +12,7 @@ is built while a child process checks the staged model, and takes the validation
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from mixprec.pipeline.steps import (
     upgrade,
     validate,
 )
-from mixprec.plan.model import Category, PrecisionPlan
+from mixprec.plan.model import Category, Precision, PrecisionPlan
 from mixprec.policy.profiles import RuntimeProfile
 from mixprec.report import Report, build_report
 from mixprec.validate.invariants import Baseline, require_invariants, steps_checked
@@ -271,7 +272,7 @@ def convert_model(source: object, output: Path | None, config: Config) -> Conver
         assert checked.validation is not None and built is not None
         built.validation = checked.validation
         ranges = steps.run("validate", generated_overflow_ranges, checked.validation, prepared.reference, config)
-        if ranges is not None and prepared.reference.path is not None:
+        if ranges is not None and prepared.reference.path is not None and _keeps_more_fp32(ranges, planned.plan, config):
             return _plan_again_with_ranges(prepared, built, output, config, ranges, steps)
         if staged is not None and output is not None:  # last: nothing is written when a step fails
             steps.run("publish", staged.publish)
@@ -288,19 +289,41 @@ def _plan_again_with_ranges(
     assert prepared.reference.path is not None
     origin = next((n for n in first.validation.notes if n.startswith("non-finite values start at ")), None)
     where = f" ({origin})" if origin else ""
+    first_seconds, first_cpu = steps.totals()
     result = convert_model(prepared.reference.path, output, config.with_options(ranges=ranges))
     report = result.report
     report.source = first.source
+    said = set(report.notes)
     report.notes = [
+        *(note for note in prepared.loaded.notes if note not in said),  # what loading the input changed
         *report.notes,
         f"planned twice: the first plan gained non-finite outputs on the generated inputs{where}; the "
         f"values measured beyond the {config.ops.target.value} range on those inputs stay FP32 (--data "
         "measures the ranges of real inputs)",
     ]
-    first_seconds, first_cpu = steps.totals()
-    report.seconds = {k: v + first_seconds.get(k, 0.0) for k, v in report.seconds.items()}
-    report.cpu_seconds = {k: v + first_cpu.get(k, 0.0) for k, v in report.cpu_seconds.items()}
-    return result
+    report.seconds = _added(first_seconds, report.seconds)
+    report.cpu_seconds = _added(first_cpu, report.cpu_seconds)
+    return dataclasses.replace(result, ranges=None)  # not measured on data
+
+
+def _keeps_more_fp32(ranges: RangeTable, plan: PrecisionPlan, config: Config) -> bool:
+    """Whether `ranges` put beyond the 16-bit range a value a node of `plan` computes or reads in
+    16 bits (else a second plan would be the same)."""
+    from mixprec.analysis.calibrate import range_evidence  # noqa: PLC0415
+
+    target = config.ops.target
+    wide = {name for name, rng in ranges.items() if rng.count and range_evidence(rng, target) is not None}
+    return any(
+        value is not None and value.name in wide
+        for node in plan.order
+        if plan.decisions[node].precision is Precision.LOW
+        for value in (*node.inputs, *node.outputs)
+    )
+
+
+def _added(first: Mapping[str, float], second: Mapping[str, float]) -> dict[str, float]:
+    """Per-step seconds of two runs, one after the other, added up (their totals too)."""
+    return {k: round(first.get(k, 0.0) + second.get(k, 0.0), 4) for k in {**first, **second}}
 
 
 def _save_and_validate(

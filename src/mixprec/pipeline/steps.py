@@ -274,7 +274,8 @@ class Reference:
         weights_before: The FP32 model's weight bytes.
         external: The input kept its weights in external data.
         calibrated: The FP32 model the calibration runs where it is not `path`'s: the model
-            with its functions inlined, whose bodies' values only it names.
+            with its functions inlined, whose bodies' values only it names (validation traces
+            non-finite values in it too).
     """
 
     path: Path | None
@@ -310,9 +311,12 @@ def reference(loaded: Loaded, model: ir.Model, config: Config, cleanup: contextl
 
 def reference_inlined(ref: Reference, model: ir.Model, config: Config, cleanup: contextlib.ExitStack) -> Reference:
     """`ref` with the model whose functions were just inlined on disk for the calibration to run
-    (in a folder `cleanup` removes), where it will run."""
+    (in a folder `cleanup` removes), where it may run: on the data, or on the generated inputs
+    of a run check (:func:`generated_overflow_ranges`)."""
     calibration = config.calibration
-    if ref.data is None or not calibration.calibrate or calibration.ranges is not None:
+    if not calibration.calibrate or calibration.ranges is not None:
+        return ref
+    if ref.data is None and ref.level != "run":  # no data, nor generated inputs to plan again on
         return ref
     folder = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="mixprec-inlined-"))
     path = Path(folder) / "inlined.onnx"
@@ -597,6 +601,7 @@ def validate(
             staged.path, reference.path, config.ops.target, reference.level, reference.data,
             config.calibration.max_batches, tolerance, original_checker_error,
             weights_large=reference.weights_large, runtime=loaded.profile.name, model=model, checks=checks,
+            traced=reference.calibrated,
         )
     except RuntimeRejection as rejection:
         return Checked(None, rejection)

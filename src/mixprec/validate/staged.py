@@ -107,6 +107,7 @@ def validate_staged(
     runtime: str = "onnx",
     model: ir.Model | None = None,
     checks: FileChecks | None = None,
+    traced: Path | None = None,
 ) -> Validation:
     """Check a staged converted model; raise ValidationFailure to stop it being published.
 
@@ -114,7 +115,9 @@ def validate_staged(
     models on OpenVINO's CPU plugin for real (bfloat16 arithmetic on AVX512-BF16/AMX).
     `model`: the staged model in memory, typed: the emulation starts from a copy of it instead
     of reading the file and inferring its types again. `checks`: the full checker already
-    running on `path` in a child (:func:`start_output_checker`).
+    running on `path` in a child (:func:`start_output_checker`). `traced`: the FP32 model that
+    names the converted one's values where `reference` does not (its functions inlined), to
+    locate where non-finite values start.
     """
     result = Validation()
     if level == "none":
@@ -134,7 +137,7 @@ def validate_staged(
         _load_check(path, reference, target, result, weights_large)
         result.numerics = "not checked: validation level 'load' (auto picks it above 5,000 nodes or 1 GiB); use --validate run"
         return result
-    _run_check(path, reference, target, data, max_batches, tolerance, result, runtime, model)
+    _run_check(path, reference, target, data, max_batches, tolerance, result, runtime, model, traced)
     return result
 
 
@@ -230,6 +233,7 @@ def _run_check(
     result: Validation,
     runtime: str = "onnx",
     model: ir.Model | None = None,
+    traced: Path | None = None,
 ) -> None:
     stand_in = model if load_runtime(runtime).engine != "onnxruntime" else None
     batches, reference_session = _reference_batches_or_check(path, reference, target, data, max_batches, result)
@@ -296,11 +300,13 @@ def _run_check(
             )
     origin = None
     if nonfinite_feeds is not None:
-        origin = _nan_origin_note(reference, path, nonfinite_feeds, target)
+        origin = _nan_origin_note(traced or reference, path, nonfinite_feeds, target)
         result.notes.append(origin)
     elif data is None:
         nodes = len(model.graph) if model is not None else _ORIGIN_MAX_NODES + 1
-        result.input_scales = _input_scales(reference_session, candidate, batches[0], reference, path, target, nodes)
+        result.input_scales = _input_scales(
+            reference_session, candidate, batches[0], traced or reference, path, target, nodes
+        )
     if tolerance is not None:
         _raise_beyond_tolerance(result, tolerance, origin)
     else:
