@@ -404,3 +404,19 @@ def test_an_overflow_on_generated_inputs_is_planned_again_with_their_ranges(tmp_
     assert not [n for n in plain.report.notes if n.startswith("planned twice")]
     assert any(o.new_nonfinite for o in plain.report.validation.outputs)
     assert not np.isfinite(run(tmp_path / "plain.onnx", x)).all()
+
+
+def test_a_tolerance_failed_on_generated_inputs_for_an_overflow_is_planned_again(tmp_path: Path) -> None:
+    """With a tolerance, the first plan's overflow fails the check on the generated inputs; the
+    model is planned again with their ranges and meets it, and only then written. A model whose
+    ranges change nothing fails as before."""
+    source = tmp_path / "scaled.onnx"
+    onnx.save(_scaled_attention(False), str(source))
+    out = tmp_path / "out.onnx"
+    result = mixprec.convert(source, out, target_dtype="fp16", runtime="ort-cuda", tolerance=(0.05, 0.05))
+    assert [n for n in result.report.notes if n.startswith("planned twice")]
+    assert all(o.within_tolerance for o in result.report.validation.outputs)
+    assert out.is_file()
+    with pytest.raises(mixprec.ValidationFailure, match="differs from the FP32 model beyond atol=1e-09"):
+        mixprec.convert(source, tmp_path / "strict.onnx", target_dtype="fp16", runtime="ort-cuda", tolerance=(1e-9, 0.0))
+    assert not (tmp_path / "strict.onnx").exists()

@@ -28,6 +28,15 @@ class ValidationFailure(MixprecError):
     tolerance); nothing was written."""
 
 
+class BeyondTolerance(ValidationFailure):
+    """An output of the converted model is further from the FP32 model than the tolerance;
+    `validation` holds what the check found."""
+
+    def __init__(self, message: str, validation: object) -> None:
+        super().__init__(message)
+        self.validation = validation
+
+
 class RunError(MixprecError):
     """A model could not be run or compared (onnxruntime, OpenVINO, the emulation)."""
 

@@ -24,6 +24,7 @@ import onnx_ir as ir
 from mixprec.analysis.calibrate import RangeTable
 from mixprec.analysis.constants import copy_ranges
 from mixprec.config import Config
+from mixprec.errors import BeyondTolerance
 from mixprec.graphs import node_keys
 from mixprec.io import StagedModel, value_types
 from mixprec.io.loading import shared_reads
@@ -56,6 +57,7 @@ from mixprec.plan.model import Category, Precision, PrecisionPlan
 from mixprec.policy.profiles import RuntimeProfile
 from mixprec.report import Report, build_report
 from mixprec.validate.invariants import Baseline, require_invariants, steps_checked
+from mixprec.validate.results import Validation
 
 T = TypeVar("T")
 
@@ -257,7 +259,13 @@ def convert_model(source: object, output: Path | None, config: Config) -> Conver
             return steps.run("report", _report, prepared, planned, rewritten, output, notes)
 
         # The report is built while a child checks the staged model (its validation is added last).
-        staged, checked, built = _save_and_validate(steps, prepared, rewritten, output, cleanup, report)
+        try:
+            staged, checked, built = _save_and_validate(steps, prepared, rewritten, output, cleanup, report)
+        except BeyondTolerance as failure:  # on generated inputs, perhaps for values out of range
+            ranges = steps.run("validate", generated_overflow_ranges, failure.validation, prepared.reference, config)
+            if ranges is None or not _keeps_more_fp32(ranges, planned.plan, config):
+                raise
+            return _plan_again_with_ranges(prepared, failure.validation, output, config, ranges, steps)
         if checked.rejection is not None:
             from mixprec.pipeline.repair import repair  # noqa: PLC0415
 
@@ -272,8 +280,8 @@ def convert_model(source: object, output: Path | None, config: Config) -> Conver
         assert checked.validation is not None and built is not None
         built.validation = checked.validation
         ranges = steps.run("validate", generated_overflow_ranges, checked.validation, prepared.reference, config)
-        if ranges is not None and prepared.reference.path is not None and _keeps_more_fp32(ranges, planned.plan, config):
-            return _plan_again_with_ranges(prepared, built, output, config, ranges, steps)
+        if ranges is not None and _keeps_more_fp32(ranges, planned.plan, config):
+            return _plan_again_with_ranges(prepared, checked.validation, output, config, ranges, steps)
         if staged is not None and output is not None:  # last: nothing is written when a step fails
             steps.run("publish", staged.publish)
     built.seconds, built.cpu_seconds = steps.totals()
@@ -281,18 +289,18 @@ def convert_model(source: object, output: Path | None, config: Config) -> Conver
 
 
 def _plan_again_with_ranges(
-    prepared: Prepared, first: Report, output: Path | None, config: Config, ranges: RangeTable, steps: Steps
+    prepared: Prepared, first: Validation, output: Path | None, config: Config, ranges: RangeTable, steps: Steps
 ) -> ConversionResult:
     """Convert the FP32 model again with `ranges`, measured on the generated inputs the first
     conversion gained non-finite outputs on: what leaves the 16-bit range there stays FP32. The
     first conversion is not written; the report says why the second was made."""
-    assert prepared.reference.path is not None
-    origin = next((n for n in first.validation.notes if n.startswith("non-finite values start at ")), None)
+    assert prepared.reference.path is not None  # the generated inputs ran it
+    origin = next((n for n in first.notes if n.startswith("non-finite values start at ")), None)
     where = f" ({origin})" if origin else ""
     first_seconds, first_cpu = steps.totals()
     result = convert_model(prepared.reference.path, output, config.with_options(ranges=ranges))
     report = result.report
-    report.source = first.source
+    report.source = str(prepared.loaded.path) if prepared.loaded.path is not None else "(in memory)"
     said = set(report.notes)
     report.notes = [
         *(note for note in prepared.loaded.notes if note not in said),  # what loading the input changed

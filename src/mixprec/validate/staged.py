@@ -27,7 +27,7 @@ import onnx_ir as ir
 from mixprec.analysis.input_indices import fixed_input_dims, with_fixed_dims, with_index_limits
 from mixprec.analysis.qdq import has_qdq, quantizes_at_run_time
 from mixprec.dtypes import LowPrecision, is_float_dtype
-from mixprec.errors import InputError, MixprecError, RunError, ValidationFailure
+from mixprec.errors import BeyondTolerance, InputError, MixprecError, RunError, ValidationFailure
 from mixprec.host import host_cpu
 from mixprec.graphs import is_default_domain, subgraphs_of
 from mixprec.io import graph_only_proto, uses_external_data, without_staging
@@ -667,9 +667,10 @@ def _raise_beyond_tolerance(result: Validation, tolerance: tuple[float, float], 
     """Raise ValidationFailure when an emulated or real output is beyond the tolerance."""
     failing = [o.name for o in (*result.outputs, *result.real_outputs) if o.within_tolerance is False]
     if failing:
-        raise ValidationFailure(
+        raise BeyondTolerance(
             f"output {failing[0]!r} differs from the FP32 model beyond atol={tolerance[0]}, "
-            f"rtol={tolerance[1]}" + (f"; {origin}" if origin else "")
+            f"rtol={tolerance[1]}" + (f"; {origin}" if origin else ""),
+            result,
         )
 
 
