@@ -472,3 +472,61 @@ def test_onnxruntime_runs_take_a_scalar_input_as_one(tmp_path: Path) -> None:
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     (out,) = _run_with_ort_values(session, {"x": np.array(1.5, np.float32)}, ["y"], session.get_inputs())
     assert out.shape == (1,)
+
+
+def _masked_by_ids() -> onnx.ModelProto:
+    """Softmax over scores all masked (-inf) where any id is 0 (a padded batch, as a model that
+    masks by its smallest id would): then every output is NaN."""
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"])
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq"])
+    zero = numpy_helper.from_array(np.array(0, np.int64), "zero")
+    minus_inf = numpy_helper.from_array(np.array(-np.inf, np.float32), "minus_inf")
+    nodes = [
+        helper.make_node("ReduceMin", ["ids"], ["smallest"], keepdims=0),
+        helper.make_node("Equal", ["smallest", "zero"], ["pad"]),
+        helper.make_node("Where", ["pad", "minus_inf", "x"], ["scores"]),
+        helper.make_node("Softmax", ["scores"], ["y"], axis=-1),
+    ]
+    graph = helper.make_graph(nodes, "masked", [ids, x], [y], [zero, minus_inf])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_generated_ids_avoid_zero_where_zeros_leave_no_finite_output(tmp_path: Path) -> None:
+    """Generated integers in [0, 2) can mask every position (ids of 0 as padding): the FP32
+    model then gives only NaN and nothing would be compared. The check draws them from 1 then,
+    and says so; a model whose outputs stay non-finite whatever the ids is named in a note."""
+    import mixprec  # noqa: PLC0415
+
+    path = tmp_path / "masked.onnx"
+    onnx.save(_masked_by_ids(), str(path))
+    result = mixprec.convert(path, tmp_path / "out.onnx", target_dtype="float16", runtime="ort-cuda")
+    notes = result.report.validation.notes
+    assert any(n.startswith("generated integer inputs are at least 1") for n in notes), notes
+    (output,) = result.report.validation.outputs
+    assert output.nan_count == 0
+    assert not any("hold no finite value" in n for n in notes)
+
+
+def test_an_output_with_no_finite_value_on_generated_inputs_is_named(tmp_path: Path) -> None:
+    import mixprec  # noqa: PLC0415
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])
+    z = helper.make_tensor_value_info("z", TensorProto.FLOAT, ["n", 4])
+    one = numpy_helper.from_array(np.array(1.0, np.float32), "one")
+    nodes = [
+        helper.make_node("Abs", ["x"], ["a"]),
+        helper.make_node("Add", ["a", "one"], ["b"]),
+        helper.make_node("Neg", ["b"], ["c"]),
+        helper.make_node("Sqrt", ["c"], ["y"]),  # the root of a negative number: NaN everywhere
+        helper.make_node("Relu", ["x"], ["z"]),
+    ]
+    graph = helper.make_graph(nodes, "void", [x], [y, z], [one])
+    path = tmp_path / "void.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    result = mixprec.convert(path, tmp_path / "out.onnx", target_dtype="float16", runtime="ort-cuda")
+    assert (
+        "the FP32 model's output(s) 'y' hold no finite value on the generated inputs: nothing is compared "
+        "there; pass --data"
+    ) in result.report.validation.notes

@@ -288,7 +288,8 @@ def _evaluate(node: ast.expr, named: Callable[[str], int]) -> int | None:
 
 
 def generate_inputs(
-    specs: Sequence[InputSpec], *, seed: int = 0, dim_value: int = 2, batch_value: int | None = None
+    specs: Sequence[InputSpec], *, seed: int = 0, dim_value: int = 2, batch_value: int | None = None,
+    lowest_int: int = 0,
 ) -> dict[str, np.ndarray]:
     """Generate deterministic random inputs.
 
@@ -304,6 +305,8 @@ def generate_inputs(
         seed: Random seed.
         dim_value: Size used for symbolic and unknown dimensions.
         batch_value: Size of the leading dimensions instead (see :func:`generated_shapes`).
+        lowest_int: The smallest integer drawn where the range allows it (1: no id is 0, which
+            often marks padding; a 0/1 mask is all ones).
 
     Returns:
         Arrays by input name.
@@ -316,11 +319,11 @@ def generate_inputs(
     feeds: dict[str, np.ndarray] = {}
     for spec in specs:
         rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode("utf-8"))])
-        feeds[spec.name] = _random_array(spec, shapes[spec.name], rng)
+        feeds[spec.name] = _random_array(spec, shapes[spec.name], rng, lowest_int)
     return feeds
 
 
-def _random_array(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+def _random_array(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator, lowest_int: int = 0) -> np.ndarray:
     dtype = np.dtype(spec.dtype)
     if dtype == np.bool_:
         return rng.integers(0, 2, size=shape).astype(np.bool_)
@@ -330,7 +333,7 @@ def _random_array(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Genera
         return (real + 1j * imag).astype(dtype)
     if np.issubdtype(dtype, np.integer):
         high = spec.index_limit or _INT_HIGH  # token ids over the whole embedding
-        return rng.integers(0, high, size=shape).astype(dtype)
+        return rng.integers(min(lowest_int, high - 1), high, size=shape).astype(dtype)
     if _is_ml_int(dtype):  # int4/uint4/int2...: stay within the type's range
         high = min(_INT_HIGH, int(ml_dtypes.iinfo(dtype).max) + 1)
         return rng.integers(0, high, size=shape).astype(dtype)

@@ -873,6 +873,18 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
             return
         if found is not None:
             feeds, expected, size, batch = found
+            usual = data_mod.generate_inputs(with_fixed_dims(specs, fixed), seed=0, dim_value=size, batch_value=batch)
+            if any(not np.array_equal(usual[name], feeds[name]) for name in feeds):
+                result.notes.append(
+                    "generated integer inputs are at least 1 (0/1 masks all ones): with zeros, an output of "
+                    "the FP32 model is non-finite everywhere (every position masked, or ids of 0 as padding)"
+                )
+            void = [name for name, a in expected.items() if _only_nonfinite({name: a})]
+            if void:
+                result.notes.append(
+                    f"the FP32 model's output(s) {', '.join(map(repr, void))} hold no finite value on the generated "
+                    f"inputs: nothing is compared there; {_PASS_DATA}"
+                )
             for name, (value, why) in fixed.items():
                 result.notes.append(f"generated inputs give dimension {name!r} {value}: {why}")
             if size != _DIM_LADDER[0] or largest_batch != _GENERATED_BATCH:
@@ -990,13 +1002,42 @@ def _climb(
                 break
             continue
         try:
-            return (feeds, sessions.run_session(session, feeds), size, batch), errors  # type: ignore[arg-type]
+            outputs = sessions.run_session(session, feeds)  # type: ignore[arg-type]
         except (RunError, InputError) as e:
             message = str(e)
+        else:
+            if _only_nonfinite(outputs):  # e.g. every position masked: ids of 0 often mark padding
+                feeds, outputs = _without_zero_ints(specs, reference, session, size, batch) or (feeds, outputs)
+            return (feeds, outputs, size, batch), errors
         errors.append(f"{size}: {message}")
         if message in stop:
             break  # the batch is not the cause
     return None, errors
+
+
+def _only_nonfinite(outputs: Mapping[str, np.ndarray]) -> bool:
+    """Whether a float output of the FP32 model holds elements and not one finite value."""
+    return any(
+        np.issubdtype(a.dtype, np.floating) and a.size and not np.isfinite(a).any()
+        for a in (np.asarray(v) for v in outputs.values())
+    )
+
+
+def _without_zero_ints(
+    specs: Sequence[data_mod.InputSpec], reference: Path, session: object, size: int, batch: int
+) -> tuple[Batch, dict[str, np.ndarray]] | None:
+    """The generated inputs with no integer 0 (0/1 masks all ones) and the FP32 outputs, where
+    the model has integer inputs and runs to some finite output value on them; else None."""
+    if not any(np.issubdtype(np.dtype(s.dtype), np.integer) for s in specs):
+        return None
+    feeds = data_mod.generate_inputs(specs, seed=0, dim_value=size, batch_value=batch, lowest_int=1)
+    if run_isolated(reference, feeds, keep_outputs=False, graph_optimization="disable").death is not None:
+        return None
+    try:
+        outputs = sessions.run_session(session, feeds)  # type: ignore[arg-type]
+    except (RunError, InputError):
+        return None
+    return None if _only_nonfinite(outputs) else (feeds, outputs)
 
 
 def _batch_sized(specs: Sequence[data_mod.InputSpec]) -> bool:
