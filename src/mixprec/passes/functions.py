@@ -48,9 +48,9 @@ def inline_as_asked(
         return None
     if mode is None:
         if not any(node.op_identifier() in model.functions for node in walk_nodes(model.graph)):
-            count = len(model.functions)
+            count, local = len(model.functions), {function.domain for function in model.functions.values()}
             model.functions.clear()
-            _drop_function_domains(model, set())
+            _drop_function_domains(model, local)
             return f"dropped {count} local function(s) that no node of the graph calls"
         if inlining_obstacle(model) is not None:
             return None
@@ -130,12 +130,10 @@ def inline_functions(model: ir.Model) -> int:
 
 
 def _drop_function_domains(model: ir.Model, local: set[str]) -> None:
-    """Drop the imports of the `local` function domains (all, for an empty set) that no node or
-    function uses any more."""
+    """Drop the imports of the `local` function domains that no node or function uses any more."""
     used = {node.domain for node in all_nodes(model)} | {function.domain for function in model.functions.values()}
-    for domain in (local or set(model.opset_imports)) - used:
-        if local or domain not in ("", "ai.onnx"):
-            model.opset_imports.pop(domain, None)
+    for domain in local - used:
+        model.opset_imports.pop(domain, None)
 
 
 def _keep_interface_names(graph: ir.Graph, inputs: list[str | None], outputs: list[str | None]) -> None:

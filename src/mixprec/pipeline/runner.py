@@ -5,8 +5,10 @@ and checks the model's invariants after those that change it (``MIXPREC_CHECK_ST
     convert: prepare, plan, rewrite, save, validate | report, [repair, save, validate, report], publish
 
 A runtime rejection (onnxruntime fails on the converted model where it runs the FP32 one) is a
-result of `validate`, answered by the `repair` step (:mod:`mixprec.pipeline.repair`). The report
-is built while a child process checks the staged model, and takes the validation last.
+result of `validate`, answered by the `repair` step (:mod:`mixprec.pipeline.repair`). Outputs
+that gain inf/NaN on the inputs validation generated (no data) make the runner convert once more
+with the FP32 ranges measured on those inputs, where they keep more values FP32. The report is
+built while a child process checks the staged model, and takes the validation last.
 """
 
 from __future__ import annotations
