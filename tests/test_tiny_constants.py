@@ -608,3 +608,30 @@ def test_a_clone_gets_the_measured_ranges_and_a_replaced_constant_forgets_its_ow
     assert measured_range(clone.graph.initializers["w"], low) == found
     replace_constant(w, ir.Tensor(np.ones(3, np.float32)))
     assert measured_range(w, low) is None and measured_range(clone.graph.initializers["w"], low) == found
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_constants_measured_together_overflow_where_a_cast_makes_them_inf(target: str) -> None:
+    """The batched range reading counts as overflowing exactly the elements a cast to the 16-bit
+    type makes inf: from half a step past its largest value (ties go up from an odd
+    significand), not the largest value itself, and never an inf or NaN already there."""
+    from mixprec.analysis.constants import constant_ranges, measured_range  # noqa: PLC0415
+    from mixprec.dtypes import parse_low_precision  # noqa: PLC0415
+
+    low = parse_low_precision(target)
+    edge = np.float32(low.limits.overflow_from)
+    below = np.nextafter(edge, np.float32(0))
+    samples = {
+        "edge": np.array([edge, -edge, below], np.float32),
+        "below": np.array([below, -below, low.limits.max], np.float32),
+        "nonfinite": np.array([np.inf, np.nan, 1.0], np.float32),
+        "random": np.random.default_rng(0).normal(0, float(edge) / 2, 10_000).astype(np.float32),
+    }
+    values = {name: ir.Value(name=name, const_value=ir.Tensor(array)) for name, array in samples.items()}
+    constant_ranges(values.values(), low)
+    for name, array in samples.items():
+        with np.errstate(over="ignore", invalid="ignore"):
+            cast = array.astype(low.numpy_dtype).astype(np.float32)
+        expected = int((np.isfinite(array) & np.isinf(cast)).sum())
+        assert measured_range(values[name], low).overflow == expected, name
+    assert measured_range(values["edge"], low).overflow == 2 and measured_range(values["below"], low).overflow == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -61,6 +62,12 @@ class FloatLimits:
     smallest_subnormal: float
     eps: float
     exact_int_max: int
+
+    @property
+    def overflow_from(self) -> float:
+        """The smallest magnitude that rounds to infinity (half a step past `max`: rounding
+        to nearest, ties to even, goes up from `max`, whose significand is odd)."""
+        return self.max + self.eps * 2.0 ** math.floor(math.log2(self.max)) / 2
 
 
 def _limits(dtype: type) -> FloatLimits:

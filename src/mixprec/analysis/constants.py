@@ -301,9 +301,11 @@ def _record_ranges(batch: list[tuple[ir.Value, np.ndarray]], target: LowPrecisio
     starts = np.cumsum([0] + [array.size for _, array in filled[:-1]])
     magnitude = np.abs(flat)
     finite = np.isfinite(magnitude)
-    absmax = np.maximum.reduceat(np.where(finite, magnitude, 0.0), starts).tolist()
-    with np.errstate(over="ignore"):
-        overflows = finite & np.isinf(flat.astype(target.numpy_dtype).astype(np.float32))
+    all_finite = bool(finite.all())
+    absmax = np.maximum.reduceat(magnitude if all_finite else np.where(finite, magnitude, 0.0), starts).tolist()
+    overflows = magnitude >= np.float32(limits.overflow_from)  # what a cast to the 16-bit type makes inf
+    if not all_finite:
+        overflows &= finite
     overflow = np.add.reduceat(overflows, starts, dtype=np.int64).tolist()
     lost = (magnitude > 0) & (magnitude <= limits.smallest_subnormal / 2)
     if lost.any():
