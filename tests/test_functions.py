@@ -600,3 +600,14 @@ def test_functions_no_node_calls_are_dropped_and_the_upgrade_runs(tmp_path: Path
     assert not converted.functions and converted.opset_import[0].version == 22
     assert {o.domain for o in converted.opset_import} == {""}
     assert result.report.low_by_op.get("Conv") == 1
+
+
+def test_dropping_an_uncalled_function_of_the_standard_domain_keeps_its_import(tmp_path: Path) -> None:
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])
+    unused = onnx.helper.make_function("", "F", ["a"], ["b"], [onnx.helper.make_node("Relu", ["a"], ["b"])], [onnx.helper.make_opsetid("", 17)])
+    model = onnx.helper.make_model(
+        onnx.helper.make_graph([], "g", [x], [x]), opset_imports=[onnx.helper.make_opsetid("", 17)], functions=[unused]
+    )
+    mixprec.convert(model, tmp_path / "out.onnx", target_dtype="float16", validate="checker")
+    converted = onnx.load(str(tmp_path / "out.onnx"))
+    assert not converted.functions and [(o.domain, o.version) for o in converted.opset_import] == [("", 17)]

@@ -508,6 +508,41 @@ def test_generated_ids_avoid_zero_where_zeros_leave_no_finite_output(tmp_path: P
     assert not any("hold no finite value" in n for n in notes)
 
 
+def test_an_output_nan_by_design_does_not_stop_the_ids_from_avoiding_zero(tmp_path: Path) -> None:
+    """The fallback counts outputs: ids from 1 leave one output without a finite value (NaN
+    whatever the ids) where zeros left two, so it is taken, and that one output is named."""
+    import mixprec  # noqa: PLC0415
+
+    model = _masked_by_ids()
+    nan = numpy_helper.from_array(np.array(np.nan, np.float32), "nan")
+    model.graph.initializer.append(nan)
+    model.graph.node.append(helper.make_node("Add", ["x", "nan"], ["z"]))
+    model.graph.output.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, ["batch", "seq"]))
+    path = tmp_path / "masked_and_void.onnx"
+    onnx.save(model, str(path))
+    result = mixprec.convert(path, tmp_path / "out.onnx", target_dtype="float16", runtime="ort-cuda")
+    notes = result.report.validation.notes
+    assert any(n.startswith("generated integer inputs are at least 1") for n in notes), notes
+    assert any(n.startswith("the FP32 model's output(s) 'z' hold no finite value") for n in notes), notes
+    assert {o.name: o.nan_count for o in result.report.validation.outputs}["y"] == 0
+
+
+def test_tune_without_data_runs_the_batches_a_conversion_checks(tmp_path: Path) -> None:
+    """tune's generated batch is validation's: ids from 1 where zeros mask every position."""
+    from mixprec.tune.inputs import read_batches  # noqa: PLC0415
+    from mixprec.validate.staged import generated_batches  # noqa: PLC0415
+
+    path = tmp_path / "masked.onnx"
+    onnx.save(_masked_by_ids(), str(path))
+    notes: list[str] = []
+    batches = read_batches(None, path, 4, notes)
+    expected = generated_batches(path)
+    assert len(batches) == len(expected) == 1
+    np.testing.assert_array_equal(batches[0]["ids"], expected[0]["ids"])
+    assert batches[0]["ids"].min() >= 1
+    assert notes == ["no data given: 1 generated batch(es) (random inputs), as a conversion's check uses"]
+
+
 def test_an_output_with_no_finite_value_on_generated_inputs_is_named(tmp_path: Path) -> None:
     import mixprec  # noqa: PLC0415
 

@@ -132,7 +132,7 @@ def inline_functions(model: ir.Model) -> int:
 def _drop_function_domains(model: ir.Model, local: set[str]) -> None:
     """Drop the imports of the `local` function domains that no node or function uses any more."""
     used = {node.domain for node in all_nodes(model)} | {function.domain for function in model.functions.values()}
-    for domain in local - used:
+    for domain in local - used - {"", "ai.onnx"}:  # the standard domain stays imported
         model.opset_imports.pop(domain, None)
 
 

@@ -20,15 +20,23 @@ def read_batches(
 ) -> list[dict[str, np.ndarray]]:
     """Up to `max_batches` input batches for the model at `model_path` (see `tune`'s `data`).
 
-    None gives one generated batch, with a note added to `notes`.
+    None gives the batches a conversion's check generates (the same, see
+    :func:`mixprec.validate.staged.generated_batches`), with a note added to `notes`.
     """
-    proto = onnx.load(str(model_path), load_external_data=False)
     if data is None:
-        notes.append("no data given: one generated batch (random inputs) is used")
+        from mixprec.validate.staged import generated_batches  # noqa: PLC0415
+
+        batches = generated_batches(model_path)
+        if batches:
+            notes.append(f"no data given: {len(batches)} generated batch(es) (random inputs), as a conversion's check uses")
+            return batches[:max_batches]
+        notes.append("no data given: one generated batch (random inputs) is used; the FP32 model fails on it")
         # Sizes the model fixes (its weights' feature sizes, a cache's head size) where the
         # inputs name them symbolically; the others are 2.
+        proto = onnx.load(str(model_path), load_external_data=False)
         specs = with_fixed_dims(with_index_limits(input_specs(proto), proto), fixed_input_dims(proto))
         return [generate_inputs(specs, seed=0)]
+    proto = onnx.load(str(model_path), load_external_data=False)
     initializers = {t.name for t in proto.graph.initializer}
     names = [v.name for v in proto.graph.input if v.name not in initializers]
     source = BatchSource(data, names, max_batches)

@@ -69,8 +69,8 @@ def tune(
     Args:
         model_path: The FP32 model (a path, or a `ModelProto`).
         data: Input batches: a `.npz` file, a folder of them or of `test_data_set_N`, a list of
-            such paths, one batch dict, or an iterable of them. None: one generated batch (a
-            weak check).
+            such paths, one batch dict, or an iterable of them. None: the batches a
+            conversion's check generates (a weak check).
         target_dtype: "float16"/"fp16" or "bfloat16"/"bf16" (default: the config's, float16).
         tolerance: What every output must meet.
         metric: Optional `metric(reference, candidate) -> bool` over lists (one per batch) of

@@ -879,7 +879,7 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
                     "generated integer inputs are at least 1 (0/1 masks all ones): with zeros, an output of "
                     "the FP32 model is non-finite everywhere (every position masked, or ids of 0 as padding)"
                 )
-            void = [name for name, a in expected.items() if _only_nonfinite({name: a})]
+            void = _void_outputs(expected)
             if void:
                 result.notes.append(
                     f"the FP32 model's output(s) {', '.join(map(repr, void))} hold no finite value on the generated "
@@ -1006,8 +1006,9 @@ def _climb(
         except (RunError, InputError) as e:
             message = str(e)
         else:
-            if _only_nonfinite(outputs):  # e.g. every position masked: ids of 0 often mark padding
-                feeds, outputs = _without_zero_ints(specs, reference, session, size, batch) or (feeds, outputs)
+            void = _void_outputs(outputs)
+            if void:  # e.g. every position masked: ids of 0 often mark padding
+                feeds, outputs = _without_zero_ints(specs, reference, session, size, batch, len(void)) or (feeds, outputs)
             return (feeds, outputs, size, batch), errors
         errors.append(f"{size}: {message}")
         if message in stop:
@@ -1015,19 +1016,20 @@ def _climb(
     return None, errors
 
 
-def _only_nonfinite(outputs: Mapping[str, np.ndarray]) -> bool:
-    """Whether a float output of the FP32 model holds elements and not one finite value."""
-    return any(
-        np.issubdtype(a.dtype, np.floating) and a.size and not np.isfinite(a).any()
-        for a in (np.asarray(v) for v in outputs.values())
-    )
+def _void_outputs(outputs: Mapping[str, np.ndarray]) -> list[str]:
+    """The float outputs of the FP32 model that hold elements and not one finite value."""
+    return [
+        name for name, a in ((name, np.asarray(v)) for name, v in outputs.items())
+        if is_float_dtype(a.dtype) and a.size and not np.isfinite(a.astype(np.float32)).any()
+    ]
 
 
 def _without_zero_ints(
-    specs: Sequence[data_mod.InputSpec], reference: Path, session: object, size: int, batch: int
+    specs: Sequence[data_mod.InputSpec], reference: Path, session: object, size: int, batch: int, void: int
 ) -> tuple[Batch, dict[str, np.ndarray]] | None:
     """The generated inputs with no integer 0 (0/1 masks all ones) and the FP32 outputs, where
-    the model has integer inputs and runs to some finite output value on them; else None."""
+    the model has integer inputs and runs on them with fewer than `void` float outputs holding
+    no finite value; else None."""
     if not any(np.issubdtype(np.dtype(s.dtype), np.integer) for s in specs):
         return None
     feeds = data_mod.generate_inputs(specs, seed=0, dim_value=size, batch_value=batch, lowest_int=1)
@@ -1037,7 +1039,7 @@ def _without_zero_ints(
         outputs = sessions.run_session(session, feeds)  # type: ignore[arg-type]
     except (RunError, InputError):
         return None
-    return None if _only_nonfinite(outputs) else (feeds, outputs)
+    return (feeds, outputs) if len(_void_outputs(outputs)) < void else None
 
 
 def _batch_sized(specs: Sequence[data_mod.InputSpec]) -> bool:
