@@ -872,9 +872,8 @@ def _generated_batch(reference: Path, session: object, result: Validation) -> It
             _unchecked(result, f"not checked: {e}; {_PASS_DATA}")
             return
         if found is not None:
-            feeds, expected, size, batch = found
-            usual = data_mod.generate_inputs(with_fixed_dims(specs, fixed), seed=0, dim_value=size, batch_value=batch)
-            if any(not np.array_equal(usual[name], feeds[name]) for name in feeds):
+            feeds, expected, size, batch, lowest_int = found
+            if lowest_int:
                 result.notes.append(
                     "generated integer inputs are at least 1 (0/1 masks all ones): with zeros, an output of "
                     "the FP32 model is non-finite everywhere (every position masked, or ids of 0 as padding)"
@@ -950,7 +949,7 @@ def _switched_batch(
 
 def _climbs(
     specs: Sequence[data_mod.InputSpec], reference: Path, session: object
-) -> tuple[tuple[Batch, dict[str, np.ndarray], int, int] | None, int, list[str]]:
+) -> tuple[tuple[Batch, dict[str, np.ndarray], int, int, int] | None, int, list[str]]:
     """`_climb` with leading dimensions at most 2, then (when no size runs and there is a
     leading dimension to shrink) at most 1: the first run found, the largest batch it was
     climbed with, and the failures to tell (the usual batch's; batch 1's when that one had
@@ -973,10 +972,11 @@ _CRASH = "onnxruntime crashes on the FP32 model"
 
 def _climb(
     specs: Sequence[data_mod.InputSpec], reference: Path, session: object, largest_batch: int, stop_at: Sequence[str]
-) -> tuple[tuple[Batch, dict[str, np.ndarray], int, int] | None, list[str]]:
+) -> tuple[tuple[Batch, dict[str, np.ndarray], int, int, int] | None, list[str]]:
     """Generated inputs of growing sizes, leading dimensions at most `largest_batch`, until the
-    FP32 model runs: (feeds, FP32 outputs, size, batch), or None, and the failures ("size:
-    error") met on the way. Each size is run first in the child process (`run_isolated`): a
+    FP32 model runs: (feeds, FP32 outputs, size, batch, the smallest integer drawn), or None,
+    and the failures ("size: error") met on the way. Integers are drawn from 1 where that leaves
+    fewer outputs without a finite value than zeros do (:func:`_without_zero_ints`). Each size is run first in the child process (`run_isolated`): a
     generated length of 0 or 1 can make onnxruntime itself die on the FP32 model (SIGFPE), and
     a size it dies or hangs on is a failed size (after a hang, the last); otherwise the size
     runs in this process, in a session of the same optimization level. A size failing with the error of `stop_at` (the same failure as
@@ -1007,9 +1007,10 @@ def _climb(
             message = str(e)
         else:
             void = _void_outputs(outputs)
-            if void:  # e.g. every position masked: ids of 0 often mark padding
-                feeds, outputs = _without_zero_ints(specs, reference, session, size, batch, len(void)) or (feeds, outputs)
-            return (feeds, outputs, size, batch), errors
+            shifted = _without_zero_ints(specs, reference, session, size, batch, len(void)) if void else None
+            if shifted is not None:  # e.g. every position masked: ids of 0 often mark padding
+                return (*shifted, size, batch, 1), errors
+            return (feeds, outputs, size, batch, 0), errors
         errors.append(f"{size}: {message}")
         if message in stop:
             break  # the batch is not the cause
