@@ -26,26 +26,11 @@ from mixprec.analysis.calibrate import RangeTable, measured_values
 from mixprec.analysis.integer_semantics import integer_semantics
 from mixprec.analysis.qdq import has_qdq
 from mixprec.analysis.small_floors import small_floors
-from mixprec.analysis.threshold_decisions import threshold_decisions
-from mixprec.analysis.typeinfo import (
-    TypeInfo,
-    assume_float_outputs,
-    infer_types,
-    retype_after_upgrade,
-    untyped_values,
-)
+from mixprec.analysis.typeinfo import TypeInfo, assume_float_outputs, infer_types, retype_after_upgrade, untyped_values
 from mixprec.config import Config
 from mixprec.errors import InputError, ModelLoadError, RunError
 from mixprec.graphs import all_graphs, graph_reads_ahead, main_values, node_keys, walk_nodes
-from mixprec.io import (
-    StagedModel,
-    load_model,
-    typed_values,
-    uses_external_data,
-    value_types,
-    wants_external_data,
-    weight_bytes,
-)
+from mixprec.io import StagedModel, load_model, typed_values, uses_external_data, value_types, wants_external_data, weight_bytes
 from mixprec.io.onnx_file import FileChecks
 from mixprec.io.onnx_file import checker_error as onnx_checker_error
 from mixprec.passes.fold_dequantize import fold_constant_dequantizations
@@ -64,12 +49,7 @@ from mixprec.policy.table import Policy, load_policy, parse_op_name
 from mixprec.runtime.batches import BatchSource
 from mixprec.validate.checker import checker_error, input_problem, judged_again
 from mixprec.validate.results import Validation
-from mixprec.validate.staged import (
-    RuntimeRejection,
-    generated_batches,
-    start_output_checker,
-    validate_staged,
-)
+from mixprec.validate.staged import RuntimeRejection, generated_batches, start_output_checker, validate_staged
 
 Findings = dict[str, tuple[Category, str]]  # node key -> (category, reason) of a node kept FP32
 
@@ -474,9 +454,8 @@ class Analysis:
 
 
 def analyze(normalized: Normalized, reference: Reference, config: Config) -> Analysis:
-    """Ranges (measured on data or given), integer semantics, values floored below the 16-bit
-    normal range before a logarithm or divisor, and comparisons deciding at thresholds on the
-    model's inputs."""
+    """Ranges (measured on data or given), integer semantics, and values floored below the
+    16-bit normal range before a logarithm or divisor."""
     model, target, notes = normalized.model, config.ops.target, []
     calibration = config.calibration
     ranges = calibration.ranges
@@ -497,11 +476,9 @@ def analyze(normalized: Normalized, reference: Reference, config: Config) -> Ana
             )
     integer = integer_semantics(model, target)
     floored = small_floors(model, target)
-    decisions = threshold_decisions(model, target)
     # Integer semantics wins over the normalization blocks, and those over the small floors.
     forced = {
         **{normalized.keys[n]: (Category.CONSTANT_RANGE, why) for n, why in floored.items()},
-        **{normalized.keys[n]: (Category.THRESHOLD, why) for n, why in decisions.items()},
         **normalized.kept,
         **{normalized.keys[n]: (Category.INTEGER, why) for n, why in integer.items()},
     }

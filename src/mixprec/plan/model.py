@@ -46,7 +46,6 @@ class Category(str, enum.Enum):
     FUNCTION = "function call"
     DATA_RANGE = "range measured on data"
     INTEGER = "integer semantics"
-    THRESHOLD = "decides at thresholds"
     QDQ = "quantized pair"
     CAST_COST = "placed by cast cost"
     NO_FLOAT = "no FP32 compute"
